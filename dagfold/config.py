@@ -1,0 +1,98 @@
+"""Settings shared by every dagfold process.
+
+Frozen dataclasses: a process builds its config once (from CLI flags and
+``DAGFOLD_*`` environment variables) and passes it down; nothing reads the
+environment later.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from dagfold.log.base import TopicSpec
+
+COMMANDS = "commands"
+EVENTS = "events"
+CONTROL = "control"
+DEADLETTER = "deadletter"
+DISPATCH_PREFIX = "dispatch."
+
+SCHEDULER_GROUP = "dagfold-scheduler"
+PROJECTOR_GROUP = "dagfold-projector"
+
+
+def dispatch_topic(queue: str) -> str:
+    """Topic that carries runnable task references of one queue."""
+    return DISPATCH_PREFIX + queue
+
+
+def worker_group(queue: str) -> str:
+    return f"dagfold-workers.{queue}"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Validation limits applied at submission (JobRejected beyond them)."""
+
+    max_tasks_per_job: int = 1_000_000
+    max_task_id_len: int = 256
+    max_args_bytes: int = 64 * 1024
+    max_spec_bytes: int = 64 * 1024 * 1024
+    max_queue_name_len: int = 200
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """Knobs of the scheduler fold and its loop."""
+
+    lease_timeout_s: float = 30.0  # heartbeat at least this often (default heartbeat_s)
+    batch_max_records: int = 2000
+    poll_timeout_s: float = 0.05
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass(frozen=True)
+class Config:
+    log_url: str = "embedded"
+    data_dir: Path = Path(".dagfold")
+    partitions: int = 8  # commands and events (same count: partition p of both belong together)
+    dispatch_partitions: int = 8
+    replication: int = 1
+    events_retention_ms: int = -1  # the events topic is the audit log: keep everything
+    commands_retention_ms: int = 7 * 24 * 3600 * 1000
+    api_host: str = "127.0.0.1"
+    api_port: int = 8080
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Config:
+        """Defaults, then ``DAGFOLD_*`` variables, then explicit overrides (CLI flags)."""
+        env = os.environ
+        cfg = cls(
+            log_url=env.get("DAGFOLD_LOG", cls.log_url),
+            data_dir=Path(env.get("DAGFOLD_DATA", str(cls.data_dir))),
+            partitions=int(env.get("DAGFOLD_PARTITIONS", cls.partitions)),
+            dispatch_partitions=int(env.get("DAGFOLD_DISPATCH_PARTITIONS", cls.dispatch_partitions)),
+            replication=int(env.get("DAGFOLD_REPLICATION", cls.replication)),
+            api_port=int(env.get("DAGFOLD_PORT", cls.api_port)),
+        )
+        clean = {k: v for k, v in overrides.items() if v is not None}
+        return replace(cfg, **clean)  # type: ignore[arg-type]
+
+    def core_topics(self) -> list[TopicSpec]:
+        """Topics every deployment has; dispatch topics are created per queue on demand."""
+        r = self.replication
+        isr = 2 if r >= 3 else None
+        return [
+            TopicSpec(COMMANDS, self.partitions, self.commands_retention_ms, r, isr),
+            TopicSpec(EVENTS, self.partitions, self.events_retention_ms, r, isr),
+            TopicSpec(CONTROL, self.partitions, self.commands_retention_ms, r, isr),
+            TopicSpec(DEADLETTER, 1, self.events_retention_ms, r, isr),
+        ]
+
+    def dispatch_spec(self, queue: str) -> TopicSpec:
+        r = self.replication
+        return TopicSpec(dispatch_topic(queue), self.dispatch_partitions, self.commands_retention_ms, r,
+                         2 if r >= 3 else None)

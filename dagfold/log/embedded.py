@@ -1,0 +1,422 @@
+"""Embedded durable log: Kafka's contract on one machine, no broker.
+
+All topics live in one RocksDB (rocksdict, raw mode) under ``path``:
+
+* ``r|topic|P(4)|O(8)`` -> ``ts_ms(8) keylen(4) key value`` (the records)
+* ``t|topic`` -> partition count and retention (the topic catalogue)
+* ``g|group|topic|P(4)`` -> next offset (consumer group offsets)
+
+A transaction is one RocksDB ``WriteBatch`` holding its records and the
+consumer offsets it commits, so both become visible together or not at all,
+and survive a kill -9 (RocksDB's write-ahead log). RocksDB's lock file lets only
+one process open a data folder, which fences a second ``dagfold up`` on it;
+inside the process, transactional ids carry epochs that fence older producers.
+
+Consumers in one group share partitions through an in-process coordinator
+(round-robin by member, rebalanced when members join or leave or topics appear).
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from rocksdict import Options, Rdict, WriteBatch
+
+from dagfold.exceptions import FencedError, LogError
+from dagfold.log.base import AssignCallback, LogRecord, TopicPartition, TopicSpec, partition_for
+
+_SEP = b"\x00"
+_PO = struct.Struct(">IQ")
+_HDR = struct.Struct(">QI")
+_TOPIC = struct.Struct(">Iq")
+_OFF = struct.Struct(">Q")
+
+
+def _rkey(topic: str, partition: int, offset: int) -> bytes:
+    return b"r" + topic.encode() + _SEP + _PO.pack(partition, offset)
+
+
+def _gkey(group: str, tp: TopicPartition) -> bytes:
+    return b"g" + group.encode() + _SEP + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class EmbeddedLog:
+    """The embedded backend (see module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.url = "embedded"
+        self.path = path
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        try:
+            self._db = Rdict(str(path), options=opts)
+        except Exception as exc:
+            raise LogError(f"cannot open embedded log at {path} (is another dagfold using it?): {exc}") from exc
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._topics: dict[str, TopicSpec] = {}
+        self._hwm: dict[TopicPartition, int] = {}
+        self._epochs: dict[str, int] = {}
+        self._groups: dict[str, _Group] = {}
+        self._closed = False
+        self._load_catalogue()
+
+    # -- catalogue -------------------------------------------------------
+    def _load_catalogue(self) -> None:
+        for k, v in self._db.items(from_key=b"t"):
+            if not k.startswith(b"t"):
+                break
+            name = k[1:].decode()
+            n, retention = _TOPIC.unpack(v)
+            self._topics[name] = TopicSpec(name, n, retention)
+            for p in range(n):
+                self._hwm[TopicPartition(name, p)] = self._scan_hwm(name, p)
+
+    def _scan_hwm(self, topic: str, partition: int) -> int:
+        it = self._db.iter()
+        it.seek_for_prev(_rkey(topic, partition, 2**64 - 1))
+        prefix = b"r" + topic.encode() + _SEP + struct.pack(">I", partition)
+        if it.valid() and it.key().startswith(prefix):
+            return int(_OFF.unpack(it.key()[-8:])[0]) + 1
+        return 0
+
+    def create_topics(self, specs: Sequence[TopicSpec]) -> None:
+        with self._lock:
+            created = False
+            for s in specs:
+                if s.name in self._topics:
+                    continue
+                if s.partitions < 1:
+                    raise LogError(f"topic {s.name}: partitions must be >= 1")
+                self._db.put(b"t" + s.name.encode(), _TOPIC.pack(s.partitions, s.retention_ms))
+                self._topics[s.name] = s
+                for p in range(s.partitions):
+                    self._hwm[TopicPartition(s.name, p)] = 0
+                created = True
+            if created:
+                for g in self._groups.values():
+                    g.bump()
+                self._cond.notify_all()
+
+    def topics(self) -> list[str]:
+        with self._lock:
+            return sorted(self._topics)
+
+    def partitions(self, topic: str) -> int:
+        spec = self._topics.get(topic)
+        if spec is None:
+            raise LogError(f"topic {topic!r} does not exist")
+        return spec.partitions
+
+    def end_offsets(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        with self._lock:
+            return {tp: self._hwm.get(tp, 0) for tp in tps}
+
+    # -- writing ---------------------------------------------------------
+    def _resolve_partition(self, topic: str, key: bytes, partition: int | None) -> int:
+        n = self.partitions(topic)
+        if partition is None:
+            return partition_for(key, n)
+        if not 0 <= partition < n:
+            raise LogError(f"topic {topic!r} has no partition {partition}")
+        return partition
+
+    def _append_batch(
+        self,
+        records: Sequence[tuple[str, int, bytes, bytes]],
+        offsets: Mapping[TopicPartition, int] | None = None,
+        group: str | None = None,
+        fence: tuple[str, int] | None = None,
+    ) -> dict[TopicPartition, int]:
+        """Write records (+ group offsets) in one atomic batch; returns last offsets written."""
+        with self._lock:
+            if self._closed:
+                raise LogError("log is closed")
+            if fence is not None and self._epochs.get(fence[0]) != fence[1]:
+                raise FencedError(f"transactional id {fence[0]!r} was taken over by a newer instance")
+            wb = WriteBatch(raw_mode=True)
+            ts = _now_ms()
+            last: dict[TopicPartition, int] = {}
+            next_off: dict[TopicPartition, int] = {}
+            for topic, partition, key, value in records:
+                tp = TopicPartition(topic, partition)
+                off = next_off.get(tp, self._hwm[tp])
+                wb.put(_rkey(topic, partition, off), _HDR.pack(ts, len(key)) + key + value)
+                next_off[tp] = off + 1
+                last[tp] = off
+            if offsets:
+                if group is None:
+                    raise LogError("offsets committed without a consumer group")
+                for tp, off in offsets.items():
+                    wb.put(_gkey(group, tp), _OFF.pack(off))
+            if not wb.is_empty():
+                self._db.write(wb)
+            self._hwm.update(next_off)
+            if next_off:
+                self._cond.notify_all()
+            return last
+
+    def producer(self, client_id: str) -> EmbeddedProducer:
+        return EmbeddedProducer(self)
+
+    def transactional_producer(self, transactional_id: str) -> EmbeddedTransactionalProducer:
+        with self._lock:
+            epoch = self._epochs.get(transactional_id, 0) + 1
+            self._epochs[transactional_id] = epoch
+        return EmbeddedTransactionalProducer(self, transactional_id, epoch)
+
+    # -- reading ---------------------------------------------------------
+    def read(self, tp: TopicPartition, offset: int, max_records: int) -> list[LogRecord]:
+        """Records of one partition from ``offset`` (committed ones only)."""
+        end = self._hwm.get(tp, 0)
+        if offset >= end:
+            return []
+        out: list[LogRecord] = []
+        prefix = b"r" + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
+        for k, v in self._db.items(from_key=_rkey(tp.topic, tp.partition, offset)):
+            if not k.startswith(prefix):
+                break
+            off = int(_OFF.unpack(k[-8:])[0])
+            if off >= end:
+                break
+            ts, klen = _HDR.unpack_from(v)
+            key = v[12 : 12 + klen]
+            out.append(LogRecord(tp.topic, tp.partition, off, key, v[12 + klen :], ts))
+            if len(out) >= max_records:
+                break
+        return out
+
+    def wait(self, timeout_s: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout_s)
+
+    def consumer(self, group_id: str | None, client_id: str = "dagfold") -> EmbeddedConsumer:
+        group = None
+        if group_id is not None:
+            with self._lock:
+                group = self._groups.setdefault(group_id, _Group(self, group_id))
+        return EmbeddedConsumer(self, group, client_id)
+
+    def committed(self, group: str, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        out = {}
+        for tp in tps:
+            v = self._db.get(_gkey(group, tp))
+            out[tp] = int(_OFF.unpack(v)[0]) if v is not None else 0
+        return out
+
+    def commit_offsets(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
+        self._append_batch([], offsets, group)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+            self._db.close()
+
+
+class _Group:
+    """In-process group coordinator: round-robin assignment over members."""
+
+    _ids = itertools.count()
+
+    def __init__(self, log: EmbeddedLog, name: str) -> None:
+        self.log = log
+        self.name = name
+        self.members: dict[int, tuple[str, ...]] = {}
+        self.generation = 0
+
+    def bump(self) -> None:
+        self.generation += 1
+
+    def join(self, topics: Sequence[str]) -> int:
+        member = next(self._ids)
+        self.members[member] = tuple(topics)
+        self.bump()
+        return member
+
+    def leave(self, member: int) -> None:
+        if self.members.pop(member, None) is not None:
+            self.bump()
+
+    def assignment(self, member: int) -> list[TopicPartition]:
+        topics = sorted({t for ts in self.members.values() for t in ts})
+        members = sorted(self.members)
+        out = []
+        for topic in topics:
+            spec = self.log._topics.get(topic)
+            if spec is None:
+                continue
+            subscribers = [m for m in members if topic in self.members[m]]
+            for p in range(spec.partitions):
+                if subscribers[p % len(subscribers)] == member:
+                    out.append(TopicPartition(topic, p))
+        return out
+
+
+class EmbeddedConsumer:
+    def __init__(self, log: EmbeddedLog, group: _Group | None, client_id: str) -> None:
+        self._log = log
+        self._group = group
+        self._member: int | None = None
+        self._generation = -1
+        self._positions: dict[TopicPartition, int] = {}
+        self._on_assign: AssignCallback | None = None
+        self._on_revoke: AssignCallback | None = None
+        self._rr = 0
+
+    def subscribe(
+        self,
+        topics: Sequence[str],
+        on_assign: AssignCallback | None = None,
+        on_revoke: AssignCallback | None = None,
+    ) -> None:
+        if self._group is None:
+            raise LogError("subscribe needs a consumer group")
+        self._on_assign, self._on_revoke = on_assign, on_revoke
+        with self._log._lock:
+            if self._member is not None:
+                self._group.leave(self._member)
+            self._member = self._group.join(topics)
+
+    def assign(self, positions: Mapping[TopicPartition, int]) -> None:
+        self._positions = dict(positions)
+
+    def assignment(self) -> list[TopicPartition]:
+        return sorted(self._positions)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._positions[tp] = offset
+
+    def _rebalance(self) -> None:
+        group, member = self._group, self._member
+        if group is None or member is None or group.generation == self._generation:
+            return
+        with self._log._lock:
+            self._generation = group.generation
+            new = group.assignment(member)
+        old = set(self._positions)
+        revoked = sorted(old - set(new))
+        added = [tp for tp in new if tp not in old]
+        if revoked and self._on_revoke:
+            self._on_revoke(revoked)
+        for tp in revoked:
+            del self._positions[tp]
+        if added:
+            self._positions.update(self._log.committed(group.name, added))
+            if self._on_assign:
+                self._on_assign(added)
+
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[LogRecord]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._rebalance()
+            out = self._read(max_records)
+            if out:
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0 or self._log._closed:
+                return []
+            self._log.wait(min(left, 0.05))
+
+    def _read(self, max_records: int) -> list[LogRecord]:
+        tps = sorted(self._positions)
+        if not tps:
+            return []
+        out: list[LogRecord] = []
+        self._rr = (self._rr + 1) % len(tps)
+        for tp in tps[self._rr :] + tps[: self._rr]:
+            recs = self._log.read(tp, self._positions[tp], max_records - len(out))
+            if recs:
+                self._positions[tp] = recs[-1].offset + 1
+                out.extend(recs)
+            if len(out) >= max_records:
+                break
+        return out
+
+    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        if self._group is None:
+            raise LogError("commit needs a consumer group")
+        self._log.commit_offsets(self._group.name, offsets)
+
+    def committed(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        if self._group is None:
+            raise LogError("committed needs a consumer group")
+        return self._log.committed(self._group.name, tps)
+
+    @property
+    def group_id(self) -> str | None:
+        return self._group.name if self._group else None
+
+    def close(self) -> None:
+        if self._group is not None and self._member is not None:
+            with self._log._lock:
+                self._group.leave(self._member)
+            self._member = None
+
+
+class EmbeddedProducer:
+    """Writes each flush as one batch; ``send`` only buffers."""
+
+    def __init__(self, log: EmbeddedLog) -> None:
+        self._log = log
+        self._buf: list[tuple[str, int, bytes, bytes]] = []
+        self._lock = threading.Lock()
+
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
+        p = self._log._resolve_partition(topic, key, partition)
+        with self._lock:
+            self._buf.append((topic, p, key, value))
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        with self._lock:
+            buf, self._buf = self._buf, []
+        if buf:
+            self._log._append_batch(buf)
+
+    def close(self) -> None:
+        self.flush()
+
+
+class EmbeddedTransactionalProducer:
+    def __init__(self, log: EmbeddedLog, transactional_id: str, epoch: int) -> None:
+        self._log = log
+        self._tid = transactional_id
+        self._epoch = epoch
+        self._buf: list[tuple[str, int, bytes, bytes]] | None = None
+
+    def begin(self) -> None:
+        if self._buf is not None:
+            raise LogError("transaction already open")
+        self._buf = []
+
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
+        if self._buf is None:
+            raise LogError("send outside a transaction")
+        self._buf.append((topic, self._log._resolve_partition(topic, key, partition), key, value))
+
+    def commit(
+        self, offsets: Mapping[TopicPartition, int], consumer: EmbeddedConsumer | None = None
+    ) -> dict[TopicPartition, int]:
+        if self._buf is None:
+            raise LogError("commit without begin")
+        buf, self._buf = self._buf, None
+        group = consumer.group_id if consumer is not None else None
+        return self._log._append_batch(buf, offsets, group, fence=(self._tid, self._epoch))
+
+    def abort(self) -> None:
+        self._buf = None
+
+    def close(self) -> None:
+        self._buf = None
