@@ -1,0 +1,47 @@
+# dagfold: `make run` (the local stack on the embedded log) and `make test` (every test).
+# Both install what they need into .venv first; Kafka jars are cached in .cache/.
+
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-stamp
+DATA    ?= .dagfold
+PORT    ?= 8080
+KAFKA_PORT ?= 9092
+BROKERS ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast kafka-up kafka-down kafka-fetch bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,dev]'
+	@touch $(STAMP)
+
+run: install
+	$(BIN)/dagfold up --examples --data $(DATA) --port $(PORT)
+
+kafka-fetch:
+	deploy/kafka/kafka.sh fetch
+
+test: install kafka-fetch
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+kafka-up: kafka-fetch
+	KAFKA_PORT=$(KAFKA_PORT) KAFKA_BROKERS=$(BROKERS) deploy/kafka/kafka.sh start
+
+kafka-down:
+	KAFKA_PORT=$(KAFKA_PORT) KAFKA_BROKERS=$(BROKERS) deploy/kafka/kafka.sh stop
+
+bench: install kafka-fetch
+	$(BIN)/python -m bench.run
+
+lint: install
+	$(BIN)/ruff check dagfold services projections tests bench examples
+	$(BIN)/mypy dagfold services projections
+
+clean:
+	rm -rf $(DATA) .pytest_cache

@@ -1,0 +1,455 @@
+"""Kafka backend of the log contract (``dagfold.log.base``), on confluent-kafka.
+
+Choices that keep it equal to the embedded backend:
+
+* Every record gets an explicit partition, ``partition_for(key, n)``, so dagfold never
+  depends on a client's partitioner (and that function matches librdkafka's default,
+  so plain confluent-kafka producers route keyed records the same way).
+* Topics are never auto-created: every client sets ``allow.auto.create.topics=false``
+  and sending to an unknown topic raises ``LogError`` before anything is queued.
+* Consumers read committed records only, never auto-commit, and use the
+  cooperative-sticky assignor, so ``on_assign``/``on_revoke`` receive just the
+  partitions that were added or taken away, as the embedded coordinator does.
+* A transactional producer that was fenced (or hit any fatal error, which for a
+  transactional producer means it can no longer write) raises ``FencedError``;
+  an abortable error aborts the transaction and raises ``LogError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from confluent_kafka import Consumer as _CkConsumer
+from confluent_kafka import KafkaError, KafkaException, Message
+from confluent_kafka import Producer as _CkProducer
+from confluent_kafka import TopicPartition as _CkTP
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+
+from dagfold.exceptions import FencedError, LogError
+from dagfold.log.base import AssignCallback, LogRecord, TopicPartition, TopicSpec, partition_for
+
+log = logging.getLogger(__name__)
+
+_TIMEOUT_S = 30.0
+# Errors that mean another instance took over the transactional id.
+_FENCED_CODES = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
+
+
+def _ck(tp: TopicPartition, offset: int | None = None) -> _CkTP:
+    return _CkTP(tp.topic, tp.partition) if offset is None else _CkTP(tp.topic, tp.partition, offset)
+
+
+def _tp(tp: _CkTP) -> TopicPartition:
+    return TopicPartition(tp.topic, tp.partition)
+
+
+def _error_of(exc: KafkaException) -> KafkaError | None:
+    err = exc.args[0] if exc.args else None
+    return err if isinstance(err, KafkaError) else None
+
+
+class KafkaLog:
+    """A Kafka cluster seen through the log contract.
+
+    ``consumer_config``/``producer_config`` are merged into every consumer/producer this
+    log creates (tests use them for short session timeouts; production for tuning).
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        consumer_config: Mapping[str, Any] | None = None,
+        producer_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.url = f"kafka://{bootstrap}"
+        self.bootstrap = bootstrap
+        self._base: dict[str, Any] = {"bootstrap.servers": bootstrap, "allow.auto.create.topics": False}
+        self._consumer_config = dict(consumer_config or {})
+        self._producer_config = dict(producer_config or {})
+        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        self._partitions: dict[str, int] = {}  # partition counts never change in dagfold
+        self._lock = threading.Lock()
+
+    # -- topics ----------------------------------------------------------
+    def create_topics(self, specs: Sequence[TopicSpec]) -> None:
+        """Create missing topics, then wait until every partition's leader serves it.
+
+        Waiting matters: a producer or consumer started right after creation would
+        otherwise see an unknown topic for a moment.
+        """
+        existing = self._existing([s.name for s in specs])
+        missing = [s for s in specs if s.name not in existing]
+        if missing:
+            new = []
+            for s in missing:
+                config = {"retention.ms": str(s.retention_ms)}
+                if s.min_insync_replicas is not None:
+                    config["min.insync.replicas"] = str(s.min_insync_replicas)
+                new.append(NewTopic(s.name, s.partitions, s.replication, config=config))
+            futures = self._admin.create_topics(new, operation_timeout=_TIMEOUT_S, request_timeout=_TIMEOUT_S)
+            for name, fut in futures.items():
+                try:
+                    fut.result()
+                except KafkaException as exc:
+                    err = _error_of(exc)
+                    if err is None or err.code() != KafkaError.TOPIC_ALREADY_EXISTS:
+                        raise LogError(f"cannot create topic {name!r}: {exc}") from exc
+        deadline = time.monotonic() + _TIMEOUT_S
+        for s in missing:
+            while self._leaders(s.name) < s.partitions:
+                if time.monotonic() > deadline:
+                    raise LogError(f"topic {s.name!r} has no leader for every partition after {_TIMEOUT_S}s")
+                time.sleep(0.05)
+        # ... and until each leader answers for its partitions.
+        self.end_offsets([TopicPartition(s.name, p) for s in missing for p in range(s.partitions)])
+
+    def _existing(self, names: Sequence[str]) -> set[str]:
+        md = self._admin.list_topics(timeout=_TIMEOUT_S)
+        return {n for n in names if n in md.topics and md.topics[n].error is None}
+
+    def _leaders(self, topic: str) -> int:
+        """Number of partitions of ``topic`` that have a leader (0 if it is unknown)."""
+        md = self._admin.list_topics(topic=topic, timeout=_TIMEOUT_S)
+        t = md.topics.get(topic)
+        if t is None or t.error is not None:
+            return 0
+        return sum(1 for p in t.partitions.values() if p.leader >= 0 and p.error is None)
+
+    def partitions(self, topic: str) -> int:
+        n = self._partitions.get(topic)
+        if n is not None:
+            return n
+        try:
+            md = self._admin.list_topics(topic=topic, timeout=_TIMEOUT_S)
+        except KafkaException as exc:
+            raise LogError(f"cannot read metadata of topic {topic!r}: {exc}") from exc
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or not t.partitions:
+            raise LogError(f"topic {topic!r} does not exist")
+        n = len(t.partitions)
+        self._partitions[topic] = n
+        return n
+
+    def end_offsets(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        """High watermarks (after a transaction that includes its commit marker).
+
+        Retries retriable errors: right after creation the metadata can name a leader
+        before that broker serves the partition (NOT_LEADER_FOR_PARTITION).
+        """
+        out: dict[TopicPartition, int] = {}
+        todo = list(tps)
+        deadline = time.monotonic() + _TIMEOUT_S
+        while todo:
+            futures = self._admin.list_offsets(
+                {_ck(tp): OffsetSpec.latest() for tp in todo}, request_timeout=_TIMEOUT_S
+            )
+            todo = []
+            for ck_tp, fut in futures.items():
+                try:
+                    out[_tp(ck_tp)] = fut.result().offset
+                except KafkaException as exc:
+                    err = _error_of(exc)
+                    if err is None or not err.retriable() or time.monotonic() > deadline:
+                        raise LogError(
+                            f"cannot read end offset of {ck_tp.topic}[{ck_tp.partition}]: {exc}"
+                        ) from exc
+                    todo.append(_tp(ck_tp))
+            if todo:
+                time.sleep(0.05)
+        return out
+
+    # -- clients ---------------------------------------------------------
+    def _resolve_partition(self, topic: str, key: bytes, partition: int | None) -> int:
+        n = self.partitions(topic)
+        if partition is None:
+            return partition_for(key, n)
+        if not 0 <= partition < n:
+            raise LogError(f"topic {topic!r} has no partition {partition}")
+        return partition
+
+    def _producer_conf(self, **extra: Any) -> dict[str, Any]:
+        return {
+            **self._base,
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            **extra,
+            **self._producer_config,
+        }
+
+    def producer(self, client_id: str) -> KafkaProducer:
+        return KafkaProducer(self, _CkProducer(self._producer_conf(**{"client.id": client_id})))
+
+    def transactional_producer(self, transactional_id: str) -> KafkaTransactionalProducer:
+        conf = self._producer_conf(**{"client.id": transactional_id, "transactional.id": transactional_id})
+        return KafkaTransactionalProducer(self, _CkProducer(conf))
+
+    def consumer(
+        self, group_id: str | None, client_id: str = "dagfold", config: Mapping[str, Any] | None = None
+    ) -> KafkaConsumer:
+        """A read_committed consumer; ``config`` overrides settings for this one consumer."""
+        conf = {
+            **self._base,
+            # librdkafka wants a group id even for assign-only use; a random one is never committed to.
+            "group.id": group_id if group_id is not None else f"dagfold-assign-{uuid.uuid4().hex}",
+            "client.id": client_id,
+            "isolation.level": "read_committed",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+            "partition.assignment.strategy": "cooperative-sticky",
+            **self._consumer_config,
+            **(config or {}),
+        }
+        return KafkaConsumer(_CkConsumer(conf), group_id)
+
+    def close(self) -> None:
+        """Nothing to release: clients are closed by their owners; the admin client needs no close."""
+
+
+class KafkaProducer:
+    """Idempotent producer; ``flush`` raises the first delivery failure since the last flush."""
+
+    def __init__(self, log: KafkaLog, producer: _CkProducer) -> None:
+        self._log = log
+        self._p = producer
+        self._errors: list[KafkaError] = []
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            self._errors.append(err)
+
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
+        p = self._log._resolve_partition(topic, key, partition)
+        _produce(self._p, topic, key, value, p, self._on_delivery)
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        left = self._p.flush(timeout_s)
+        errors, self._errors = self._errors, []
+        if errors:
+            raise LogError(f"{len(errors)} record(s) not delivered: {errors[0]}")
+        if left:
+            raise LogError(f"{left} record(s) still undelivered after {timeout_s}s")
+
+    def close(self) -> None:
+        self.flush()
+        self._p.close()
+
+
+def _produce(p: _CkProducer, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
+    """Queue one record, waiting for room when the local queue is full."""
+    while True:
+        try:
+            p.produce(topic, value=value, key=key, partition=partition, on_delivery=cb)
+            break
+        except BufferError:
+            p.poll(0.05)
+        except KafkaException as exc:
+            raise LogError(f"cannot send to {topic!r}: {exc}") from exc
+    p.poll(0)
+
+
+class KafkaTransactionalProducer:
+    """One transaction at a time: ``begin`` → ``send``… → ``commit(offsets, consumer)``."""
+
+    def __init__(self, log: KafkaLog, producer: _CkProducer) -> None:
+        self._log = log
+        self._p = producer
+        self._open = False
+        self._last: dict[TopicPartition, int] = {}
+        self._errors: list[KafkaError] = []
+        # Fences any older instance with this transactional id (and aborts its open transaction).
+        self._call(lambda: self._p.init_transactions(_TIMEOUT_S), "init")
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            self._errors.append(err)
+            return
+        tp = TopicPartition(msg.topic(), msg.partition())
+        off = msg.offset()
+        if off > self._last.get(tp, -1):
+            self._last[tp] = off
+
+    def _call(self, fn: Any, what: str) -> Any:
+        """Run a transactional API call, mapping its errors to the contract's."""
+        for _ in range(5):
+            try:
+                return fn()
+            except KafkaException as exc:
+                err = _error_of(exc)
+                if err is None:
+                    raise LogError(f"transaction {what} failed: {exc}") from exc
+                if err.code() in _FENCED_CODES or err.fatal():
+                    self._open = False
+                    raise FencedError(f"transaction {what} failed, producer fenced: {err}") from exc
+                if err.txn_requires_abort():
+                    self._abort_quietly()
+                    raise LogError(f"transaction {what} failed and was aborted: {err}") from exc
+                if not err.retriable():
+                    raise LogError(f"transaction {what} failed: {err}") from exc
+                log.warning("transaction %s: retrying after %s", what, err)
+        raise LogError(f"transaction {what} still failing after retries")
+
+    def _abort_quietly(self) -> None:
+        self._open = False
+        try:
+            self._p.abort_transaction(_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("abort after a failed transaction also failed: %s", exc)
+
+    def begin(self) -> None:
+        if self._open:
+            raise LogError("transaction already open")
+        self._call(self._p.begin_transaction, "begin")
+        self._open = True
+        self._last = {}
+        self._errors = []
+
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
+        if not self._open:
+            raise LogError("send outside a transaction")
+        p = self._log._resolve_partition(topic, key, partition)
+        _produce(self._p, topic, key, value, p, self._on_delivery)
+
+    def commit(
+        self, offsets: Mapping[TopicPartition, int], consumer: KafkaConsumer | None = None
+    ) -> dict[TopicPartition, int]:
+        if not self._open:
+            raise LogError("commit without begin")
+        if offsets:
+            if consumer is None or consumer.group_id is None:
+                raise LogError("offsets committed without a consumer group")
+            meta = consumer.raw.consumer_group_metadata()
+            ck_offsets = [_ck(tp, off) for tp, off in offsets.items()]
+            self._call(lambda: self._p.send_offsets_to_transaction(ck_offsets, meta, _TIMEOUT_S), "offsets")
+        # Flush first so every delivery report (and the offsets we return) is in before the commit.
+        self._p.flush(_TIMEOUT_S)
+        if self._errors:
+            err = self._errors[0]
+            if err.code() in _FENCED_CODES or err.fatal():
+                self._open = False
+                raise FencedError(f"transaction commit failed, producer fenced: {err}")
+            self._abort_quietly()
+            raise LogError(f"transaction aborted: {len(self._errors)} record(s) not delivered: {err}")
+        self._call(lambda: self._p.commit_transaction(_TIMEOUT_S), "commit")
+        self._open = False
+        return dict(self._last)
+
+    def abort(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._call(lambda: self._p.abort_transaction(_TIMEOUT_S), "abort")
+
+    def close(self) -> None:
+        if self._open:
+            self._abort_quietly()
+        self._p.close()
+
+
+class KafkaConsumer:
+    """Wraps a confluent-kafka consumer; ``raw`` is the underlying one (group metadata etc.)."""
+
+    def __init__(self, consumer: _CkConsumer, group_id: str | None) -> None:
+        self.raw = consumer
+        self.group_id = group_id
+        self._manual: dict[TopicPartition, int] = {}
+        self._closed = False
+
+    def subscribe(
+        self,
+        topics: Sequence[str],
+        on_assign: AssignCallback | None = None,
+        on_revoke: AssignCallback | None = None,
+    ) -> None:
+        if self.group_id is None:
+            raise LogError("subscribe needs a consumer group")
+
+        # With the cooperative assignor the client itself applies the incremental
+        # (un)assignment after these return; they only report it.
+        def assigned(_c: _CkConsumer, parts: list[_CkTP]) -> None:
+            if on_assign is not None and parts:
+                on_assign(sorted(_tp(p) for p in parts))
+
+        def revoked(_c: _CkConsumer, parts: list[_CkTP]) -> None:
+            if on_revoke is not None and parts:
+                on_revoke(sorted(_tp(p) for p in parts))
+
+        self.raw.subscribe(list(topics), on_assign=assigned, on_revoke=revoked, on_lost=revoked)
+
+    def assign(self, positions: Mapping[TopicPartition, int]) -> None:
+        self._manual = dict(positions)
+        self.raw.assign([_ck(tp, off) for tp, off in self._manual.items()])
+
+    def assignment(self) -> list[TopicPartition]:
+        return sorted(_tp(p) for p in self.raw.assignment())
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        if tp in self._manual:
+            # Re-assigning is the reliable way for manual assignments: librdkafka's seek
+            # fails with _STATE until the partition's fetcher has started.
+            self._manual[tp] = offset
+            self.raw.assign([_ck(t, o) for t, o in self._manual.items()])
+            return
+        try:
+            self.raw.seek(_ck(tp, offset))
+        except KafkaException as exc:
+            raise LogError(f"cannot seek {tp} to {offset}: {exc}") from exc
+
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[LogRecord]:
+        try:
+            msgs = self.raw.consume(num_messages=max_records, timeout=timeout_s)
+        except KafkaException as exc:
+            raise LogError(f"consume failed: {exc}") from exc
+        out: list[LogRecord] = []
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise LogError(f"consumer failed: {err}")
+                if err.code() != KafkaError._PARTITION_EOF:
+                    log.warning("consumer: %s", err)
+                continue
+            topic, partition, offset = m.topic(), m.partition(), m.offset()
+            assert topic is not None and partition is not None and offset is not None
+            out.append(LogRecord(topic, partition, offset, m.key(), m.value(), m.timestamp()[1]))
+            if self._manual:
+                self._manual[TopicPartition(topic, partition)] = offset + 1
+        return out
+
+    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        if self.group_id is None:
+            raise LogError("commit needs a consumer group")
+        if not offsets:
+            return
+        try:
+            result = self.raw.commit(offsets=[_ck(tp, o) for tp, o in offsets.items()], asynchronous=False)
+        except KafkaException as exc:
+            raise LogError(f"offset commit failed: {exc}") from exc
+        failed = [p for p in result or [] if p.error is not None]
+        if failed:
+            raise LogError(f"offset commit failed for {failed[0].topic}[{failed[0].partition}]: {failed[0].error}")
+
+    def committed(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
+        if self.group_id is None:
+            raise LogError("committed needs a consumer group")
+        if not tps:
+            return {}
+        try:
+            parts = self.raw.committed([_ck(tp) for tp in tps], timeout=_TIMEOUT_S)
+        except KafkaException as exc:
+            raise LogError(f"cannot read committed offsets: {exc}") from exc
+        return {_tp(p): max(p.offset, 0) for p in parts}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.raw.close()

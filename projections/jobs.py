@@ -1,0 +1,694 @@
+"""The jobs read model: job summaries, tasks, attempts and history, folded from events.
+
+``apply(txn, event, partition, offset)`` folds one decoded event (a dict from
+``dagfold.codec``) into a ``Txn``; it looks the event's type up in ``APPLIERS``,
+a table of small functions (Zeebe style). Every applier does O(1) work, except
+``JobAccepted``, which writes one record per task once. Task counts by state
+are maintained incrementally on every transition, never recounted.
+
+Key layout (``\\x00`` separates parts; string parts are escaped so that they
+never contain ``\\x00``, which keeps every prefix unambiguous)::
+
+    j  job                         -> job summary
+    t  job task                    -> task record
+    a  job task attempt(>I)        -> attempt record
+    h  job partition(>I) offset(>Q) -> history entry (one key per event: O(1) appends)
+    ic created(016d) job           -> 0   (all jobs by creation time)
+    it tenant created job          -> 0   (per tenant)
+    is state created job           -> 0   (per job state)
+    iu tenant state created job    -> 0   (per tenant and job state)
+    p  topic partition(>I)         -> next offset to read (projector position)
+    m  name                        -> counters (skipped records, applier errors)
+
+``ReadModel`` answers queries from a ``Store``; listings are paginated with an
+opaque cursor (the last key of the page, base64url).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from projections.exceptions import InvalidCursor
+from projections.store import Store, Txn, decode_value
+
+Record = dict[str, Any]
+Applier = Callable[[Txn, Record, int, int], None]
+
+TASK_STATES = ("pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled")
+FINISHED_TASK_STATES = frozenset({"succeeded", "failed", "skipped", "cancelled"})
+JOB_STATES = ("running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected")
+TERMINAL_JOB_STATES = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
+
+MAX_LIMIT = 1000
+DETAIL_MAX = 500
+
+_SEP = b"\x00"
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+
+
+# -- keys -------------------------------------------------------------------
+def part(s: str) -> bytes:
+    """A string key part, escaped so it never contains the separator."""
+    b = s.encode()
+    if b"\x00" in b or b"\x01" in b:
+        b = b.replace(b"\x01", b"\x01\x02").replace(b"\x00", b"\x01\x01")
+    return b
+
+
+def unpart(b: bytes) -> str:
+    if b"\x01" in b:
+        b = b.replace(b"\x01\x01", b"\x00").replace(b"\x01\x02", b"\x01")
+    return b.decode()
+
+
+def job_key(job_id: str) -> bytes:
+    return b"j" + _SEP + part(job_id)
+
+
+def tasks_prefix(job_id: str) -> bytes:
+    return b"t" + _SEP + part(job_id) + _SEP
+
+
+def task_key(job_id: str, task_id: str) -> bytes:
+    return tasks_prefix(job_id) + part(task_id)
+
+
+def attempts_prefix(job_id: str, task_id: str) -> bytes:
+    return b"a" + _SEP + part(job_id) + _SEP + part(task_id) + _SEP
+
+
+def attempt_key(job_id: str, task_id: str, attempt: int) -> bytes:
+    return attempts_prefix(job_id, task_id) + _U32.pack(max(attempt, 0))
+
+
+def history_prefix(job_id: str) -> bytes:
+    return b"h" + _SEP + part(job_id) + _SEP
+
+
+def history_key(job_id: str, partition: int, offset: int) -> bytes:
+    return history_prefix(job_id) + _U32.pack(partition) + _U64.pack(offset)
+
+
+def position_key(topic: str, partition: int) -> bytes:
+    return b"p" + _SEP + part(topic) + _SEP + _U32.pack(partition)
+
+
+def meta_key(name: str) -> bytes:
+    return b"m" + _SEP + name.encode()
+
+
+def index_prefix(tenant: str | None = None, state: str | None = None) -> bytes:
+    """Prefix of the job index for a listing with these filters."""
+    if tenant is None and state is None:
+        return b"ic" + _SEP
+    if state is None:
+        return b"it" + _SEP + part(tenant or "") + _SEP
+    if tenant is None:
+        return b"is" + _SEP + part(state) + _SEP
+    return b"iu" + _SEP + part(tenant) + _SEP + part(state) + _SEP
+
+
+def _index_keys(job: Record) -> list[bytes]:
+    suffix = b"%016d" % max(int(job["created_ms"]), 0) + _SEP + part(job["job_id"])
+    return [index_prefix() + suffix, index_prefix(job["tenant"]) + suffix,
+            index_prefix(None, job["state"]) + suffix, index_prefix(job["tenant"], job["state"]) + suffix]
+
+
+# -- records ----------------------------------------------------------------
+def _new_job(job_id: str, tenant: str, ts: int, partition: int) -> Record:
+    return {
+        "job_id": job_id,
+        "state": "running",
+        "tenant": tenant,
+        "tier": "standard",
+        "failure_policy": "skip_downstream",
+        "idempotency_key": None,
+        "labels": {},
+        "callback_url": None,
+        "total_tasks": 0,
+        "counts": dict.fromkeys(TASK_STATES, 0),
+        "finished_tasks": 0,
+        "progress": 0.0,
+        "created_ms": ts,
+        "started_ms": None,
+        "ended_ms": None,
+        "duration_ms": None,
+        "updated_ms": ts,
+        "code": None,
+        "reason": None,
+        "partition": partition,
+        "last_offset": -1,
+        "redrives": 0,
+    }
+
+
+def _new_task(job_id: str, spec: Record, ts: int) -> Record:
+    return {
+        "job_id": job_id,
+        "task_id": spec["task_id"],
+        "state": "pending",
+        "attempt": 0,
+        "queue": spec.get("queue", "default"),
+        "handler": spec.get("handler", ""),
+        "args_json": spec.get("args_json", "{}"),
+        "depends_on": list(spec.get("depends_on") or []),
+        "trigger_rule": spec.get("trigger_rule", "all_success"),
+        "resources": spec.get("resources"),
+        "worker_id": None,
+        "retries": 0,
+        "reason": None,
+        "exit_code": None,
+        "error_type": None,
+        "result_json": None,
+        "progress": None,
+        "lease_deadline_ms": None,
+        "retry_at_ms": None,
+        "last_heartbeat_ms": None,
+        "created_ms": ts,
+        "dispatched_ms": None,
+        "started_ms": None,
+        "ended_ms": None,
+        "updated_ms": ts,
+    }
+
+
+def _new_attempt(attempt: int, worker_id: str | None, ts: int | None) -> Record:
+    return {
+        "attempt": attempt,
+        "worker_id": worker_id,
+        "outcome": "running",
+        "started_ms": ts,
+        "ended_ms": None,
+        "duration_ms": None,
+        "lease_deadline_ms": None,
+        "last_heartbeat_ms": None,
+        "progress": None,
+        "reason": None,
+        "exit_code": None,
+        "error_type": None,
+        "result_json": None,
+        "stdout_tail": "",
+        "stderr_tail": "",
+    }
+
+
+def _set_progress(job: Record) -> None:
+    total = job["total_tasks"]
+    job["progress"] = round(100.0 * job["finished_tasks"] / total, 2) if total else 0.0
+
+
+def _set_job_state(txn: Txn, job: Record, state: str) -> None:
+    """Change a job's state, moving its state index entries (O(1))."""
+    if job["state"] == state:
+        return
+    for k in _index_keys(job)[2:]:
+        txn.delete(k)
+    job["state"] = state
+    for k in _index_keys(job)[2:]:
+        txn.put(k, 0)
+
+
+def _set_task_state(job: Record, task: Record, state: str) -> None:
+    """Move a task to ``state`` and keep the job's counts (O(1)); caller puts both."""
+    old = task["state"]
+    if old == state:
+        return
+    counts = job["counts"]
+    counts[old] = counts.get(old, 0) - 1
+    counts[state] = counts.get(state, 0) + 1
+    job["finished_tasks"] += (state in FINISHED_TASK_STATES) - (old in FINISHED_TASK_STATES)
+    task["state"] = state
+    _set_progress(job)
+
+
+def _end_job(txn: Txn, job: Record, state: str, ts: int, reason: str | None) -> None:
+    _set_job_state(txn, job, state)
+    job["ended_ms"] = ts
+    job["duration_ms"] = max(ts - job["created_ms"], 0)
+    job["reason"] = reason
+
+
+def _short(s: str | None, n: int = DETAIL_MAX) -> str:
+    if not s:
+        return ""
+    return s if len(s) <= n else s[: n - 1] + "\u2026"
+
+
+# -- appliers ---------------------------------------------------------------
+class _Ctx:
+    """The job (and task) an event touches, loaded once from the txn."""
+
+    __slots__ = ("txn", "job", "jkey", "task", "tkey")
+
+    def __init__(self, txn: Txn, job_id: str, task_id: str | None) -> None:
+        self.txn = txn
+        self.jkey = job_key(job_id)
+        self.job: Record | None = txn.get(self.jkey)
+        self.task: Record | None = None
+        self.tkey = b""
+        if task_id is not None and self.job is not None:
+            self.tkey = task_key(job_id, task_id)
+            self.task = txn.get(self.tkey)
+
+    def save(self, ts: int) -> None:
+        if self.task is not None:
+            self.task["updated_ms"] = ts
+            self.txn.put(self.tkey, self.task)
+        if self.job is not None:
+            self.job["updated_ms"] = ts
+            self.txn.put(self.jkey, self.job)
+
+
+def _task_ctx(txn: Txn, ev: Record) -> _Ctx | None:
+    ctx = _Ctx(txn, ev["job_id"], ev["task_id"])
+    return ctx if ctx.task is not None else None
+
+
+def _load_attempt(txn: Txn, ev: Record, worker_id: str | None) -> tuple[bytes, Record]:
+    key = attempt_key(ev["job_id"], ev["task_id"], ev["attempt"])
+    att = txn.get(key)
+    if att is None:
+        att = _new_attempt(ev["attempt"], worker_id, None)
+    return key, att
+
+
+def _end_attempt(att: Record, outcome: str, ts: int) -> None:
+    att["outcome"] = outcome
+    att["ended_ms"] = ts
+    if att["started_ms"] is not None:
+        att["duration_ms"] = max(ts - att["started_ms"], 0)
+
+
+def _job_accepted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    spec = ev["spec"]
+    job_id = ev["job_id"]
+    jkey = job_key(job_id)
+    old = txn.get(jkey)
+    if old is not None:
+        if old["state"] != "rejected":
+            return  # a job is accepted once; a repeat changes nothing (history keeps it)
+        for k in _index_keys(old):
+            txn.delete(k)
+    ts = ev["ts_ms"]
+    job = _new_job(job_id, spec.get("tenant", "default"), ts, partition)
+    job.update(tier=spec.get("tier", "standard"), failure_policy=spec.get("failure_policy", "skip_downstream"),
+               idempotency_key=spec.get("idempotency_key"), labels=dict(spec.get("labels") or {}),
+               callback_url=spec.get("callback_url"))
+    seen: set[str] = set()
+    for t in spec["tasks"]:
+        if t["task_id"] in seen:
+            continue  # validation rejects duplicates; never count one twice
+        seen.add(t["task_id"])
+        txn.put(task_key(job_id, t["task_id"]), _new_task(job_id, t, ts))
+    n = len(seen)
+    job["total_tasks"] = n
+    job["counts"]["pending"] = n
+    _set_progress(job)
+    txn.put(jkey, job)
+    for k in _index_keys(job):
+        txn.put(k, 0)
+
+
+def _job_rejected(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    jkey = job_key(ev["job_id"])
+    job = txn.get(jkey)
+    ts = ev["ts_ms"]
+    if job is None:
+        job = _new_job(ev["job_id"], ev.get("tenant", "default"), ts, partition)
+        job["state"] = "rejected"
+        for k in _index_keys(job):
+            txn.put(k, 0)
+    elif job["state"] != "rejected":
+        return  # e.g. job_exists: a resubmission of a live job; the job itself is unchanged
+    job.update(code=ev["code"], reason=ev["reason"], ended_ms=ts, duration_ms=0, updated_ms=ts)
+    txn.put(jkey, job)
+
+
+def _task_dispatched(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    task = ctx.task
+    _set_task_state(ctx.job, task, "runnable")
+    task.update(attempt=ev["attempt"], queue=ev["queue"], dispatched_ms=ev["ts_ms"], worker_id=None,
+                lease_deadline_ms=None, retry_at_ms=None, ended_ms=None)
+    ctx.save(ev["ts_ms"])
+
+
+def _lease_granted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    ts = ev["ts_ms"]
+    task = ctx.task
+    _set_task_state(ctx.job, task, "running")
+    task.update(attempt=ev["attempt"], worker_id=ev["worker_id"], started_ms=ts, ended_ms=None,
+                lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts, progress=None)
+    if ctx.job["started_ms"] is None:
+        ctx.job["started_ms"] = ts
+    att = _new_attempt(ev["attempt"], ev["worker_id"], ts)
+    att["lease_deadline_ms"] = ev["lease_deadline_ms"]
+    att["last_heartbeat_ms"] = ts
+    txn.put(attempt_key(ev["job_id"], ev["task_id"], ev["attempt"]), att)
+    ctx.save(ts)
+
+
+def _lease_extended(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.task is None:
+        return
+    ts = ev["ts_ms"]
+    task = ctx.task
+    if task["attempt"] == ev["attempt"]:
+        task.update(lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts)
+        if ev.get("progress") is not None:
+            task["progress"] = ev["progress"]
+        ctx.txn.put(ctx.tkey, task)  # the job summary does not change on a heartbeat
+    key, att = _load_attempt(txn, ev, ev["worker_id"])
+    att.update(lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts)
+    if ev.get("progress") is not None:
+        att["progress"] = ev["progress"]
+    txn.put(key, att)
+
+
+def _task_succeeded(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    ts = ev["ts_ms"]
+    task = ctx.task
+    _set_task_state(ctx.job, task, "succeeded")
+    task.update(attempt=ev["attempt"], worker_id=ev["worker_id"], ended_ms=ts, result_json=ev.get("result_json"),
+                reason=None, exit_code=None, error_type=None, lease_deadline_ms=None)
+    key, att = _load_attempt(txn, ev, ev["worker_id"])
+    _end_attempt(att, "succeeded", ts)
+    att.update(result_json=ev.get("result_json"), stdout_tail=ev.get("stdout_tail", ""),
+               stderr_tail=ev.get("stderr_tail", ""))
+    txn.put(key, att)
+    ctx.save(ts)
+
+
+def _task_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    ts = ev["ts_ms"]
+    task = ctx.task
+    final = ev.get("final", True)
+    _set_task_state(ctx.job, task, "failed" if final else "retrying")
+    task.update(attempt=ev["attempt"], reason=ev["reason"], exit_code=ev.get("exit_code"),
+                error_type=ev.get("error_type"), lease_deadline_ms=None, ended_ms=ts if final else None)
+    key, att = _load_attempt(txn, ev, ev["worker_id"] or None)
+    _end_attempt(att, "failed", ts)
+    att.update(reason=ev["reason"], exit_code=ev.get("exit_code"), error_type=ev.get("error_type"),
+               stdout_tail=ev.get("stdout_tail", ""), stderr_tail=ev.get("stderr_tail", ""))
+    txn.put(key, att)
+    ctx.save(ts)
+
+
+def _task_retry_scheduled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    task = ctx.task
+    _set_task_state(ctx.job, task, "retrying")
+    task.update(retries=task["retries"] + 1, retry_at_ms=ev["retry_at_ms"], reason=ev["reason"],
+                worker_id=None, lease_deadline_ms=None)
+    ctx.save(ev["ts_ms"])
+
+
+def _task_skipped(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    _set_task_state(ctx.job, ctx.task, "skipped")
+    ctx.task.update(reason=ev["reason"], ended_ms=ev["ts_ms"])
+    ctx.save(ev["ts_ms"])
+
+
+def _task_cancelled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    ts = ev["ts_ms"]
+    _set_task_state(ctx.job, ctx.task, "cancelled")
+    ctx.task.update(reason=ev["reason"], ended_ms=ts, lease_deadline_ms=None)
+    akey = attempt_key(ev["job_id"], ev["task_id"], ev["attempt"])
+    att = txn.get(akey)
+    if att is not None and att["outcome"] == "running":  # a running attempt ends cancelled
+        _end_attempt(att, "cancelled", ts)
+        att["reason"] = ev["reason"]
+        txn.put(akey, att)
+    ctx.save(ts)
+
+
+def _job_succeeded(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _Ctx(txn, ev["job_id"], None)
+    if ctx.job is None:
+        return
+    partial = ev.get("partial", False)
+    _end_job(txn, ctx.job, "succeeded_partial" if partial else "succeeded", ev["ts_ms"],
+             "some tasks did not succeed (allow_partial)" if partial else None)
+    ctx.save(ev["ts_ms"])
+
+
+def _job_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _Ctx(txn, ev["job_id"], None)
+    if ctx.job is None:
+        return
+    _end_job(txn, ctx.job, "failed", ev["ts_ms"], ev["reason"])
+    ctx.save(ev["ts_ms"])
+
+
+def _job_cancelled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _Ctx(txn, ev["job_id"], None)
+    if ctx.job is None:
+        return
+    _end_job(txn, ctx.job, "cancelled", ev["ts_ms"], ev["reason"])
+    ctx.save(ev["ts_ms"])
+
+
+def _job_redriven(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _Ctx(txn, ev["job_id"], None)
+    job = ctx.job
+    if job is None:
+        return
+    ts = ev["ts_ms"]
+    for tid in ev["task_ids"]:
+        tkey = task_key(ev["job_id"], tid)
+        task = txn.get(tkey)
+        if task is None:
+            continue
+        _set_task_state(job, task, "pending")
+        task.update(reason=None, exit_code=None, error_type=None, ended_ms=None, worker_id=None,
+                    lease_deadline_ms=None, retry_at_ms=None, progress=None, updated_ms=ts)
+        txn.put(tkey, task)
+    _set_job_state(txn, job, "running")
+    job.update(ended_ms=None, duration_ms=None, reason=None, redrives=job.get("redrives", 0) + 1)
+    ctx.save(ts)
+
+
+def _history_only(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    return None
+
+
+APPLIERS: dict[str, Applier] = {
+    "dagfold.event.JobAccepted": _job_accepted,
+    "dagfold.event.JobRejected": _job_rejected,
+    "dagfold.event.SubmissionDeduplicated": _history_only,
+    "dagfold.event.TaskDispatched": _task_dispatched,
+    "dagfold.event.LeaseGranted": _lease_granted,
+    "dagfold.event.LeaseExtended": _lease_extended,
+    "dagfold.event.LeaseRejected": _history_only,
+    "dagfold.event.ReportIgnored": _history_only,
+    "dagfold.event.TaskSucceeded": _task_succeeded,
+    "dagfold.event.TaskFailed": _task_failed,
+    "dagfold.event.TaskRetryScheduled": _task_retry_scheduled,
+    "dagfold.event.TaskSkipped": _task_skipped,
+    "dagfold.event.TaskCancelled": _task_cancelled,
+    "dagfold.event.JobSucceeded": _job_succeeded,
+    "dagfold.event.JobFailed": _job_failed,
+    "dagfold.event.JobCancelled": _job_cancelled,
+    "dagfold.event.JobRedriven": _job_redriven,
+}
+
+
+# -- history ----------------------------------------------------------------
+def _detail(kind: str, ev: Record) -> str:
+    g = ev.get
+    if kind == "JobAccepted":
+        spec = ev["spec"]
+        return f"{len(spec['tasks'])} tasks, tenant {spec.get('tenant')}, tier {spec.get('tier')}"
+    if kind == "JobRejected":
+        return f"{g('code')}: {g('reason')}"
+    if kind == "SubmissionDeduplicated":
+        return f"repeated submission with idempotency key {g('idempotency_key')!r}"
+    if kind == "TaskDispatched":
+        return f"queue {g('queue')}"
+    if kind == "LeaseGranted":
+        return f"worker {g('worker_id')}, lease until {g('lease_deadline_ms')}"
+    if kind == "LeaseExtended":
+        p = g("progress")
+        return f"worker {g('worker_id')}" + (f", progress {p:g}" if isinstance(p, float | int) else "")
+    if kind == "LeaseRejected":
+        return f"worker {g('worker_id')}: {g('reason')}"
+    if kind == "ReportIgnored":
+        return f"{g('report')} from worker {g('worker_id')}: {g('reason')}"
+    if kind == "TaskSucceeded":
+        return f"worker {g('worker_id')}"
+    if kind == "TaskFailed":
+        code = g("exit_code")
+        etype = g("error_type")
+        extra = "".join([f", exit code {code}" if code is not None else "",
+                         f", {etype}" if etype else ""])
+        return f"{g('reason')}{extra}" + ("" if g("final", True) else " (will retry)")
+    if kind == "TaskRetryScheduled":
+        return f"attempt {g('next_attempt')} at {g('retry_at_ms')}: {g('reason')}"
+    if kind == "JobSucceeded":
+        return "partial success" if g("partial") else "all tasks succeeded"
+    if kind == "JobRedriven":
+        ids = g("task_ids") or []
+        return f"{len(ids)} tasks re-opened: " + ", ".join(ids[:20]) + (", \u2026" if len(ids) > 20 else "")
+    reason = g("reason")
+    return reason if isinstance(reason, str) else ""
+
+
+def history_entry(ev: Record, partition: int, offset: int) -> Record:
+    kind = str(ev.get("type", "")).rsplit(".", 1)[-1]
+    return {
+        "partition": partition,
+        "offset": offset,
+        "ts_ms": ev.get("ts_ms"),
+        "type": kind,
+        "task_id": ev.get("task_id"),
+        "attempt": ev.get("attempt"),
+        "cause_offset": ev.get("cause_offset", -1),
+        "detail": _short(_detail(kind, ev)),
+    }
+
+
+def apply(txn: Txn, event: Record, partition: int, offset: int) -> None:
+    """Fold one event (from ``partition`` at ``offset`` of the events topic) into ``txn``."""
+    job_id = event.get("job_id")
+    if not isinstance(job_id, str):
+        return  # not a job event: nothing of the jobs read model
+    txn.put(history_key(job_id, partition, offset), history_entry(event, partition, offset))
+    applier = APPLIERS.get(event.get("type", ""))
+    if applier is not None:
+        applier(txn, event, partition, offset)
+    job = txn.get(job_key(job_id))
+    if job is not None and job["last_offset"] < offset:
+        job["last_offset"] = offset
+        txn.put(job_key(job_id), job)
+
+
+# -- queries ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Page:
+    """One page of a listing; ``next_cursor`` is None on the last page."""
+
+    items: list[Record] = field(default_factory=list)
+    next_cursor: str | None = None
+
+
+def _encode_cursor(key: bytes) -> str:
+    return base64.urlsafe_b64encode(key).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str, prefix: bytes) -> bytes:
+    try:
+        key = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+    except (binascii.Error, ValueError):
+        raise InvalidCursor("cursor is not valid") from None
+    if not key.startswith(prefix):
+        raise InvalidCursor("cursor belongs to another listing")
+    return key
+
+
+def _limit(limit: int) -> int:
+    return max(1, min(int(limit), MAX_LIMIT))
+
+
+def _paginate(rows: Iterator[tuple[bytes, Record | None]], limit: int) -> Page:
+    """The first ``limit`` items (None rows are filtered out); the cursor only if more follow."""
+    items: list[Record] = []
+    last = b""
+    for key, item in rows:
+        if item is None:
+            continue
+        if len(items) == limit:
+            return Page(items, _encode_cursor(last))
+        items.append(item)
+        last = key
+    return Page(items, None)
+
+
+class ReadModel:
+    """Queries over the jobs read model; safe to call from any thread."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def get_job(self, job_id: str) -> Record | None:
+        """The job summary, or None if no event of it was projected."""
+        job: Record | None = self.store.get(job_key(job_id))
+        return job
+
+    def list_jobs(self, tenant: str | None = None, state: str | None = None, limit: int = 100,
+                  cursor: str | None = None) -> Page:
+        """Job summaries, newest first, optionally of one tenant and/or job state."""
+        prefix = index_prefix(tenant, state)
+        after = _decode_cursor(cursor, prefix) if cursor else None
+
+        def rows() -> Iterator[tuple[bytes, Record | None]]:
+            for k, _ in self.store.scan(prefix, after=after, reverse=True):
+                job = self.get_job(unpart(k.rsplit(_SEP, 1)[1]))
+                if job is not None and state is not None and job["state"] != state:
+                    job = None  # moved on between the index read and now
+                yield k, job
+
+        return _paginate(rows(), _limit(limit))
+
+    def get_tasks(self, job_id: str, limit: int = 100, cursor: str | None = None,
+                  state: str | None = None) -> Page:
+        """Task records of a job in task-ID order; ``state`` filters (a scan of the job's tasks)."""
+        prefix = tasks_prefix(job_id)
+        after = _decode_cursor(cursor, prefix) if cursor else None
+
+        def rows() -> Iterator[tuple[bytes, Record | None]]:
+            for k, v in self.store.scan(prefix, after=after):
+                task = decode_value(v)
+                yield k, (task if state is None or task["state"] == state else None)
+
+        return _paginate(rows(), _limit(limit))
+
+    def get_task(self, job_id: str, task_id: str) -> Record | None:
+        task: Record | None = self.store.get(task_key(job_id, task_id))
+        return task
+
+    def get_attempts(self, job_id: str, task_id: str) -> list[Record]:
+        """Attempts of a task, first attempt first."""
+        return [decode_value(v) for _, v in self.store.scan(attempts_prefix(job_id, task_id))]
+
+    def get_history(self, job_id: str, limit: int = 100, cursor: str | None = None) -> Page:
+        """Every event of a job in log order (oldest first)."""
+        prefix = history_prefix(job_id)
+        after = _decode_cursor(cursor, prefix) if cursor else None
+        rows = ((k, decode_value(v)) for k, v in self.store.scan(prefix, after=after))
+        return _paginate(rows, _limit(limit))
+
+    def positions(self, topic: str) -> dict[int, int]:
+        """Next offset the projector will read, per partition of ``topic``."""
+        prefix = b"p" + _SEP + part(topic) + _SEP
+        return {_U32.unpack(k[len(prefix):])[0]: decode_value(v) for k, v in self.store.scan(prefix)}
+
+    def counters(self) -> dict[str, int]:
+        """Projector counters (undecodable records skipped, applier errors)."""
+        prefix = meta_key("")
+        return {k[len(prefix):].decode(): decode_value(v) for k, v in self.store.scan(prefix)}

@@ -1,0 +1,187 @@
+"""The projector: tails the events topic into the jobs read model.
+
+No consumer group: the projector assigns every partition of the events topic
+itself, from the positions stored in its own RocksDB store, and writes each
+polled batch of events together with the new positions in one write batch. So
+the read model is always exactly "the events before these positions", and a
+restart (even after kill -9) resumes where the last write batch stopped,
+without applying any event twice.
+
+A record that cannot be decoded is skipped (and counted): the projector is a
+reader, the scheduler owns the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from dagfold.codec import Codec, default_codec
+from dagfold.config import EVENTS
+from dagfold.exceptions import CodecError, LogError
+from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
+from projections.jobs import apply, meta_key, position_key
+from projections.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Projector:
+    """Folds the events topic into ``store`` (a path opens one, owned by the projector)."""
+
+    def __init__(
+        self,
+        log: Log,
+        path: Path | Store,
+        *,
+        topic: str = EVENTS,
+        batch_max_records: int = 5000,
+        poll_timeout_s: float = 0.2,
+        partition_check_s: float = 10.0,
+        codec: Codec | None = None,
+    ) -> None:
+        self.log = log
+        self._owns_store = not isinstance(path, Store)
+        self.store = path if isinstance(path, Store) else Store(path)
+        self.topic = topic
+        self.batch_max_records = batch_max_records
+        self.poll_timeout_s = poll_timeout_s
+        self.partition_check_s = partition_check_s
+        self._codec = codec or default_codec()
+        self._consumer: Consumer | None = None
+        self._partitions = 0
+        self._checked_at = 0.0
+        self.applied = 0  # events applied by this instance
+
+    # -- positions -------------------------------------------------------
+    def positions(self) -> dict[int, int]:
+        """Next offset to read per partition, as stored with the read model."""
+        out = {}
+        for p in range(self._partitions):
+            v = self.store.get(position_key(self.topic, p))
+            out[p] = int(v) if v is not None else 0
+        return out
+
+    def _assign(self) -> bool:
+        """(Re)assign all partitions when the topic appears or grows; False if it does not exist yet."""
+        now = time.monotonic()
+        if self._consumer is not None and now - self._checked_at < self.partition_check_s:
+            return True
+        self._checked_at = now
+        try:
+            n = self.log.partitions(self.topic)
+        except LogError:
+            return self._consumer is not None
+        if n == self._partitions and self._consumer is not None:
+            return True
+        self._partitions = n
+        if self._consumer is None:
+            self._consumer = self.log.consumer(None, client_id="dagfold-projector")
+        positions = self.positions()
+        self._consumer.assign({TopicPartition(self.topic, p): off for p, off in positions.items()})
+        log.info("projector assigned %d partitions of %s at %s", n, self.topic, positions)
+        return True
+
+    # -- folding ---------------------------------------------------------
+    def apply_records(self, records: list[LogRecord]) -> int:
+        """Apply records and their positions in one write batch; returns events applied."""
+        if not records:
+            return 0
+        txn = self.store.txn()
+        nexts: dict[int, int] = {}
+        applied = skipped = errors = 0
+        for rec in records:
+            pkey = position_key(self.topic, rec.partition)
+            pos = nexts.get(rec.partition)
+            if pos is None:
+                stored = txn.get(pkey)
+                pos = int(stored) if stored is not None else 0
+            if rec.offset < pos:
+                continue  # already in the read model
+            nexts[rec.partition] = rec.offset + 1
+            try:
+                event = self._codec.decode(rec.value)
+            except CodecError as exc:
+                skipped += 1
+                log.warning("projector skips %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
+                continue
+            try:
+                apply(txn, event, rec.partition, rec.offset)
+                applied += 1
+            except Exception:  # one bad event must not stop the read model
+                errors += 1
+                log.exception("projector failed to apply %s at %s[%d]@%d", event.get("type"), rec.topic,
+                              rec.partition, rec.offset)
+        for p, nxt in nexts.items():
+            txn.put(position_key(self.topic, p), nxt)
+        for name, n in (("skipped", skipped), ("errors", errors)):
+            if n:
+                key = meta_key(name)
+                txn.put(key, int(txn.get(key) or 0) + n)
+        self.store.commit(txn)
+        self.applied += applied
+        return applied
+
+    def poll_once(self, timeout_s: float | None = None) -> int:
+        """Poll one batch and apply it; returns records polled (0 if the topic does not exist yet)."""
+        if not self._assign() or self._consumer is None:
+            if timeout_s:
+                time.sleep(min(timeout_s, 0.5))
+            return 0
+        records = self._consumer.poll(self.batch_max_records,
+                                      self.poll_timeout_s if timeout_s is None else timeout_s)
+        self.apply_records(records)
+        return len(records)
+
+    def catch_up(self, timeout_s: float = 60.0, idle_s: float = 1.0) -> int:
+        """Apply every event written before this call; returns events applied.
+
+        Stops when every partition reached the end offsets seen at the start,
+        or when nothing arrived for ``idle_s`` (Kafka's transaction markers
+        leave offsets no record reaches), or after ``timeout_s``.
+        """
+        start = self.applied
+        self._checked_at = 0.0
+        if not self._assign():
+            return 0
+        tps = [TopicPartition(self.topic, p) for p in range(self._partitions)]
+        ends = self.log.end_offsets(tps)
+        deadline = time.monotonic() + timeout_s
+        idle_since = time.monotonic()
+        while time.monotonic() < deadline:
+            pos = self.positions()
+            if all(pos.get(tp.partition, 0) >= end for tp, end in ends.items()):
+                break
+            if self.poll_once(0.1):
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= idle_s:
+                break
+        return self.applied - start
+
+    def run(self, stop: threading.Event) -> None:
+        """Project until ``stop`` is set; waits for the events topic to exist."""
+        backoff = 0.1
+        waiting_logged = False
+        while not stop.is_set():
+            try:
+                if not self._assign():
+                    if not waiting_logged:
+                        log.info("projector waits for topic %s", self.topic)
+                        waiting_logged = True
+                    stop.wait(0.5)
+                    continue
+                self.poll_once()
+                backoff = 0.1
+            except LogError as exc:
+                log.warning("projector: log error, retrying in %.1fs: %s", backoff, exc)
+                stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+        if self._owns_store:
+            self.store.close()

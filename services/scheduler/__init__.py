@@ -1,0 +1,1 @@
+"""The scheduler: a single-writer deterministic fold per commands partition."""

@@ -1,0 +1,223 @@
+"""Event appliers: the only code that changes scheduler state.
+
+Processors decide and emit events; each event is applied here at once (so
+later decisions in the batch see it) and again, alone, on replay. Appliers
+never look at commands, the clock or anything outside the event and the state,
+which is why replaying the events topic rebuilds the same state byte for byte.
+Every applier touches O(1) keys, except JobAccepted (once per job, O(tasks +
+edges)) and an outcome's notification of its direct dependents (O(out-degree)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dagfold.codec import Record
+from dagfold.state import PartitionTransaction
+from services.scheduler import keys
+from services.scheduler.retry import NO_RETRY
+
+TERMINAL = frozenset({"succeeded", "failed", "skipped", "cancelled"})
+JOB_TERMINAL = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled"})
+
+Applier = Callable[[PartitionTransaction, Record], None]
+
+
+def get_job(txn: PartitionTransaction, job_id: str) -> dict[str, Any] | None:
+    j = txn.get(keys.job(job_id))
+    return None if j is None else dict(j)
+
+
+def get_task(txn: PartitionTransaction, job_id: str, task_id: str) -> dict[str, Any] | None:
+    t = txn.get(keys.task(job_id, task_id))
+    return None if t is None else dict(t)
+
+
+def get_dependents(txn: PartitionTransaction, job_id: str, task_id: str) -> list[str]:
+    return txn.get(keys.dependents(job_id, task_id)) or []
+
+
+def _set_timer(txn: PartitionTransaction, job_id: str, task_id: str, t: dict[str, Any],
+               kind: str, due: int | None, attempt: int) -> None:
+    """Replace the task's timer of this kind (the index is keyed by due time)."""
+    timers = dict(t.get("timers") or {})
+    old = timers.pop(kind, None)
+    if old is not None:
+        txn.delete(keys.timer(old, job_id, task_id, kind))
+    if due is not None:
+        timers[kind] = due
+        txn.put(keys.timer(due, job_id, task_id, kind), attempt)
+    t["timers"] = timers
+
+
+def _clear_timers(txn: PartitionTransaction, job_id: str, task_id: str, t: dict[str, Any]) -> None:
+    for kind, due in (t.get("timers") or {}).items():
+        txn.delete(keys.timer(due, job_id, task_id, kind))
+    t["timers"] = {}
+
+
+def _finish_task(txn: PartitionTransaction, e: Record, state: str, outcome: str) -> None:
+    """Move a task to a terminal state, update job counters and its dependents' counts."""
+    job_id, task_id = e["job_id"], e["task_id"]
+    t = get_task(txn, job_id, task_id)
+    if t is None or t["state"] in TERMINAL:
+        return
+    _clear_timers(txn, job_id, task_id, t)
+    t["state"] = state
+    t["worker"] = None
+    t["ended_ms"] = e["ts_ms"]
+    txn.put(keys.task(job_id, task_id), t)
+    j = get_job(txn, job_id)
+    if j is not None:
+        j["open"] -= 1
+        j[state] += 1
+        if state == "succeeded" and t["leaf"]:
+            j["leaf_ok"] += 1
+        if state == "failed" and not j.get("first_failure"):
+            j["first_failure"] = f"{task_id}: {e['reason']}"
+        txn.put(keys.job(job_id), j)
+    for d in get_dependents(txn, job_id, task_id):
+        dt = get_task(txn, job_id, d)
+        if dt is None:
+            continue
+        dt["rem"] -= 1
+        dt[outcome] += 1
+        txn.put(keys.task(job_id, d), dt)
+
+
+def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
+    spec = e["spec"]
+    job_id = spec["job_id"]
+    tasks = spec["tasks"]
+    downs: dict[str, list[str]] = {}
+    for t in tasks:
+        for u in dict.fromkeys(t["depends_on"]):
+            downs.setdefault(u, []).append(t["task_id"])
+    for t in tasks:
+        ups = list(dict.fromkeys(t["depends_on"]))
+        txn.put(keys.task(job_id, t["task_id"]), {
+            "state": "pending", "attempt": 0, "rem": len(ups), "ok": 0, "bad": 0, "skip": 0,
+            "queue": t["queue"], "handler": t["handler"], "args": t["args_json"], "rule": t["trigger_rule"],
+            "retry": t["retry"] or spec["retry"] or NO_RETRY,
+            "timeouts": t["timeouts"] or spec["timeouts"], "resources": t["resources"],
+            "leaf": t["task_id"] not in downs, "worker": None, "lease_ms": None, "timers": {},
+            "ended_ms": None,
+        })
+    for u, ds in downs.items():
+        txn.put(keys.dependents(job_id, u), ds)
+    txn.put(keys.task_list(job_id), [t["task_id"] for t in tasks])
+    txn.put(keys.job(job_id), {
+        "state": "running", "tenant": spec["tenant"], "tier": spec["tier"],
+        "policy": spec["failure_policy"], "n": len(tasks), "open": len(tasks),
+        "succeeded": 0, "failed": 0, "skipped": 0, "cancelled": 0, "leaf_ok": 0,
+        "hash": e["spec_hash"], "accepted_ms": e["ts_ms"],
+        "idempotency_key": spec["idempotency_key"], "cancel_requested": False,
+    })
+    if spec["idempotency_key"]:
+        txn.put(keys.idempotency(spec["tenant"], spec["idempotency_key"]), job_id)
+
+
+def _task_dispatched(txn: PartitionTransaction, e: Record) -> None:
+    job_id, task_id = e["job_id"], e["task_id"]
+    t = get_task(txn, job_id, task_id)
+    if t is None:
+        return
+    t["state"] = "runnable"
+    t["attempt"] = e["attempt"]
+    t["worker"] = None
+    _set_timer(txn, job_id, task_id, t, "backoff", None, e["attempt"])
+    s2s = (t["timeouts"] or {}).get("schedule_to_start_s")
+    _set_timer(txn, job_id, task_id, t, "schedule_to_start",
+               e["ts_ms"] + int(s2s * 1000) if s2s else None, e["attempt"])
+    txn.put(keys.task(job_id, task_id), t)
+
+
+def _lease_granted(txn: PartitionTransaction, e: Record) -> None:
+    job_id, task_id = e["job_id"], e["task_id"]
+    t = get_task(txn, job_id, task_id)
+    if t is None:
+        return
+    t["state"] = "running"
+    t["worker"] = e["worker_id"]
+    t["lease_ms"] = e["lease_deadline_ms"]
+    _set_timer(txn, job_id, task_id, t, "schedule_to_start", None, e["attempt"])
+    _set_timer(txn, job_id, task_id, t, "lease", e["lease_deadline_ms"], e["attempt"])
+    s2c = (t["timeouts"] or {}).get("start_to_close_s")
+    _set_timer(txn, job_id, task_id, t, "start_to_close",
+               e["ts_ms"] + int(s2c * 1000) if s2c else None, e["attempt"])
+    txn.put(keys.task(job_id, task_id), t)
+
+
+def _lease_extended(txn: PartitionTransaction, e: Record) -> None:
+    job_id, task_id = e["job_id"], e["task_id"]
+    t = get_task(txn, job_id, task_id)
+    if t is None:
+        return
+    t["lease_ms"] = e["lease_deadline_ms"]
+    _set_timer(txn, job_id, task_id, t, "lease", e["lease_deadline_ms"], e["attempt"])
+    txn.put(keys.task(job_id, task_id), t)
+
+
+def _task_failed(txn: PartitionTransaction, e: Record) -> None:
+    if e["final"]:
+        _finish_task(txn, e, "failed", "bad")
+        return
+    job_id, task_id = e["job_id"], e["task_id"]
+    t = get_task(txn, job_id, task_id)
+    if t is None:
+        return
+    _clear_timers(txn, job_id, task_id, t)
+    t["state"] = "retrying"
+    t["worker"] = None
+    txn.put(keys.task(job_id, task_id), t)
+
+
+def _retry_scheduled(txn: PartitionTransaction, e: Record) -> None:
+    job_id, task_id = e["job_id"], e["task_id"]
+    t = get_task(txn, job_id, task_id)
+    if t is None:
+        return
+    _set_timer(txn, job_id, task_id, t, "backoff", e["retry_at_ms"], e["attempt"])
+    txn.put(keys.task(job_id, task_id), t)
+
+
+def _job_ended(state: str) -> Applier:
+    def apply(txn: PartitionTransaction, e: Record) -> None:
+        j = get_job(txn, e["job_id"])
+        if j is None:
+            return
+        j["state"] = "succeeded_partial" if state == "succeeded" and e.get("partial") else state
+        j["ended_ms"] = e["ts_ms"]
+        txn.put(keys.job(e["job_id"]), j)
+
+    return apply
+
+
+def _no_state(txn: PartitionTransaction, e: Record) -> None:
+    """Recorded for the audit only."""
+
+
+APPLIERS: dict[str, Applier] = {
+    "dagfold.event.JobAccepted": _job_accepted,
+    "dagfold.event.JobRejected": _no_state,
+    "dagfold.event.SubmissionDeduplicated": _no_state,
+    "dagfold.event.TaskDispatched": _task_dispatched,
+    "dagfold.event.LeaseGranted": _lease_granted,
+    "dagfold.event.LeaseExtended": _lease_extended,
+    "dagfold.event.LeaseRejected": _no_state,
+    "dagfold.event.ReportIgnored": _no_state,
+    "dagfold.event.TaskSucceeded": lambda txn, e: _finish_task(txn, e, "succeeded", "ok"),
+    "dagfold.event.TaskFailed": _task_failed,
+    "dagfold.event.TaskRetryScheduled": _retry_scheduled,
+    "dagfold.event.TaskSkipped": lambda txn, e: _finish_task(txn, e, "skipped", "skip"),
+    "dagfold.event.TaskCancelled": lambda txn, e: _finish_task(txn, e, "cancelled", "skip"),
+    "dagfold.event.JobSucceeded": _job_ended("succeeded"),
+    "dagfold.event.JobFailed": _job_ended("failed"),
+    "dagfold.event.JobCancelled": _job_ended("cancelled"),
+}
+
+
+def apply_event(txn: PartitionTransaction, event: Record) -> None:
+    """Apply one event; unknown event types are an error (a newer writer wrote them)."""
+    APPLIERS[event["type"]](txn, event)

@@ -1,0 +1,57 @@
+"""RocksDB key layout of the scheduler's partition state (its 'tables').
+
+Separator 0x1F (unit separator) cannot appear in job or task IDs (validation
+forbids control characters), so keys never collide.
+
+| table      | key                              | value                                   |
+|------------|----------------------------------|-----------------------------------------|
+| jobs       | ``j|job``                        | job record (state, policy, counters)    |
+| task list  | ``l|job``                        | all task IDs, written once at accept    |
+| tasks      | ``t|job|task``                   | task record (state, attempt, counts)    |
+| dependents | ``d|job|task``                   | IDs of downstream tasks                 |
+| idempotency| ``i|tenant|key``                 | {job_id, hash} of the first submission  |
+| timers     | ``T|due(16 digits)|job|task|kind`` | attempt; ordered by due time          |
+
+Leases live in the task record (worker, lease deadline) and in the timers table.
+"""
+
+from __future__ import annotations
+
+S = "\x1f"
+
+
+def job(job_id: str) -> bytes:
+    return f"j{S}{job_id}".encode()
+
+
+def task_list(job_id: str) -> bytes:
+    return f"l{S}{job_id}".encode()
+
+
+def task(job_id: str, task_id: str) -> bytes:
+    return f"t{S}{job_id}{S}{task_id}".encode()
+
+
+def dependents(job_id: str, task_id: str) -> bytes:
+    return f"d{S}{job_id}{S}{task_id}".encode()
+
+
+def idempotency(tenant: str, key: str) -> bytes:
+    return f"i{S}{tenant}{S}{key}".encode()
+
+
+TIMER_PREFIX = f"T{S}".encode()
+
+
+def timer(due_ms: int, job_id: str, task_id: str, kind: str) -> bytes:
+    return f"T{S}{due_ms:016d}{S}{job_id}{S}{task_id}{S}{kind}".encode()
+
+
+def timers_due_until(now_ms: int) -> tuple[bytes, bytes]:
+    """Key range of timers due at or before ``now_ms``."""
+    return TIMER_PREFIX, f"T{S}{now_ms + 1:016d}".encode()
+
+
+def parse_timer(key: bytes) -> tuple[int, str, str, str]:
+    _, due, job_id, task_id, kind = key.decode().split(S)
+    return int(due), job_id, task_id, kind

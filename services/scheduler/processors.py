@@ -1,0 +1,322 @@
+"""Command processors: one function per command type, deciding which events follow.
+
+A processor reads state, emits events through ``Ctx.event`` (each applied at
+once by ``appliers``), and may emit side outputs: dispatch records for workers
+and control records (StopTask). It never writes state directly, never reads a
+clock (``ctx.now_ms`` is an input) and never does I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import fastavro
+
+from dagfold.codec import Record, default_codec
+from dagfold.config import CONTROL, EVENTS, SchedulerOptions, dispatch_topic
+from dagfold.state import PartitionTransaction
+from services.scheduler import keys
+from services.scheduler.appliers import (
+    JOB_TERMINAL,
+    TERMINAL,
+    apply_event,
+    get_dependents,
+    get_job,
+    get_task,
+)
+from services.scheduler.retry import backoff_ms, should_retry
+from services.scheduler.validation import validate_job_spec
+
+E = "dagfold.event."
+
+
+@dataclass(slots=True)
+class Output:
+    """A record to produce: topic, key (the job ID, or worker ID on control) and the record."""
+
+    topic: str
+    key: str
+    record: Record
+
+
+@dataclass
+class Ctx:
+    txn: PartitionTransaction
+    now_ms: int
+    offset: int
+    opts: SchedulerOptions
+    out: list[Output] = field(default_factory=list)
+
+    def event(self, name: str, job_id: str, **fields: Any) -> Record:
+        rec: Record = {"type": E + name, "job_id": job_id, "ts_ms": self.now_ms,
+                       "cause_offset": self.offset, **fields}
+        apply_event(self.txn, rec)
+        self.out.append(Output(EVENTS, job_id, rec))
+        return rec
+
+    def stop_task(self, worker_id: str | None, job_id: str, task_id: str, attempt: int, reason: str) -> None:
+        if not worker_id:
+            return
+        self.out.append(Output(CONTROL, worker_id, {
+            "type": "dagfold.control.StopTask", "worker_id": worker_id, "job_id": job_id,
+            "task_id": task_id, "attempt": attempt, "reason": reason, "ts_ms": self.now_ms}))
+
+
+def spec_hash(spec: Record) -> str:
+    """SHA-256 of the spec's Avro encoding with job_id blanked: equal specs, equal hashes."""
+    body = dict(spec, job_id="")
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, default_codec().schema("dagfold.common.JobSpec").parsed, body)
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def lease_timeout_ms(ctx: Ctx, t: dict[str, Any]) -> int:
+    hb = (t["timeouts"] or {}).get("heartbeat_s") or ctx.opts.lease_timeout_s
+    return int(hb * 1000)
+
+
+# -- trigger rules -------------------------------------------------------------
+
+def evaluate_rule(t: dict[str, Any]) -> str:
+    """'run', 'skip' or 'wait' for a pending task, from its upstream outcome counts (Airflow semantics)."""
+    rule, rem, ok, bad, skip = t["rule"], t["rem"], t["ok"], t["bad"], t["skip"]
+    if rule == "all_success":
+        return "skip" if bad or skip else ("run" if rem == 0 else "wait")
+    if rule == "all_done" or rule == "always":
+        return "run" if rem == 0 else "wait"
+    if rule == "one_success":
+        return "run" if ok else ("skip" if rem == 0 else "wait")
+    if rule == "one_failed":
+        return "run" if bad else ("skip" if rem == 0 else "wait")
+    if rule == "none_failed":
+        return "skip" if bad else ("run" if rem == 0 else "wait")
+    raise ValueError(f"unknown trigger rule {rule!r}")
+
+
+def dispatch(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], attempt: int, tenant: str) -> None:
+    """Make an attempt runnable: a TaskDispatched event and a reference on its queue."""
+    ctx.event("TaskDispatched", job_id, task_id=task_id, attempt=attempt, queue=t["queue"])
+    ctx.out.append(Output(dispatch_topic(t["queue"]), job_id, {
+        "type": "dagfold.dispatch.TaskDispatch", "job_id": job_id, "task_id": task_id, "attempt": attempt,
+        "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
+        "idempotency_key": f"{job_id}/{task_id}", "lease_timeout_s": lease_timeout_ms(ctx, t) / 1000,
+        "start_to_close_s": (t["timeouts"] or {}).get("start_to_close_s"), "dispatched_at_ms": ctx.now_ms}))
+
+
+def propagate(ctx: Ctx, job_id: str, task_id: str, outcome: str) -> None:
+    """After ``task_id`` reached a terminal outcome, run or skip the dependents it decides."""
+    j = get_job(ctx.txn, job_id)
+    if j is None or j["state"] != "running":
+        return
+    work = [(task_id, outcome)]
+    while work:
+        up, up_outcome = work.pop()
+        for d in get_dependents(ctx.txn, job_id, up):
+            dt = get_task(ctx.txn, job_id, d)
+            if dt is None or dt["state"] != "pending" or dt["rule"] == "always":
+                continue
+            decision = evaluate_rule(dt)
+            if decision == "run":
+                dispatch(ctx, job_id, d, dt, 1, j["tenant"])
+            elif decision == "skip":
+                ctx.event("TaskSkipped", job_id, task_id=d,
+                          reason=f"trigger rule {dt['rule']}: upstream {up} {up_outcome}")
+                work.append((d, "skipped"))
+    finish_job_if_done(ctx, job_id)
+
+
+def finish_job_if_done(ctx: Ctx, job_id: str) -> None:
+    j = get_job(ctx.txn, job_id)
+    if j is None or j["state"] != "running" or j["open"] > 0:
+        return
+    if j["failed"] == 0:
+        ctx.event("JobSucceeded", job_id, partial=False)
+    elif j["policy"] == "allow_partial" and j["leaf_ok"] > 0:
+        ctx.event("JobSucceeded", job_id, partial=True)
+    else:
+        ctx.event("JobFailed", job_id, reason=f"{j['failed']} task(s) failed; first: {j.get('first_failure')}")
+
+
+def cancel_open_tasks(ctx: Ctx, job_id: str, reason: str) -> None:
+    """Cancel every task that has not finished (O(tasks) once per job); running ones are told to stop."""
+    for tid in ctx.txn.get(keys.task_list(job_id)) or []:
+        t = get_task(ctx.txn, job_id, tid)
+        if t is None or t["state"] in TERMINAL:
+            continue
+        if t["state"] == "running":
+            ctx.stop_task(t["worker"], job_id, tid, t["attempt"], reason)
+        ctx.event("TaskCancelled", job_id, task_id=tid, attempt=t["attempt"], reason=reason)
+
+
+# -- processors ------------------------------------------------------------------
+
+def submit_job(ctx: Ctx, cmd: Record) -> None:
+    spec = cmd["spec"]
+    job_id = spec["job_id"]
+    rej = validate_job_spec(spec, ctx.opts.limits)
+    if rej is not None:
+        ctx.event("JobRejected", job_id, tenant=spec["tenant"], code=rej.code, reason=rej.reason)
+        return
+    h = spec_hash(spec)
+    key = spec["idempotency_key"]
+    first = ctx.txn.get(keys.idempotency(spec["tenant"], key)) if key else None
+    existing = get_job(ctx.txn, first or job_id)
+    if existing is not None:
+        if existing["hash"] == h:
+            ctx.event("SubmissionDeduplicated", job_id, idempotency_key=key or "")
+        elif first:
+            ctx.event("JobRejected", job_id, tenant=spec["tenant"], code="idempotency_conflict",
+                      reason=f"idempotency key {key!r} was used by job {first} with a different spec")
+        else:
+            ctx.event("JobRejected", job_id, tenant=spec["tenant"], code="job_exists",
+                      reason=f"job {job_id} already exists with a different spec")
+        return
+    ctx.event("JobAccepted", job_id, spec=spec, spec_hash=h)
+    for ts in spec["tasks"]:
+        if not ts["depends_on"] or ts["trigger_rule"] == "always":
+            t = get_task(ctx.txn, job_id, ts["task_id"])
+            assert t is not None
+            dispatch(ctx, job_id, ts["task_id"], t, 1, spec["tenant"])
+
+
+def cancel_job(ctx: Ctx, cmd: Record) -> None:
+    job_id = cmd["job_id"]
+    j = get_job(ctx.txn, job_id)
+    if j is None or j["state"] in JOB_TERMINAL:
+        return  # unknown or finished: a no-op, the command stays in the log for the audit
+    cancel_open_tasks(ctx, job_id, f"job cancelled: {cmd['reason']}")
+    ctx.event("JobCancelled", job_id, reason=cmd["reason"])
+
+
+def _report_target(ctx: Ctx, cmd: Record, report: str) -> dict[str, Any] | None:
+    """The task if ``cmd`` comes from the current lease holder; else record why not and return None."""
+    job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
+    t = get_task(ctx.txn, job_id, task_id)
+    if t is None:
+        why = "unknown job or task"
+    elif attempt != t["attempt"]:
+        why = f"stale attempt {attempt}; current attempt is {t['attempt']}"
+    elif t["state"] != "running":
+        why = f"task is {t['state']}"
+    elif t["worker"] != worker:
+        why = f"attempt is leased to {t['worker']}"
+    else:
+        return t
+    ctx.event("ReportIgnored", job_id, task_id=task_id, attempt=attempt, worker_id=worker,
+              report=report, reason=why)
+    return None
+
+
+def task_started(ctx: Ctx, cmd: Record) -> None:
+    job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
+    t = get_task(ctx.txn, job_id, task_id)
+    j = get_job(ctx.txn, job_id)
+    if t is not None and j is not None and j["state"] == "running" and attempt == t["attempt"]:
+        if t["state"] == "runnable":
+            ctx.event("LeaseGranted", job_id, task_id=task_id, attempt=attempt, worker_id=worker,
+                      lease_deadline_ms=ctx.now_ms + lease_timeout_ms(ctx, t))
+            return
+        if t["state"] == "running" and t["worker"] == worker:
+            ctx.event("ReportIgnored", job_id, task_id=task_id, attempt=attempt, worker_id=worker,
+                      report="started", reason="duplicate start of the leased attempt")
+            return
+    if t is None or j is None:
+        why = "unknown job or task"
+    elif j["state"] != "running":
+        why = f"job is {j['state']}"
+    elif attempt != t["attempt"]:
+        why = f"stale attempt {attempt}; current attempt is {t['attempt']}"
+    elif t["state"] == "running":
+        why = f"attempt {attempt} is already leased to {t['worker']}"
+    else:
+        why = f"task is {t['state']}"
+    ctx.event("LeaseRejected", job_id, task_id=task_id, attempt=attempt, worker_id=worker, reason=why)
+    ctx.stop_task(worker, job_id, task_id, attempt, f"lease_rejected: {why}")
+
+
+def task_heartbeat(ctx: Ctx, cmd: Record) -> None:
+    t = _report_target(ctx, cmd, "heartbeat")
+    if t is None:
+        return
+    ctx.event("LeaseExtended", cmd["job_id"], task_id=cmd["task_id"], attempt=cmd["attempt"],
+              worker_id=cmd["worker_id"], lease_deadline_ms=ctx.now_ms + lease_timeout_ms(ctx, t),
+              progress=cmd["progress"])
+
+
+def task_succeeded(ctx: Ctx, cmd: Record) -> None:
+    if _report_target(ctx, cmd, "succeeded") is None:
+        return
+    job_id, task_id = cmd["job_id"], cmd["task_id"]
+    ctx.event("TaskSucceeded", job_id, task_id=task_id, attempt=cmd["attempt"], worker_id=cmd["worker_id"],
+              result_json=cmd["result_json"], stdout_tail=cmd["stdout_tail"], stderr_tail=cmd["stderr_tail"])
+    propagate(ctx, job_id, task_id, "succeeded")
+
+
+def fail_attempt(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], *, worker: str, reason: str,
+                 exit_code: int | None = None, error_type: str | None = None, retryable: bool = True,
+                 stdout_tail: str = "", stderr_tail: str = "") -> None:
+    """The current attempt failed: schedule a retry per policy, or fail the task for good."""
+    attempt = t["attempt"]
+    retry = should_retry(t["retry"], attempt, exit_code, error_type, retryable)
+    ctx.event("TaskFailed", job_id, task_id=task_id, attempt=attempt, worker_id=worker, reason=reason,
+              exit_code=exit_code, error_type=error_type, final=not retry,
+              stdout_tail=stdout_tail, stderr_tail=stderr_tail)
+    if retry:
+        ctx.event("TaskRetryScheduled", job_id, task_id=task_id, attempt=attempt, next_attempt=attempt + 1,
+                  retry_at_ms=ctx.now_ms + backoff_ms(t["retry"], job_id, task_id, attempt), reason=reason)
+        return
+    j = get_job(ctx.txn, job_id)
+    if j is not None and j["policy"] == "fail_fast" and j["state"] == "running":
+        cancel_open_tasks(ctx, job_id, f"fail_fast: task {task_id} failed")
+        finish_job_if_done(ctx, job_id)
+        return
+    propagate(ctx, job_id, task_id, "failed")
+
+
+def task_failed(ctx: Ctx, cmd: Record) -> None:
+    t = _report_target(ctx, cmd, "failed")
+    if t is None:
+        return
+    fail_attempt(ctx, cmd["job_id"], cmd["task_id"], t, worker=cmd["worker_id"], reason=cmd["reason"],
+                 exit_code=cmd["exit_code"], error_type=cmd["error_type"], retryable=cmd["retryable"],
+                 stdout_tail=cmd["stdout_tail"], stderr_tail=cmd["stderr_tail"])
+
+
+def timer_fired(ctx: Ctx, cmd: Record) -> None:
+    """Decide what a due timer means now; a timer made stale by later events does nothing."""
+    job_id, task_id, attempt, kind = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["timer"]
+    if task_id is None:
+        return
+    t = get_task(ctx.txn, job_id, task_id)
+    j = get_job(ctx.txn, job_id)
+    if t is None or j is None or j["state"] != "running" or t["attempt"] != attempt:
+        return
+    due = (t.get("timers") or {}).get(kind)
+    if due is None or due > ctx.now_ms:
+        return
+    if kind == "backoff" and t["state"] == "retrying":
+        dispatch(ctx, job_id, task_id, t, attempt + 1, j["tenant"])
+    elif kind == "lease" and t["state"] == "running":
+        ctx.stop_task(t["worker"], job_id, task_id, attempt, "lease_expired")
+        fail_attempt(ctx, job_id, task_id, t, worker=t["worker"] or "",
+                     reason=f"lease_expired: no heartbeat from {t['worker']} within the lease")
+    elif kind == "start_to_close" and t["state"] == "running":
+        ctx.stop_task(t["worker"], job_id, task_id, attempt, "start_to_close_timeout")
+        fail_attempt(ctx, job_id, task_id, t, worker=t["worker"] or "", reason="start_to_close_timeout")
+    elif kind == "schedule_to_start" and t["state"] == "runnable":
+        fail_attempt(ctx, job_id, task_id, t, worker="", reason="schedule_to_start_timeout", retryable=False)
+
+
+PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
+    "dagfold.command.SubmitJob": submit_job,
+    "dagfold.command.CancelJob": cancel_job,
+    "dagfold.command.TaskStarted": task_started,
+    "dagfold.command.TaskHeartbeat": task_heartbeat,
+    "dagfold.command.TaskSucceeded": task_succeeded,
+    "dagfold.command.TaskFailed": task_failed,
+    "dagfold.command.TimerFired": timer_fired,
+}

@@ -1,0 +1,150 @@
+"""The user-facing job spec (YAML or JSON) and its translation to the Avro ``JobSpec``.
+
+This is the shape people write; ``to_job_spec`` turns it into the record that
+travels on the commands topic. Shape and types are checked here (pydantic, with
+the field path in the message); graph rules (cycles, unknown dependencies,
+limits) are checked by ``validation.validate_job_spec``, which the scheduler
+also runs for records produced directly by upstream systems.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dagfold.exceptions import DagfoldError
+
+FailurePolicy = Literal["fail_fast", "skip_downstream", "allow_partial"]
+TriggerRule = Literal["all_success", "all_done", "one_success", "one_failed", "none_failed", "always"]
+
+_IDEMPOTENCY_NS = uuid.UUID("6f1b4d3e-2f7e-4f7c-9d0a-5b1d8e0c9a11")
+
+
+class SpecError(DagfoldError):
+    """The spec is malformed; the message names the field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RetryPolicyIn(_Model):
+    max_attempts: int = Field(1, ge=1, le=1000)
+    initial_interval_s: float = Field(1.0, ge=0)
+    backoff_coefficient: float = Field(2.0, ge=1.0)
+    max_interval_s: float = Field(60.0, ge=0)
+    jitter: bool = True
+    non_retryable_exit_codes: list[int] = []
+    non_retryable_errors: list[str] = []
+
+
+class TimeoutsIn(_Model):
+    schedule_to_start_s: float | None = Field(None, gt=0)
+    start_to_close_s: float | None = Field(None, gt=0)
+    heartbeat_s: float | None = Field(None, gt=0)
+
+
+class ResourcesIn(_Model):
+    gpus: int = Field(0, ge=0, le=64)
+    gpu_type: str | list[str] = []
+    hosts: int = Field(1, ge=1, le=1024)
+    gpu_milli: int = Field(1000, ge=1, le=1000)
+    max_runtime_s: float | None = Field(None, gt=0)
+    checkpoint: bool = False
+
+
+class TaskSpecIn(_Model):
+    id: str = Field(min_length=1)
+    handler: str = Field("noop", min_length=1)
+    args: dict[str, Any] = {}
+    depends_on: list[str] = []
+    queue: str = "default"
+    trigger_rule: TriggerRule = "all_success"
+    retry: RetryPolicyIn | None = None
+    timeouts: TimeoutsIn | None = None
+    resources: ResourcesIn | None = None
+
+
+class JobSpecIn(_Model):
+    id: str | None = None
+    tenant: str = Field("default", min_length=1)
+    tier: str = "standard"
+    idempotency_key: str | None = None
+    failure_policy: FailurePolicy = "skip_downstream"
+    retry: RetryPolicyIn | None = None
+    timeouts: TimeoutsIn | None = None
+    labels: dict[str, str] = {}
+    callback_url: str | None = None
+    tasks: list[TaskSpecIn] = Field(min_length=1)
+
+
+def job_id_for(tenant: str, idempotency_key: str | None) -> str:
+    """A new job ID: derived from (tenant, key) when a key is given, so retries map to one job."""
+    if idempotency_key:
+        return str(uuid.uuid5(_IDEMPOTENCY_NS, f"{tenant}\x00{idempotency_key}"))
+    return str(uuid.uuid4())
+
+
+def _resources(r: ResourcesIn | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    d = r.model_dump()
+    d["gpu_type"] = [d["gpu_type"]] if isinstance(d["gpu_type"], str) else list(d["gpu_type"])
+    return d
+
+
+def _task(t: TaskSpecIn) -> dict[str, Any]:
+    return {
+        "task_id": t.id,
+        "handler": t.handler,
+        "args_json": json.dumps(t.args, separators=(",", ":"), sort_keys=True),
+        "depends_on": list(t.depends_on),
+        "queue": t.queue,
+        "trigger_rule": t.trigger_rule,
+        "retry": t.retry.model_dump() if t.retry else None,
+        "timeouts": t.timeouts.model_dump() if t.timeouts else None,
+        "resources": _resources(t.resources),
+    }
+
+
+def to_job_spec(spec: JobSpecIn) -> dict[str, Any]:
+    """The Avro ``dagfold.common.JobSpec`` dict for a parsed spec (job ID assigned if absent)."""
+    return {
+        "job_id": spec.id or job_id_for(spec.tenant, spec.idempotency_key),
+        "tenant": spec.tenant,
+        "tier": spec.tier,
+        "idempotency_key": spec.idempotency_key,
+        "failure_policy": spec.failure_policy,
+        "retry": spec.retry.model_dump() if spec.retry else None,
+        "timeouts": spec.timeouts.model_dump() if spec.timeouts else None,
+        "labels": dict(spec.labels),
+        "callback_url": spec.callback_url,
+        "tasks": [_task(t) for t in spec.tasks],
+    }
+
+
+def parse_spec(data: Any) -> JobSpecIn:
+    """Check a decoded YAML/JSON document; raise SpecError naming the first bad fields."""
+    if not isinstance(data, dict):
+        raise SpecError("job spec must be a mapping with a 'tasks' list")
+    try:
+        return JobSpecIn.model_validate(data)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in err["loc"])
+            parts.append(f"{loc}: {err['msg']}")
+        raise SpecError("invalid job spec: " + "; ".join(parts)) from None
+
+
+def load_spec_text(text: str | bytes) -> JobSpecIn:
+    """Parse a YAML or JSON document (JSON is YAML) into a checked spec."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"job spec is not valid YAML/JSON: {exc}") from None
+    return parse_spec(data)

@@ -1,0 +1,25 @@
+"""Due-timer scan shared by the live runner and the virtual-time harness.
+
+Cost per scan is the number of due timers: the index is ordered by due time,
+so the scan stops at the first timer in the future.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+
+from dagfold.codec import Record
+from dagfold.state import Store
+from services.scheduler import keys
+
+
+def due_timers(store: Store, now_ms: int) -> Iterator[tuple[bytes, Record]]:
+    """(index key, TimerFired command) for every timer due at or before ``now_ms``."""
+    start, end = keys.timers_due_until(now_ms)
+    for k, raw in store.range(start, end):
+        due, job_id, task_id, kind = keys.parse_timer(k)
+        yield k, {"type": "dagfold.command.TimerFired", "job_id": job_id, "task_id": task_id,
+                  "attempt": int(msgspec.msgpack.decode(raw)), "timer": kind, "due_ms": due,
+                  "fired_at_ms": now_ms}

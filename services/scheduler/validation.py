@@ -1,0 +1,123 @@
+"""Graph and limit checks at submission, run inside the fold.
+
+Pure functions over the Avro ``JobSpec`` dict: the scheduler cannot trust that
+a record came through the API (upstream systems produce SubmitJob directly), so
+every rule that decides acceptance lives here and nowhere else. The API calls
+the same function to answer 4xx at once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from dagfold.config import Limits
+
+FAILURE_POLICIES = frozenset({"fail_fast", "skip_downstream", "allow_partial"})
+TRIGGER_RULES = frozenset({"all_success", "all_done", "one_success", "one_failed", "none_failed", "always"})
+_NAME = re.compile(r"^[A-Za-z0-9._\-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a submission is refused: a machine code and a sentence for people."""
+
+    code: str
+    reason: str
+
+
+def find_cycle(tasks: list[dict[str, Any]]) -> list[str] | None:
+    """Return one dependency cycle as a list of task IDs (first repeated at the end), or None.
+
+    Kahn's algorithm finds whether a cycle exists in O(V+E); a walk along
+    remaining upstream edges then names one, so the rejection is actionable.
+    """
+    indeg = {t["task_id"]: len(set(t["depends_on"])) for t in tasks}
+    down: dict[str, list[str]] = {t["task_id"]: [] for t in tasks}
+    ups: dict[str, list[str]] = {}
+    for t in tasks:
+        ups[t["task_id"]] = sorted(set(t["depends_on"]))
+        for u in ups[t["task_id"]]:
+            down[u].append(t["task_id"])
+    ready = [tid for tid, d in indeg.items() if d == 0]
+    while ready:
+        tid = ready.pop()
+        for d in down[tid]:
+            indeg[d] -= 1
+            if indeg[d] == 0:
+                ready.append(d)
+    left = {tid for tid, d in indeg.items() if d > 0}
+    if not left:
+        return None
+    # Every task left has an upstream that is also left: walk upstream until a repeat.
+    start = min(left)
+    seen: dict[str, int] = {}
+    path: list[str] = []
+    node = start
+    while node not in seen:
+        seen[node] = len(path)
+        path.append(node)
+        node = next(u for u in ups[node] if u in left)
+    cycle = path[seen[node] :]
+    cycle.reverse()  # upstream walk reversed reads in dependency order: a -> b means b depends on a
+    return cycle + [cycle[0]]
+
+
+def _check_task(t: dict[str, Any], limits: Limits) -> Rejection | None:
+    tid = t["task_id"]
+    if not tid or len(tid) > limits.max_task_id_len:
+        return Rejection("invalid_field", f"task id {tid[:40]!r} must be 1..{limits.max_task_id_len} characters")
+    if _CONTROL.search(tid):
+        return Rejection("invalid_field", f"task id {tid[:40]!r} contains control characters")
+    if not t["handler"]:
+        return Rejection("invalid_field", f"task {tid!r}: handler is empty")
+    if len(t["args_json"]) > limits.max_args_bytes:
+        return Rejection("payload_too_large",
+                         f"task {tid!r}: args are {len(t['args_json'])} bytes, limit {limits.max_args_bytes}")
+    try:
+        args = json.loads(t["args_json"])
+    except ValueError:
+        return Rejection("invalid_field", f"task {tid!r}: args_json is not valid JSON")
+    if not isinstance(args, dict):
+        return Rejection("invalid_field", f"task {tid!r}: args must be a JSON object")
+    q = t["queue"]
+    if not q or len(q) > limits.max_queue_name_len or not _NAME.match(q):
+        return Rejection("invalid_field", f"task {tid!r}: queue {q!r} must match [A-Za-z0-9._-]+")
+    if t["trigger_rule"] not in TRIGGER_RULES:
+        return Rejection("invalid_field", f"task {tid!r}: unknown trigger_rule {t['trigger_rule']!r}")
+    if tid in t["depends_on"]:
+        return Rejection("cycle", f"dependency cycle: {tid} -> {tid}")
+    return None
+
+
+def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
+    """All acceptance rules; None means the job is valid."""
+    tasks = spec["tasks"]
+    if not spec["job_id"] or len(spec["job_id"]) > limits.max_task_id_len or _CONTROL.search(spec["job_id"]):
+        return Rejection("invalid_field", f"job_id must be 1..{limits.max_task_id_len} printable characters")
+    if not tasks:
+        return Rejection("invalid_field", "a job needs at least one task")
+    if len(tasks) > limits.max_tasks_per_job:
+        return Rejection("too_many_tasks", f"{len(tasks)} tasks, limit {limits.max_tasks_per_job} per job")
+    if spec["failure_policy"] not in FAILURE_POLICIES:
+        return Rejection("invalid_field", f"unknown failure_policy {spec['failure_policy']!r}")
+    ids: set[str] = set()
+    for t in tasks:
+        if t["task_id"] in ids:
+            return Rejection("duplicate_task", f"duplicate task id {t['task_id']!r}")
+        ids.add(t["task_id"])
+    for t in tasks:
+        bad = _check_task(t, limits)
+        if bad:
+            return bad
+        for dep in t["depends_on"]:
+            if dep not in ids:
+                return Rejection("unknown_dependency",
+                                 f"task {t['task_id']!r} depends on unknown task {dep!r}")
+    cycle = find_cycle(tasks)
+    if cycle:
+        return Rejection("cycle", "dependency cycle: " + " -> ".join(cycle))
+    return None

@@ -1,0 +1,136 @@
+"""The local stack: scheduler, projector, workers and API in one process.
+
+``dagfold up`` and ``dagfold run`` use it. On the embedded log everything must
+share one process (the log is a RocksDB folder that one process opens); on
+Kafka the same pieces also run as separate processes (``dagfold worker``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dagfold.commands import CommandSender
+from dagfold.config import Config
+from dagfold.log import Log, open_log
+from projections.jobs import ReadModel
+from projections.projector import Projector
+from services.scheduler.runner import SchedulerRunner
+from services.worker.handlers import HandlerRegistry, default_registry
+from services.worker.worker import Worker
+
+log = logging.getLogger("dagfold.stack")
+
+JOB_TERMINAL = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    workers: int = 2
+    queues: tuple[str, ...] = ("default",)
+    api: bool = True
+    scheduler_instance: str = "0"
+    registry: HandlerRegistry = field(default_factory=default_registry)
+
+
+class Stack:
+    """Starts the pieces as threads; ``failed`` tells when one of them died."""
+
+    def __init__(self, config: Config, options: StackOptions | None = None) -> None:
+        self.config = config
+        self.options = options or StackOptions()
+        self.stop_event = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
+        self.log: Log | None = None
+        self.api_server: Any = None
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as exc:  # surfaced through .failed; the CLI exits non-zero
+                log.exception("%s stopped with an error", name)
+                self.errors.append(exc)
+                self.stop_event.set()
+
+        t = threading.Thread(target=guarded, name=name, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def start(self) -> Stack:
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open_log(cfg.log_url, cfg.data_dir)
+        self.log.create_topics(cfg.core_topics() + [cfg.dispatch_spec(q) for q in self.options.queues])
+        self.runner = SchedulerRunner(self.log, cfg, self.options.scheduler_instance)
+        self._spawn("scheduler", lambda: self.runner.run(self.stop_event))
+        self.projector = Projector(self.log, cfg.data_dir / "projections")
+        self.read_model = self.projector.read_model
+        self._spawn("projector", lambda: self.projector.run(self.stop_event))
+        host = socket.gethostname()
+        self.workers: list[Worker] = []
+        for q in self.options.queues:
+            for i in range(self.options.workers):
+                w = Worker(self.log, q, f"{host}-{q}-{i}", self.options.registry, config=cfg)
+                self.workers.append(w)
+                self._spawn(f"worker-{q}-{i}", lambda w=w: w.run(self.stop_event))  # type: ignore[misc]
+        self.sender = CommandSender(self.log, "dagfold-stack")
+        if self.options.api:
+            self._start_api()
+        return self
+
+    def _start_api(self) -> None:
+        import uvicorn
+
+        from services.api.app import create_app
+
+        assert self.log is not None
+        app = create_app(self.log, self.read_model, self.config)
+        server = uvicorn.Server(uvicorn.Config(app, host=self.config.api_host, port=self.config.api_port,
+                                               log_level="warning", lifespan="on"))
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.api_server = server
+        self._spawn("api", server.run)
+        deadline = time.monotonic() + 15
+        while not server.started and time.monotonic() < deadline and not self.errors:
+            time.sleep(0.05)
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.errors)
+
+    def wait_job(self, job_id: str, timeout_s: float = 600.0, poll_s: float = 0.05) -> dict[str, Any] | None:
+        """Block until the job is terminal in the read model (or timeout/failure); returns the summary."""
+        deadline = time.monotonic() + timeout_s
+        job = None
+        while time.monotonic() < deadline and not self.failed:
+            job = self.read_model.get_job(job_id)
+            if job is not None and job["state"] in JOB_TERMINAL:
+                return job
+            time.sleep(poll_s)
+        return job
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        if self.api_server is not None:
+            self.api_server.should_exit = True
+        for t in self.threads:
+            t.join(timeout=10)
+        try:
+            self.sender.close()
+        except Exception:
+            pass
+        if self.log is not None:
+            self.log.close()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,556 @@
+"""The worker: leases dispatched attempts, runs their handlers, reports outcomes.
+
+Data flow (one ``Worker``, its own consumer and producer)::
+
+    dispatch.<queue> --(group dagfold-workers.<queue>)--> Worker
+        -> commands: TaskStarted, TaskHeartbeat..., TaskSucceeded | TaskFailed
+        -> deadletter: records that do not decode as a TaskDispatch
+    control (all partitions, from the end) --> StopTask for this worker_id
+
+Delivery is at least once: the dispatch offsets of a polled batch are committed
+only after the batch's reports are flushed, so a worker that dies before the
+commit has the records redelivered; the scheduler fences duplicate and stale
+reports by attempt. Instant (``batched``) handlers such as ``noop`` have their
+TaskStarted and outcome produced for the whole batch with one flush. Any other
+handler has its TaskStarted flushed before it runs, a heartbeat every
+``lease_timeout_s / 3`` (at least 0.2 s) while it runs, and its outcome flushed
+and offset committed as soon as it ends.
+
+Stopping: a StopTask for the running attempt cancels it (``ctx.cancelled``; the
+shell handler kills its process group) and nothing is reported for it. Past
+``start_to_close_s`` the attempt is cancelled and fails with
+``start_to_close_timeout``. When ``run``'s stop event is set, the running
+attempt gets ``shutdown_grace_s`` to finish, then is cancelled and fails
+retryably with ``worker_shutdown``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from dagfold import codec
+from dagfold.codec import Record, default_codec
+from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic, worker_group
+from dagfold.exceptions import CodecError, LogError
+from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition, TopicSpec
+from services.worker.exceptions import NonRetryableError, TaskError, TaskTimeout, UnknownHandlerError
+from services.worker.handlers import Handler, HandlerRegistry, TaskContext, default_registry
+
+log = logging.getLogger("dagfold.worker")
+
+DISPATCH = "dagfold.dispatch.TaskDispatch"
+STOP_TASK = "dagfold.control.StopTask"
+SERVICE = "worker"
+MAX_RESULT_BYTES = 64 * 1024
+MAX_REASON_CHARS = 4096
+TAIL_CHARS = 4096
+MIN_HEARTBEAT_S = 0.2
+_STOPPED_MEMORY = 4096
+
+AttemptKey = tuple[str, str, int]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _clean(s: str) -> str:
+    """Text Avro can encode (lone surrogates, e.g. from undecodable file names, become '?')."""
+    try:
+        s.encode()
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "replace").decode()
+
+
+def _tail(s: str) -> str:
+    return _clean(s[-TAIL_CHARS:] if len(s) > TAIL_CHARS else s)
+
+
+class _Running:
+    """The attempt being run: shared by the run loop, its watcher and the control thread."""
+
+    def __init__(self, key: AttemptKey, ctx: TaskContext) -> None:
+        self.key = key
+        self.ctx = ctx
+        self.done = threading.Event()
+        self.wake = threading.Event()
+        self._lock = threading.Lock()
+        self.cancel_kind: str | None = None  # "stop" | "timeout" | "shutdown"
+        self.pending: tuple[float | None, str | None] | None = None
+        self.progress: float | None = None
+        self.message: str | None = None
+
+    def cancel(self, kind: str, reason: str) -> bool:
+        with self._lock:
+            if self.cancel_kind is not None:
+                return False
+            self.cancel_kind = kind
+        self.ctx.cancel(reason)
+        self.wake.set()
+        return True
+
+    def request_heartbeat(self, progress: float | None, message: str | None) -> None:
+        with self._lock:
+            self.pending = (progress, message)
+        self.wake.set()
+
+    def take_pending(self) -> tuple[float | None, str | None] | None:
+        with self._lock:
+            p, self.pending = self.pending, None
+        if p is not None:
+            if p[0] is not None:
+                self.progress = p[0]
+            if p[1] is not None:
+                self.message = p[1]
+        return p
+
+
+class Worker:
+    """One worker of one queue: its own dispatch consumer, control consumer and producer.
+
+    Run several as threads (``start_thread``) or one per process. Call ``close``
+    after ``run`` returned.
+    """
+
+    def __init__(
+        self,
+        log: Log,
+        queue: str,
+        worker_id: str,
+        registry: HandlerRegistry | None = None,
+        *,
+        config: Config | None = None,
+        dispatch_partitions: int | None = None,
+        max_batch: int = 64,
+        poll_timeout_s: float = 0.2,
+        shutdown_grace_s: float = 10.0,
+    ) -> None:
+        self.log = log
+        self.queue = queue
+        self.worker_id = worker_id
+        self.registry = registry if registry is not None else default_registry()
+        self.topic = dispatch_topic(queue)
+        self.group = worker_group(queue)
+        cfg = config if config is not None else Config()
+        spec = cfg.dispatch_spec(queue)
+        if dispatch_partitions is not None:
+            spec = TopicSpec(spec.name, dispatch_partitions, spec.retention_ms, spec.replication,
+                             spec.min_insync_replicas)
+        self.dispatch_spec = spec
+        self.max_batch = max_batch
+        self.poll_timeout_s = poll_timeout_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self._codec = default_codec()
+        self._producer = log.producer(f"dagfold-worker-{worker_id}")
+        self._consumer = log.consumer(self.group, client_id=f"dagfold-worker-{worker_id}")
+        self._control: Consumer | None = None
+        self._control_thread: threading.Thread | None = None
+        self._control_stop = threading.Event()
+        self._lock = threading.Lock()
+        self._running: _Running | None = None
+        self._stopped: OrderedDict[AttemptKey, str] = OrderedDict()
+        self._closed = False
+        # counters (read them as attributes; Prometheus metrics come later)
+        self.tasks_run = 0
+        self.tasks_succeeded = 0
+        self.tasks_failed = 0
+        self.tasks_stopped = 0
+        self.tasks_skipped = 0
+        self.dead_lettered = 0
+        self.heartbeats_sent = 0
+        self.batches = 0
+
+    # -- lifecycle ------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        return {
+            "tasks_run": self.tasks_run,
+            "tasks_succeeded": self.tasks_succeeded,
+            "tasks_failed": self.tasks_failed,
+            "tasks_stopped": self.tasks_stopped,
+            "tasks_skipped": self.tasks_skipped,
+            "dead_lettered": self.dead_lettered,
+            "heartbeats_sent": self.heartbeats_sent,
+            "batches": self.batches,
+        }
+
+    def start_thread(self, stop: threading.Event) -> threading.Thread:
+        """Run in a new daemon thread named after the worker."""
+        t = threading.Thread(target=self.run, args=(stop,), name=f"worker-{self.worker_id}", daemon=True)
+        t.start()
+        return t
+
+    def run(self, stop: threading.Event) -> None:
+        """Poll, run and report until ``stop`` is set."""
+        if not self._prepare(stop):
+            return
+        log.info("worker started", extra={"worker_id": self.worker_id, "queue": self.queue})
+        try:
+            while not stop.is_set():
+                records = self._consumer.poll(self.max_batch, self.poll_timeout_s)
+                if records:
+                    self._process_batch(records, stop)
+        finally:
+            self._stop_control()
+            try:
+                self._producer.flush()
+            except LogError:
+                log.exception("final flush failed", extra={"worker_id": self.worker_id})
+            log.info("worker stopped", extra={"worker_id": self.worker_id, **self.stats()})
+
+    def close(self) -> None:
+        """Release the consumers and the producer (after ``run`` returned)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_control()
+        for c in (self._consumer, self._control):
+            if c is not None:
+                try:
+                    c.close()
+                except Exception:
+                    log.debug("consumer close failed", exc_info=True)
+        try:
+            self._producer.close()
+        except Exception:
+            log.debug("producer close failed", exc_info=True)
+
+    def _topic_exists(self, topic: str) -> bool:
+        try:
+            return self.log.partitions(topic) > 0
+        except LogError:
+            return False
+
+    def _prepare(self, stop: threading.Event) -> bool:
+        """Create the dispatch topic, wait for the core topics, subscribe, start the control reader."""
+        announced = False
+        while not stop.is_set():
+            try:
+                self.log.create_topics([self.dispatch_spec])
+            except LogError as exc:
+                log.warning("cannot create dispatch topic yet: %s", exc,
+                            extra={"worker_id": self.worker_id, "topic": self.topic})
+            missing = [t for t in (self.topic, COMMANDS, CONTROL, DEADLETTER) if not self._topic_exists(t)]
+            if not missing:
+                break
+            if not announced:
+                log.info("waiting for topics %s", missing, extra={"worker_id": self.worker_id})
+                announced = True
+            stop.wait(0.5)
+        if stop.is_set():
+            return False
+        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._start_control()
+        return True
+
+    def _on_assign(self, tps: list[TopicPartition]) -> None:
+        log.info("assigned %s", [tp.partition for tp in tps], extra={"worker_id": self.worker_id})
+
+    def _on_revoke(self, tps: list[TopicPartition]) -> None:
+        # Offsets are committed after every batch, before the next poll, so nothing is pending here.
+        log.info("revoked %s", [tp.partition for tp in tps], extra={"worker_id": self.worker_id})
+
+    # -- control --------------------------------------------------------------
+    def _start_control(self) -> None:
+        n = self.log.partitions(CONTROL)
+        tps = [TopicPartition(CONTROL, p) for p in range(n)]
+        self._control = self.log.consumer(None, client_id=f"dagfold-worker-{self.worker_id}-control")
+        self._control.assign(self.log.end_offsets(tps))
+        self._control_stop.clear()
+        self._control_thread = threading.Thread(target=self._control_loop, daemon=True,
+                                                name=f"worker-{self.worker_id}-control")
+        self._control_thread.start()
+
+    def _stop_control(self) -> None:
+        self._control_stop.set()
+        t = self._control_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=5.0)
+        self._control_thread = None
+
+    def _control_loop(self) -> None:
+        consumer = self._control
+        assert consumer is not None
+        while not self._control_stop.is_set():
+            try:
+                records = consumer.poll(256, 0.2)
+            except Exception:
+                log.warning("control poll failed", exc_info=True, extra={"worker_id": self.worker_id})
+                self._control_stop.wait(1.0)
+                continue
+            for rec in records:
+                self.handle_control_record(rec)
+
+    def handle_control_record(self, rec: LogRecord) -> None:
+        """Act on one record of the control topic (StopTask for this worker; others are ignored)."""
+        try:
+            r = self._codec.decode(rec.value)
+        except CodecError as exc:
+            log.warning("undecodable control record at %s/%d@%d: %s", rec.topic, rec.partition, rec.offset,
+                        exc, extra={"worker_id": self.worker_id})
+            return
+        if r["type"] == STOP_TASK and r["worker_id"] == self.worker_id:
+            self.stop_task(r["job_id"], r["task_id"], r["attempt"], r["reason"])
+
+    def stop_task(self, job_id: str, task_id: str, attempt: int, reason: str = "stopped") -> bool:
+        """Stop an attempt: cancel it if running (no report is sent for it), skip it if not started yet.
+
+        Returns True if it was running.
+        """
+        key = (job_id, task_id, attempt)
+        with self._lock:
+            self._stopped[key] = reason
+            self._stopped.move_to_end(key)
+            while len(self._stopped) > _STOPPED_MEMORY:
+                self._stopped.popitem(last=False)
+            running = self._running
+        if running is not None and running.key == key:
+            if running.cancel("stop", f"stopped: {reason}"):
+                log.info("stopping attempt: %s", reason, extra=self._extra(key))
+            return True
+        return False
+
+    # -- dispatch ---------------------------------------------------------------
+    def _process_batch(self, records: list[LogRecord], stop: threading.Event) -> None:
+        self.batches += 1
+        done: dict[TopicPartition, int] = {}  # next offsets of processed records, not yet committed
+        safe: dict[TopicPartition, int] = {}  # where to resume if a flush fails
+        for rec in records:
+            safe.setdefault(TopicPartition(rec.topic, rec.partition), rec.offset)
+        i = 0
+        try:
+            for i, rec in enumerate(records):  # noqa: B007 (i is used after the loop)
+                if stop.is_set():
+                    break
+                flush_now = self._process_record(rec, stop)
+                done[TopicPartition(rec.topic, rec.partition)] = rec.offset + 1
+                if flush_now:
+                    self._producer.flush()
+                    self._commit(done)
+                    safe.update(done)
+                    done = {}
+            else:
+                i = len(records)
+            self._producer.flush()
+            self._commit(done)
+            safe.update(done)
+        except LogError:
+            log.exception("cannot write reports; the batch's unreported records will run again",
+                          extra={"worker_id": self.worker_id})
+            self._seek(safe)
+            stop.wait(1.0)
+            return
+        # Stopped mid-batch: rewind to the first record not processed.
+        rewind: dict[TopicPartition, int] = {}
+        for rec in records[i:]:
+            rewind.setdefault(TopicPartition(rec.topic, rec.partition), rec.offset)
+        self._seek(rewind)
+
+    def _seek(self, positions: Mapping[TopicPartition, int]) -> None:
+        for tp, off in positions.items():
+            try:
+                self._consumer.seek(tp, off)
+            except Exception:
+                log.warning("seek %s to %d failed", tp, off, exc_info=True, extra={"worker_id": self.worker_id})
+
+    def _commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets)
+        except LogError as exc:
+            # The reports are durable; a redelivery only repeats work the scheduler fences.
+            log.warning("offset commit failed: %s", exc, extra={"worker_id": self.worker_id})
+
+    def _send(self, topic: str, key: bytes, rec: Record) -> None:
+        self._producer.send(topic, key, self._codec.encode(rec))
+
+    def _dead_letter(self, rec: LogRecord, reason: str) -> None:
+        dl = codec.make("dagfold.deadletter.DeadLetter", source_topic=rec.topic, partition=rec.partition,
+                        offset=rec.offset, key=rec.key, value=rec.value, reason=reason, service=SERVICE,
+                        ts_ms=_now_ms())
+        self._send(DEADLETTER, rec.key or b"", dl)
+        self.dead_lettered += 1
+        log.warning("dead-lettered %s/%d@%d: %s", rec.topic, rec.partition, rec.offset, reason,
+                    extra={"worker_id": self.worker_id})
+
+    def _extra(self, key: AttemptKey) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "job_id": key[0], "task_id": key[1], "attempt": key[2]}
+
+    def _process_record(self, rec: LogRecord, stop: threading.Event | None = None) -> bool:
+        """Handle one dispatch record; True if its reports must be flushed now (not a batched handler)."""
+        try:
+            d = self._codec.decode(rec.value)
+        except CodecError as exc:
+            self._dead_letter(rec, str(exc))
+            return False
+        if d["type"] != DISPATCH:
+            self._dead_letter(rec, f"unexpected record type {d['type']} on {rec.topic}")
+            return False
+        key: AttemptKey = (d["job_id"], d["task_id"], d["attempt"])
+        with self._lock:
+            stopped = self._stopped.get(key)
+        if stopped is not None:
+            self.tasks_skipped += 1
+            log.info("skipping attempt stopped before it ran: %s", stopped, extra=self._extra(key))
+            return False
+        handler = self.registry.find(d["handler"])
+        batched = handler is None or handler.batched
+        kb = d["job_id"].encode()
+        self._send(COMMANDS, kb, codec.make(
+            "dagfold.command.TaskStarted", job_id=key[0], task_id=key[1], attempt=key[2],
+            worker_id=self.worker_id, ts_ms=_now_ms()))
+        self.tasks_run += 1
+        if not batched:
+            self._producer.flush()  # take the lease before a long run
+        report = self._execute(d, key, handler, stop)
+        if report is not None:
+            self._send(COMMANDS, kb, report)
+        return not batched
+
+    def _execute(self, d: Record, key: AttemptKey, handler: Handler | None,
+                 stop: threading.Event | None) -> Record | None:
+        """Run the attempt; the report to send, or None when it was stopped."""
+        ctx = TaskContext(job_id=key[0], task_id=key[1], attempt=key[2], idempotency_key=d["idempotency_key"],
+                          tenant=d["tenant"], handler=d["handler"], worker_id=self.worker_id,
+                          start_to_close_s=d["start_to_close_s"])
+        try:
+            args = json.loads(d["args_json"] or "{}")
+            if not isinstance(args, dict):
+                raise ValueError(f"expected a JSON object, got {type(args).__name__}")
+        except ValueError as err:
+            return self._failed(ctx, NonRetryableError(f"invalid args_json: {err}"))
+        ctx.args = args
+        if handler is None:
+            return self._failed(ctx, UnknownHandlerError(d["handler"]))
+        if handler.batched:
+            ctx.on_heartbeat = lambda p, m: self._send_heartbeat(ctx, p, m, flush=False)
+            value, error = self._call(handler, ctx)
+            return self._outcome(ctx, value, error)
+
+        running = _Running(key, ctx)
+        ctx.on_heartbeat = running.request_heartbeat
+        with self._lock:
+            self._running = running
+        lease = d["lease_timeout_s"]
+        interval = max(lease / 3.0, MIN_HEARTBEAT_S) if lease == lease and lease > 0 else MIN_HEARTBEAT_S
+        limit = d["start_to_close_s"]
+        deadline = time.monotonic() + limit if limit is not None and limit > 0 else None
+        watcher = threading.Thread(target=self._watch, args=(running, interval, deadline, stop), daemon=True,
+                                   name=f"worker-{self.worker_id}-heartbeat")
+        watcher.start()
+        try:
+            value, error = self._call(handler, ctx)
+        finally:
+            running.done.set()
+            running.wake.set()
+            watcher.join()
+            with self._lock:
+                self._running = None
+        kind = running.cancel_kind
+        if kind == "stop":
+            self.tasks_stopped += 1
+            log.info("attempt stopped; not reporting it", extra=self._extra(key))
+            return None
+        if kind == "timeout":
+            return self._failed(ctx, error if isinstance(error, TaskTimeout) else TaskTimeout())
+        if kind == "shutdown" and error is not None:
+            return self._failed(ctx, TaskError("worker_shutdown"))
+        return self._outcome(ctx, value, error)
+
+    @staticmethod
+    def _call(handler: Handler, ctx: TaskContext) -> tuple[Any, Exception | None]:
+        try:
+            return handler.fn(ctx), None
+        except Exception as exc:
+            return None, exc
+
+    def _outcome(self, ctx: TaskContext, value: Any, exc: Exception | None) -> Record:
+        if exc is not None:
+            return self._failed(ctx, exc)
+        result_json = None
+        if value is not None:
+            try:
+                result_json = json.dumps(value, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                return self._failed(ctx, NonRetryableError(f"result is not JSON-serialisable: {e}"))
+            size = len(result_json.encode())
+            if size > MAX_RESULT_BYTES:
+                return self._failed(ctx, NonRetryableError(
+                    f"result_json is {size} bytes, over the {MAX_RESULT_BYTES}-byte limit"))
+        self.tasks_succeeded += 1
+        log.debug("task succeeded", extra=self._extra((ctx.job_id, ctx.task_id, ctx.attempt)))
+        return codec.make("dagfold.command.TaskSucceeded", job_id=ctx.job_id, task_id=ctx.task_id,
+                          attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=_now_ms(), result_json=result_json,
+                          stdout_tail=_tail(ctx.stdout_tail), stderr_tail=_tail(ctx.stderr_tail))
+
+    def _failed(self, ctx: TaskContext, exc: Exception) -> Record:
+        if isinstance(exc, TaskError):
+            reason, retryable, error_type, exit_code = exc.reason, exc.retryable, exc.error_type(), exc.exit_code
+        else:
+            reason, retryable, error_type, exit_code = str(exc), True, type(exc).__name__, None
+        reason = _clean(str(reason or type(exc).__name__)[:MAX_REASON_CHARS])
+        self.tasks_failed += 1
+        extra = {**self._extra((ctx.job_id, ctx.task_id, ctx.attempt)), "reason": reason, "retryable": retryable}
+        if isinstance(exc, TaskError):
+            log.info("task failed: %s", reason, extra=extra)
+        else:
+            log.info("task failed: %s: %s", type(exc).__name__, reason, extra=extra, exc_info=exc)
+        return codec.make("dagfold.command.TaskFailed", job_id=ctx.job_id, task_id=ctx.task_id,
+                          attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=_now_ms(), reason=reason,
+                          exit_code=exit_code, error_type=error_type, retryable=retryable,
+                          stdout_tail=_tail(ctx.stdout_tail), stderr_tail=_tail(ctx.stderr_tail))
+
+    # -- heartbeats -------------------------------------------------------------
+    def _send_heartbeat(self, ctx: TaskContext, progress: float | None, message: str | None, *,
+                        flush: bool) -> None:
+        hb = codec.make("dagfold.command.TaskHeartbeat", job_id=ctx.job_id, task_id=ctx.task_id,
+                        attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=_now_ms(), progress=progress,
+                        message=_clean(str(message)[:1024]) if message is not None else None)
+        try:
+            self._send(COMMANDS, ctx.job_id.encode(), hb)
+            if flush:
+                self._producer.flush()
+        except LogError as exc:
+            log.warning("heartbeat failed: %s", exc, extra=self._extra((ctx.job_id, ctx.task_id, ctx.attempt)))
+            return
+        self.heartbeats_sent += 1
+
+    def _watch(self, running: _Running, interval: float, deadline: float | None,
+               stop: threading.Event | None) -> None:
+        """Heartbeat the running attempt; cancel it at its deadline or after the shutdown grace."""
+        next_beat = time.monotonic() + interval
+        last_sent = float("-inf")
+        shutdown_at: float | None = None
+        while not running.done.is_set():
+            running.wake.clear()
+            now = time.monotonic()
+            if running.cancel_kind is not None:
+                return  # stopped, timed out or shutting down: the lease is no longer ours to keep
+            if deadline is not None and now >= deadline:
+                running.cancel("timeout", "start_to_close_timeout")
+                return
+            if stop is not None and stop.is_set():
+                if shutdown_at is None:
+                    shutdown_at = now + self.shutdown_grace_s
+                if now >= shutdown_at:
+                    running.cancel("shutdown", "worker_shutdown")
+                    return
+            due = now >= next_beat
+            if running.pending is not None and now - last_sent >= MIN_HEARTBEAT_S:
+                running.take_pending()
+                due = True
+            if due:
+                self._send_heartbeat(running.ctx, running.progress, running.message, flush=True)
+                last_sent = now = time.monotonic()
+                next_beat = now + interval
+            wake_at = min(t for t in (next_beat, deadline, shutdown_at,
+                                      last_sent + MIN_HEARTBEAT_S if running.pending is not None else None,
+                                      now + 0.25) if t is not None)
+            running.wake.wait(max(0.0, wake_at - now))

@@ -1,0 +1,173 @@
+"""Shared fixtures. Each section belongs to one area; add new ones under their own heading."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dagfold.log.base import Log
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# --------------------------------------------------------------------------
+# Options and markers
+# --------------------------------------------------------------------------
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slow", action="store_true", default=False, help="also run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------
+# Log backends: a Kafka broker for the session, and both backends per test
+#
+# kafka_bootstrap picks, in order:
+#   DAGFOLD_TEST_KAFKA=host:port   an already running broker (nothing started or stopped)
+#   a Docker daemon answering      testcontainers' KafkaContainer (KRaft),
+#                                  image DAGFOLD_TEST_KAFKA_IMAGE (default confluentinc/cp-kafka:7.6.0)
+#   otherwise                      deploy/kafka/kafka.sh on 127.0.0.1, port DAGFOLD_TEST_KAFKA_PORT
+#                                  or the first free of 19092, 19192, ... (controller port +1000),
+#                                  data in $TMPDIR/dagfold-kafka-test/<port>, wiped at start
+# --------------------------------------------------------------------------
+
+KAFKA_SH = ROOT / "deploy" / "kafka" / "kafka.sh"
+KAFKA_TEST_BASE = Path(os.environ.get("TMPDIR", "/tmp")) / "dagfold-kafka-test"
+# Rebalances within a second or two instead of the default 45 s session timeout.
+TEST_CONSUMER_CONFIG = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
+
+
+def _docker_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=5).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _kafka_sh(cmd: str, port: int, data: Path) -> None:
+    env = {**os.environ, "KAFKA_PORT": str(port), "KAFKA_DATA": str(data), "KAFKA_BROKERS": "1"}
+    proc = subprocess.run([str(KAFKA_SH), cmd], env=env, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kafka.sh {cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+
+
+def _reap_stale_test_brokers() -> None:
+    """Stop brokers left by test sessions that died without their teardown (kill -9, crash)."""
+    if not KAFKA_TEST_BASE.is_dir():
+        return
+    for data in KAFKA_TEST_BASE.iterdir():
+        try:
+            owner = int((data / "owner.pid").read_text())
+            os.kill(owner, 0)
+            continue  # its session is still running
+        except ProcessLookupError:
+            pass
+        except (OSError, ValueError):
+            pass
+        if data.name.isdigit():
+            _kafka_sh("stop", int(data.name), data)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _local_kafka() -> Iterator[str]:
+    _reap_stale_test_brokers()
+    fixed = os.environ.get("DAGFOLD_TEST_KAFKA_PORT")
+    candidates = [int(fixed)] if fixed else range(19092, 29092, 100)
+    port = next((p for p in candidates if _port_free(p) and _port_free(p + 1000)), None)
+    if port is None:
+        raise RuntimeError(f"no free port for the test broker among {list(candidates)[:5]}...")
+    data = KAFKA_TEST_BASE / str(port)
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    (data / "owner.pid").write_text(str(os.getpid()))
+    try:
+        _kafka_sh("start", port, data)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _kafka_sh("stop", port, data)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _container_kafka() -> Iterator[str]:
+    from testcontainers.community.kafka import KafkaContainer
+
+    image = os.environ.get("DAGFOLD_TEST_KAFKA_IMAGE", "confluentinc/cp-kafka:7.6.0")
+    container = (
+        KafkaContainer(image)
+        .with_kraft()
+        .with_env("KAFKA_AUTO_CREATE_TOPICS_ENABLE", "false")
+        .with_env("KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR", "1")
+        .with_env("KAFKA_TRANSACTION_STATE_LOG_MIN_ISR", "1")
+    )
+    container.start(timeout=120)
+    try:
+        yield container.get_bootstrap_server()
+    finally:
+        container.stop()
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap() -> Iterator[str]:
+    """``host:port`` of a Kafka broker shared by the whole session (never skipped)."""
+    external = os.environ.get("DAGFOLD_TEST_KAFKA")
+    if external:
+        yield external
+    elif _docker_answers():
+        yield from _container_kafka()
+    else:
+        yield from _local_kafka()
+
+
+@pytest.fixture
+def unique_topic() -> Callable[..., str]:
+    """``unique_topic("events")`` -> ``events-<12 hex>``: tests sharing the session broker never collide."""
+
+    def make(prefix: str = "t") -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+    return make
+
+
+@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
+def log_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Log]:
+    """A fresh ``Log`` of each backend; Kafka is started only when a Kafka test runs."""
+    log: Log
+    if request.param == "embedded":
+        from dagfold.log.embedded import EmbeddedLog
+
+        log = EmbeddedLog(tmp_path / "log")
+    else:
+        from dagfold.log.kafka import KafkaLog
+
+        log = KafkaLog(request.getfixturevalue("kafka_bootstrap"), consumer_config=TEST_CONSUMER_CONFIG)
+    try:
+        yield log
+    finally:
+        log.close()
