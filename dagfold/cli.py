@@ -90,7 +90,10 @@ def print_summary(job: dict[str, Any], tasks: list[dict[str, Any]], as_json: boo
     shown = tasks if len(tasks) <= 40 else [x for x in tasks if x["state"] != "succeeded"][:40]
     for x in shown:
         t.add_row(x["task_id"], x["state"], str(x.get("attempt", "")), (x.get("reason") or "")[:80])
-    out.print(t)
+    if shown:
+        out.print(t)
+    else:
+        out.print(f"job {job['job_id']}: {job['state']}")
     counts = ", ".join(f"{k}={v}" for k, v in (job.get("counts") or {}).items() if v)
     dur = job.get("duration_ms")
     out.print(f"tasks: {job.get('total_tasks', len(tasks))} ({counts})"
@@ -221,11 +224,11 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     host = f"{socket.gethostname()}-{int(time.time() * 1000) % 100000}"
     threads = []
+    workers = []
     for i in range(concurrency):
         w = Worker(lg, queue, f"{host}-{queue}-{i}", default_registry(), config=cfg)
-        t = threading.Thread(target=w.run, args=(stop,), daemon=True)
-        t.start()
-        threads.append(t)
+        workers.append(w)
+        threads.append(w.start_thread(stop))
     try:
         while not stop.is_set() and any(t.is_alive() for t in threads):
             time.sleep(0.2)
@@ -233,6 +236,8 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
         stop.set()
     for t in threads:
         t.join(timeout=10)
+    for w in workers:
+        w.close()
     lg.close()
 
 
@@ -253,7 +258,7 @@ def _request(method: str, api: str, path: str, **kw: Any) -> Any:
     return r.json()
 
 
-def _get_all(api: str, path: str, key: str = "items") -> list[dict[str, Any]]:
+def _get_all(api: str, path: str, key: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     cursor = None
     while True:
@@ -293,7 +298,7 @@ def submit(file: Path, wait: bool = typer.Option(False, "--wait"), api: ApiOpt =
         time.sleep(0.2)
     if not job or job["state"] not in EXIT:
         raise fail(f"job {job_id} did not finish within {timeout}s", 1)
-    print_summary(job, _get_all(api, f"/v1/jobs/{job_id}/tasks"), as_json)
+    print_summary(job, _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks"), as_json)
     raise typer.Exit(EXIT[job["state"]])
 
 
@@ -313,7 +318,7 @@ def status(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> 
 @app.command()
 def tasks(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
     """List a job's tasks."""
-    items = _get_all(api, f"/v1/jobs/{job_id}/tasks")
+    items = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks")
     if as_json:
         out.print_json(json.dumps(items))
         return
@@ -336,7 +341,7 @@ def cancel(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> 
 @app.command()
 def history(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
     """Show a job's history: every event with its time, attempt and reason."""
-    items = _get_all(api, f"/v1/jobs/{job_id}/history")
+    items = _get_all(api, f"/v1/jobs/{job_id}/history", "events")
     if as_json:
         out.print_json(json.dumps(items))
         return

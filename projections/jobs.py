@@ -369,7 +369,7 @@ def _lease_extended(txn: Txn, ev: Record, partition: int, offset: int) -> None:
         task.update(lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts)
         if ev.get("progress") is not None:
             task["progress"] = ev["progress"]
-        ctx.txn.put(ctx.tkey, task)  # the job summary does not change on a heartbeat
+        ctx.txn.put(ctx.tkey, task)  # no count changes: the job summary is left alone
     key, att = _load_attempt(txn, ev, ev["worker_id"])
     att.update(lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts)
     if ev.get("progress") is not None:

@@ -22,7 +22,7 @@ from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
-from projections.jobs import apply, meta_key, position_key
+from projections.jobs import ReadModel, apply, meta_key, position_key
 from projections.store import Store
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,11 @@ class Projector:
         self._partitions = 0
         self._checked_at = 0.0
         self.applied = 0  # events applied by this instance
+
+    @property
+    def read_model(self) -> ReadModel:
+        """Queries over this projector's store (safe from other threads)."""
+        return ReadModel(self.store)
 
     # -- positions -------------------------------------------------------
     def positions(self) -> dict[int, int]:
@@ -140,7 +145,8 @@ class Projector:
 
         Stops when every partition reached the end offsets seen at the start,
         or when nothing arrived for ``idle_s`` (Kafka's transaction markers
-        leave offsets no record reaches), or after ``timeout_s``.
+        leave offsets no record reaches; before the first record arrives the
+        wait is five times longer, for the first fetch), or after ``timeout_s``.
         """
         start = self.applied
         self._checked_at = 0.0
@@ -150,13 +156,15 @@ class Projector:
         ends = self.log.end_offsets(tps)
         deadline = time.monotonic() + timeout_s
         idle_since = time.monotonic()
+        got_any = False
         while time.monotonic() < deadline:
             pos = self.positions()
             if all(pos.get(tp.partition, 0) >= end for tp, end in ends.items()):
                 break
             if self.poll_once(0.1):
                 idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= idle_s:
+                got_any = True
+            elif time.monotonic() - idle_since >= (idle_s if got_any else 5 * idle_s):
                 break
         return self.applied - start
 

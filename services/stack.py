@@ -122,6 +122,10 @@ class Stack:
             self.api_server.should_exit = True
         for t in self.threads:
             t.join(timeout=10)
+        for w in getattr(self, "workers", []):
+            w.close()
+        if hasattr(self, "projector"):
+            self.projector.close()
         try:
             self.sender.close()
         except Exception:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import socket
@@ -42,8 +43,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #   a Docker daemon answering      testcontainers' KafkaContainer (KRaft),
 #                                  image DAGFOLD_TEST_KAFKA_IMAGE (default confluentinc/cp-kafka:7.6.0)
 #   otherwise                      deploy/kafka/kafka.sh on 127.0.0.1, port DAGFOLD_TEST_KAFKA_PORT
-#                                  or the first free of 19092, 19192, ... (controller port +1000),
-#                                  data in $TMPDIR/dagfold-kafka-test/<port>, wiped at start
+#                                  or the first free of 19092, 19192, ... (controller port +1000;
+#                                  concurrent sessions each get their own broker), data in
+#                                  $TMPDIR/dagfold-kafka-test/<port>, removed at session end
 # --------------------------------------------------------------------------
 
 KAFKA_SH = ROOT / "deploy" / "kafka" / "kafka.sh"
@@ -78,35 +80,42 @@ def _kafka_sh(cmd: str, port: int, data: Path) -> None:
         raise RuntimeError(f"kafka.sh {cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
-def _reap_stale_test_brokers() -> None:
-    """Stop brokers left by test sessions that died without their teardown (kill -9, crash)."""
-    if not KAFKA_TEST_BASE.is_dir():
-        return
-    for data in KAFKA_TEST_BASE.iterdir():
-        try:
-            owner = int((data / "owner.pid").read_text())
-            os.kill(owner, 0)
-            continue  # its session is still running
-        except ProcessLookupError:
-            pass
-        except (OSError, ValueError):
-            pass
-        if data.name.isdigit():
-            _kafka_sh("stop", int(data.name), data)
-        shutil.rmtree(data, ignore_errors=True)
+def _owner_alive(data: Path) -> bool:
+    try:
+        os.kill(int((data / "owner.pid").read_text()), 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _claim_test_broker_dir() -> tuple[int, Path]:
+    """Pick a port and claim its data folder, safely against concurrent test sessions.
+
+    Under a file lock: stop brokers whose session died without teardown (kill -9), then
+    take the first port whose folder is unclaimed and whose ports are free.
+    """
+    KAFKA_TEST_BASE.mkdir(parents=True, exist_ok=True)
+    fixed = os.environ.get("DAGFOLD_TEST_KAFKA_PORT")
+    candidates = [int(fixed)] if fixed else list(range(19092, 29092, 100))
+    with open(KAFKA_TEST_BASE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for data in KAFKA_TEST_BASE.iterdir():
+            if data.is_dir() and data.name.isdigit() and not _owner_alive(data):
+                _kafka_sh("stop", int(data.name), data)
+                shutil.rmtree(data, ignore_errors=True)
+        for port in candidates:
+            data = KAFKA_TEST_BASE / str(port)
+            if not data.exists() and _port_free(port) and _port_free(port + 1000):
+                data.mkdir()
+                (data / "owner.pid").write_text(str(os.getpid()))
+                return port, data
+    raise RuntimeError(f"no free port for the test broker among {candidates[:5]}...")
 
 
 def _local_kafka() -> Iterator[str]:
-    _reap_stale_test_brokers()
-    fixed = os.environ.get("DAGFOLD_TEST_KAFKA_PORT")
-    candidates = [int(fixed)] if fixed else range(19092, 29092, 100)
-    port = next((p for p in candidates if _port_free(p) and _port_free(p + 1000)), None)
-    if port is None:
-        raise RuntimeError(f"no free port for the test broker among {list(candidates)[:5]}...")
-    data = KAFKA_TEST_BASE / str(port)
-    shutil.rmtree(data, ignore_errors=True)
-    data.mkdir(parents=True)
-    (data / "owner.pid").write_text(str(os.getpid()))
+    port, data = _claim_test_broker_dir()
     try:
         _kafka_sh("start", port, data)
         yield f"127.0.0.1:{port}"

@@ -114,7 +114,7 @@ def test_context_heartbeat_and_env() -> None:
 
 def test_sleep_sleeps_and_is_interruptible() -> None:
     t0 = time.monotonic()
-    assert sleep(ctx(seconds=0.05)) is None
+    sleep(ctx(seconds=0.05))
     assert time.monotonic() - t0 >= 0.05
     c = ctx(seconds=30)
     threading.Timer(0.1, c.cancel, args=("stopped: test",)).start()
@@ -136,7 +136,7 @@ def test_sleep_rejects_bad_seconds(bad: object) -> None:
 def test_shell_success_keeps_stdout_and_env() -> None:
     c = ctx(cmd='echo "$DAGFOLD_JOB_ID $DAGFOLD_TASK_ID $DAGFOLD_ATTEMPT $DAGFOLD_IDEMPOTENCY_KEY $EXTRA"; '
                 'echo warn >&2', env={"EXTRA": "extra-value"})
-    assert shell(c) is None
+    shell(c)
     assert c.stdout_tail == "job-1 t1 2 job-1/t1 extra-value\n"
     assert c.stderr_tail == "warn\n"
 

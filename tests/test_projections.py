@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import pytest
 
 from dagfold.codec import default_codec, make
 from dagfold.config import EVENTS, Config
+from dagfold.log.base import Log, TopicPartition, TopicSpec
 from dagfold.log.embedded import EmbeddedLog
 from projections import Projector, ReadModel, Store
 from projections.jobs import TASK_STATES
@@ -59,7 +60,7 @@ class Harness:
 
     def open(self) -> None:
         self.projector = Projector(self.log, self.tmp / "read")
-        self.rm = ReadModel(self.projector.store)
+        self.rm = self.projector.read_model
 
     def reopen(self) -> None:
         self.projector.close()
@@ -191,8 +192,6 @@ def test_restart_resumes_without_double_apply(h: Harness) -> None:
 
     # replaying already-applied records changes nothing (positions fence them)
     parts = h.log.partitions(EVENTS)
-    from dagfold.log.base import TopicPartition
-
     recs = [r for p in range(parts) for r in h.log.read(TopicPartition(EVENTS, p), 0, 100)]
     assert h.projector.apply_records(recs) == 0
     assert h.rm.get_job(job) == before
@@ -356,3 +355,42 @@ def test_store_shared_with_reader(tmp_path: Path) -> None:
     assert ReadModel(store).get_job("none") is None
     store.close()
     log.close()
+
+
+def test_projector_on_both_backends(log_backend: Log, unique_topic: Callable[..., str], tmp_path: Path) -> None:
+    """Transactional writes (Kafka leaves commit markers between records) project exactly once."""
+    topic = unique_topic("events")
+    log_backend.create_topics([TopicSpec(topic, 2)])
+    tx = log_backend.transactional_producer(unique_topic("tx"))
+    codec = default_codec()
+
+    def write(*events: dict[str, Any]) -> None:
+        tx.begin()
+        for e in events:
+            tx.send(topic, e["job_id"].encode(), codec.encode(e))
+        tx.commit({}, None)
+
+    write(accepted("k1", [task("a"), task("b")]), accepted("k2", [task("x")]))
+    write(*run_attempt("k1", "a", 1, "w", T0 + 10))
+    projector = Projector(log_backend, tmp_path / "read", topic=topic)
+    try:
+        assert projector.catch_up(timeout_s=60) == 5
+        rm = ReadModel(projector.store)
+        before = rm.get_job("k1")
+        assert before is not None and before["counts"]["succeeded"] == 1
+    finally:
+        projector.close()
+
+    projector = Projector(log_backend, tmp_path / "read", topic=topic)
+    try:
+        rm = ReadModel(projector.store)
+        assert projector.catch_up(timeout_s=60, idle_s=0.5) == 0
+        assert rm.get_job("k1") == before
+        write(*run_attempt("k1", "b", 1, "w", T0 + 20), ev("JobSucceeded", job_id="k1", ts_ms=T0 + 200))
+        assert projector.catch_up(timeout_s=60) == 4
+        job = rm.get_job("k1")
+        assert job is not None and job["state"] == "succeeded" and job["counts"]["succeeded"] == 2
+        assert len(rm.get_history("k1").items) == 8
+    finally:
+        projector.close()
+        tx.close()

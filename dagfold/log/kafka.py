@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from confluent_kafka import Consumer as _CkConsumer
 from confluent_kafka import KafkaError, KafkaException, Message
@@ -31,14 +31,25 @@ from confluent_kafka import TopicPartition as _CkTP
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from dagfold.exceptions import FencedError, LogError
-from dagfold.log.base import AssignCallback, LogRecord, TopicPartition, TopicSpec, partition_for
+from dagfold.log.base import AssignCallback, Consumer, LogRecord, TopicPartition, TopicSpec, partition_for
 
 log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger(__name__ + ".librdkafka")
 
 _TIMEOUT_S = 30.0
 # Errors that mean another instance took over the transactional id.
-_FENCED_CODES = frozenset(
-    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+_FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+
+# Transient while a new topic's leaders settle (librdkafka does not flag them retriable in admin results).
+_SETTLING_CODES = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.REPLICA_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError.FENCED_LEADER_EPOCH,
+    }
 )
 
 
@@ -53,6 +64,21 @@ def _tp(tp: _CkTP) -> TopicPartition:
 def _error_of(exc: KafkaException) -> KafkaError | None:
     err = exc.args[0] if exc.args else None
     return err if isinstance(err, KafkaError) else None
+
+
+def _serve(p: _CkProducer, timeout_s: float, flush: bool) -> int:
+    """``p.flush``/``p.poll``, raising a fatal error as the KafkaException it is.
+
+    confluent-kafka 2.16 raises a fatal error (e.g. fencing) from flush/poll and then
+    still runs delivery callbacks with that exception pending, which CPython turns
+    into a ``SystemError`` chained to the real ``KafkaException``.
+    """
+    try:
+        return p.flush(timeout_s) if flush else p.poll(timeout_s)
+    except SystemError as exc:
+        if isinstance(exc.__cause__, KafkaException):
+            raise exc.__cause__ from None
+        raise
 
 
 class KafkaLog:
@@ -70,10 +96,14 @@ class KafkaLog:
     ) -> None:
         self.url = f"kafka://{bootstrap}"
         self.bootstrap = bootstrap
-        self._base: dict[str, Any] = {"bootstrap.servers": bootstrap, "allow.auto.create.topics": False}
+        self._base: dict[str, Any] = {
+            "bootstrap.servers": bootstrap,
+            "allow.auto.create.topics": False,
+            "logger": _rdkafka_log,  # librdkafka's own log lines go to Python logging, not stderr
+        }
         self._consumer_config = dict(consumer_config or {})
         self._producer_config = dict(producer_config or {})
-        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        self._admin = AdminClient({"bootstrap.servers": bootstrap, "logger": _rdkafka_log})
         self._partitions: dict[str, int] = {}  # partition counts never change in dagfold
         self._lock = threading.Lock()
 
@@ -156,10 +186,9 @@ class KafkaLog:
                     out[_tp(ck_tp)] = fut.result().offset
                 except KafkaException as exc:
                     err = _error_of(exc)
-                    if err is None or not err.retriable() or time.monotonic() > deadline:
-                        raise LogError(
-                            f"cannot read end offset of {ck_tp.topic}[{ck_tp.partition}]: {exc}"
-                        ) from exc
+                    transient = err is not None and (err.retriable() or err.code() in _SETTLING_CODES)
+                    if not transient or time.monotonic() > deadline:
+                        raise LogError(f"cannot read end offset of {ck_tp.topic}[{ck_tp.partition}]: {exc}") from exc
                     todo.append(_tp(ck_tp))
             if todo:
                 time.sleep(0.05)
@@ -229,10 +258,16 @@ class KafkaProducer:
 
     def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
         p = self._log._resolve_partition(topic, key, partition)
-        _produce(self._p, topic, key, value, p, self._on_delivery)
+        try:
+            _produce(self._p, topic, key, value, p, self._on_delivery)
+        except KafkaException as exc:
+            raise LogError(f"cannot send to {topic!r}: {exc}") from exc
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        left = self._p.flush(timeout_s)
+        try:
+            left = _serve(self._p, timeout_s, flush=True)
+        except KafkaException as exc:
+            raise LogError(f"producer failed: {exc}") from exc
         errors, self._errors = self._errors, []
         if errors:
             raise LogError(f"{len(errors)} record(s) not delivered: {errors[0]}")
@@ -245,16 +280,14 @@ class KafkaProducer:
 
 
 def _produce(p: _CkProducer, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
-    """Queue one record, waiting for room when the local queue is full."""
+    """Queue one record, waiting for room when the local queue is full (raises KafkaException)."""
     while True:
         try:
             p.produce(topic, value=value, key=key, partition=partition, on_delivery=cb)
             break
         except BufferError:
-            p.poll(0.05)
-        except KafkaException as exc:
-            raise LogError(f"cannot send to {topic!r}: {exc}") from exc
-    p.poll(0)
+            _serve(p, 0.05, flush=False)
+    _serve(p, 0, flush=False)
 
 
 class KafkaTransactionalProducer:
@@ -273,30 +306,35 @@ class KafkaTransactionalProducer:
         if err is not None:
             self._errors.append(err)
             return
-        tp = TopicPartition(msg.topic(), msg.partition())
-        off = msg.offset()
+        topic, partition, off = msg.topic(), msg.partition(), msg.offset()
+        assert topic is not None and partition is not None and off is not None  # set on delivered records
+        tp = TopicPartition(topic, partition)
         if off > self._last.get(tp, -1):
             self._last[tp] = off
 
     def _call(self, fn: Any, what: str) -> Any:
-        """Run a transactional API call, mapping its errors to the contract's."""
+        """Run a transactional API call, retrying retriable errors, mapping the others."""
         for _ in range(5):
             try:
                 return fn()
             except KafkaException as exc:
                 err = _error_of(exc)
-                if err is None:
-                    raise LogError(f"transaction {what} failed: {exc}") from exc
-                if err.code() in _FENCED_CODES or err.fatal():
-                    self._open = False
-                    raise FencedError(f"transaction {what} failed, producer fenced: {err}") from exc
-                if err.txn_requires_abort():
-                    self._abort_quietly()
-                    raise LogError(f"transaction {what} failed and was aborted: {err}") from exc
-                if not err.retriable():
-                    raise LogError(f"transaction {what} failed: {err}") from exc
+                if err is None or not err.retriable() or err.fatal() or err.txn_requires_abort():
+                    self._fail(exc, what)
                 log.warning("transaction %s: retrying after %s", what, err)
         raise LogError(f"transaction {what} still failing after retries")
+
+    def _fail(self, exc: KafkaException | KafkaError, what: str) -> NoReturn:
+        """Raise the contract's error: fenced/fatal → FencedError; abortable → abort + LogError."""
+        err = _error_of(exc) if isinstance(exc, KafkaException) else exc
+        cause = exc if isinstance(exc, KafkaException) else None
+        if err is not None and (err.code() in _FENCED_CODES or err.fatal()):
+            self._open = False
+            raise FencedError(f"transaction {what} failed, producer fenced: {err}") from cause
+        if err is not None and err.txn_requires_abort() and self._open:
+            self._abort_quietly()
+            raise LogError(f"transaction {what} failed and was aborted: {err}") from cause
+        raise LogError(f"transaction {what} failed: {exc}") from cause
 
     def _abort_quietly(self) -> None:
         self._open = False
@@ -317,28 +355,33 @@ class KafkaTransactionalProducer:
         if not self._open:
             raise LogError("send outside a transaction")
         p = self._log._resolve_partition(topic, key, partition)
-        _produce(self._p, topic, key, value, p, self._on_delivery)
+        try:
+            _produce(self._p, topic, key, value, p, self._on_delivery)
+        except KafkaException as exc:
+            self._fail(exc, "send")
 
     def commit(
-        self, offsets: Mapping[TopicPartition, int], consumer: KafkaConsumer | None = None
+        self, offsets: Mapping[TopicPartition, int], consumer: Consumer | None = None
     ) -> dict[TopicPartition, int]:
         if not self._open:
             raise LogError("commit without begin")
         if offsets:
-            if consumer is None or consumer.group_id is None:
-                raise LogError("offsets committed without a consumer group")
+            if not isinstance(consumer, KafkaConsumer) or consumer.group_id is None:
+                raise LogError("offsets committed without a Kafka consumer in a group")
             meta = consumer.raw.consumer_group_metadata()
             ck_offsets = [_ck(tp, off) for tp, off in offsets.items()]
             self._call(lambda: self._p.send_offsets_to_transaction(ck_offsets, meta, _TIMEOUT_S), "offsets")
         # Flush first so every delivery report (and the offsets we return) is in before the commit.
-        self._p.flush(_TIMEOUT_S)
+        try:
+            _serve(self._p, _TIMEOUT_S, flush=True)
+        except KafkaException as exc:
+            self._fail(exc, "flush")
         if self._errors:
             err = self._errors[0]
-            if err.code() in _FENCED_CODES or err.fatal():
-                self._open = False
-                raise FencedError(f"transaction commit failed, producer fenced: {err}")
-            self._abort_quietly()
-            raise LogError(f"transaction aborted: {len(self._errors)} record(s) not delivered: {err}")
+            if not (err.code() in _FENCED_CODES or err.fatal()):
+                self._abort_quietly()
+                raise LogError(f"transaction aborted: {len(self._errors)} record(s) not delivered: {err}")
+            self._fail(err, "commit")
         self._call(lambda: self._p.commit_transaction(_TIMEOUT_S), "commit")
         self._open = False
         return dict(self._last)
@@ -350,9 +393,14 @@ class KafkaTransactionalProducer:
         self._call(lambda: self._p.abort_transaction(_TIMEOUT_S), "abort")
 
     def close(self) -> None:
+        """Abort any open transaction and release the client; never raises (a fenced
+        producer's close reports the fencing again, which the caller already knows)."""
         if self._open:
             self._abort_quietly()
-        self._p.close()
+        try:
+            self._p.close()
+        except KafkaException as exc:
+            log.debug("closing transactional producer: %s", exc)
 
 
 class KafkaConsumer:

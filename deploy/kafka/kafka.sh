@@ -61,6 +61,17 @@ fetch() {
   echo "$want" >"$LIBS/.pom.sha256"
 }
 
+# slf4j-api 1.7 (what Kafka 4.1 pulls in) needs a 1.x binding such as log4j-slf4j-impl; an
+# slf4j 2.x provider (slf4j-reload4j 2.x) is ignored and the broker then logs nothing at all.
+check_logging_binding() {
+  if compgen -G "$LIBS/slf4j-api-1.*.jar" >/dev/null &&
+    ! compgen -G "$LIBS/log4j-slf4j-impl-*.jar" >/dev/null &&
+    ! compgen -G "$LIBS/slf4j-reload4j-1.*.jar" >/dev/null; then
+    echo "kafka.sh: warning: no SLF4J 1.x binding in $LIBS, so the broker log stays empty;" \
+      "deploy/kafka/pom.xml should depend on org.apache.logging.log4j:log4j-slf4j-impl" >&2
+  fi
+}
+
 kafka_java() { java $HEAP -cp "$LIBS/*" "$@"; }
 
 # -- config ------------------------------------------------------------------
@@ -183,10 +194,15 @@ start() {
       die "port $(client_port "$id") is taken by another process (set KAFKA_PORT)"
     fi
   done
+  check_logging_binding
   write_configs
   if [[ ! -f "$DATA/cluster.id" ]]; then
-    kafka_java kafka.tools.StorageTool random-uuid 2>/dev/null | tail -n1 >"$DATA/cluster.id.tmp"
-    mv "$DATA/cluster.id.tmp" "$DATA/cluster.id"
+    local out
+    out="$(kafka_java kafka.tools.StorageTool random-uuid 2>"$DATA/uuid.err")" ||
+      die "cannot generate a cluster id: $out $(cat "$DATA/uuid.err")"
+    [[ "$out" =~ ^[A-Za-z0-9_-]{22}$ ]] || die "unexpected cluster id '$out': $(cat "$DATA/uuid.err")"
+    echo "$out" >"$DATA/cluster.id"
+    rm -f "$DATA/uuid.err"
   fi
   local cid
   cid="$(cat "$DATA/cluster.id")"

@@ -18,7 +18,8 @@ from dagfold.config import Limits
 FAILURE_POLICIES = frozenset({"fail_fast", "skip_downstream", "allow_partial"})
 TRIGGER_RULES = frozenset({"all_success", "all_done", "one_success", "one_failed", "none_failed", "always"})
 _NAME = re.compile(r"^[A-Za-z0-9._\-]+$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f/]")  # and '/', so every ID is one URL path segment
+_JOB_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def _check_task(t: dict[str, Any], limits: Limits) -> Rejection | None:
     if not tid or len(tid) > limits.max_task_id_len:
         return Rejection("invalid_field", f"task id {tid[:40]!r} must be 1..{limits.max_task_id_len} characters")
     if _CONTROL.search(tid):
-        return Rejection("invalid_field", f"task id {tid[:40]!r} contains control characters")
+        return Rejection("invalid_field", f"task id {tid[:40]!r} contains '/' or control characters")
     if not t["handler"]:
         return Rejection("invalid_field", f"task {tid!r}: handler is empty")
     if len(t["args_json"]) > limits.max_args_bytes:
@@ -96,8 +97,9 @@ def _check_task(t: dict[str, Any], limits: Limits) -> Rejection | None:
 def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
     """All acceptance rules; None means the job is valid."""
     tasks = spec["tasks"]
-    if not spec["job_id"] or len(spec["job_id"]) > limits.max_task_id_len or _CONTROL.search(spec["job_id"]):
-        return Rejection("invalid_field", f"job_id must be 1..{limits.max_task_id_len} printable characters")
+    if len(spec["job_id"]) > limits.max_task_id_len or not _JOB_ID.match(spec["job_id"]):
+        return Rejection("invalid_field",
+                         f"job_id must be 1..{limits.max_task_id_len} characters of [A-Za-z0-9._:-]")
     if not tasks:
         return Rejection("invalid_field", "a job needs at least one task")
     if len(tasks) > limits.max_tasks_per_job:

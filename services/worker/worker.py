@@ -14,7 +14,8 @@ reports by attempt. Instant (``batched``) handlers such as ``noop`` have their
 TaskStarted and outcome produced for the whole batch with one flush. Any other
 handler has its TaskStarted flushed before it runs, a heartbeat every
 ``lease_timeout_s / 3`` (at least 0.2 s) while it runs, and its outcome flushed
-and offset committed as soon as it ends.
+and offset committed as soon as it ends; after ``max_batch_duration_s`` the
+rest of a polled batch is left to the next poll (Kafka's poll interval).
 
 Stopping: a StopTask for the running attempt cancels it (``ctx.cancelled``; the
 shell handler kills its process group) and nothing is reported for it. Past
@@ -26,6 +27,7 @@ retryably with ``worker_shutdown``.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import threading
@@ -130,7 +132,9 @@ class Worker:
         dispatch_partitions: int | None = None,
         max_batch: int = 64,
         poll_timeout_s: float = 0.2,
-        shutdown_grace_s: float = 10.0,
+        shutdown_grace_s: float = 5.0,
+        max_batch_duration_s: float = 30.0,
+        max_poll_interval_s: float = 3600.0,
     ) -> None:
         self.log = log
         self.queue = queue
@@ -147,9 +151,10 @@ class Worker:
         self.max_batch = max_batch
         self.poll_timeout_s = poll_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
+        self.max_batch_duration_s = max_batch_duration_s
         self._codec = default_codec()
         self._producer = log.producer(f"dagfold-worker-{worker_id}")
-        self._consumer = log.consumer(self.group, client_id=f"dagfold-worker-{worker_id}")
+        self._consumer = self._group_consumer(max_poll_interval_s)
         self._control: Consumer | None = None
         self._control_thread: threading.Thread | None = None
         self._control_stop = threading.Event()
@@ -166,6 +171,24 @@ class Worker:
         self.dead_lettered = 0
         self.heartbeats_sent = 0
         self.batches = 0
+
+    def _group_consumer(self, max_poll_interval_s: float) -> Consumer:
+        """The dispatch consumer; on Kafka with a poll interval that tolerates long tasks.
+
+        The worker polls between tasks only, so Kafka's ``max.poll.interval.ms``
+        (default 5 min) must exceed the longest task plus ``max_batch_duration_s``,
+        or the consumer leaves the group mid-task (its records then go to another
+        worker, whose TaskStarted the scheduler rejects).
+        """
+        client_id = f"dagfold-worker-{self.worker_id}"
+        try:
+            takes_config = "config" in inspect.signature(self.log.consumer).parameters
+        except (TypeError, ValueError):
+            takes_config = False
+        if takes_config:
+            conf = {"max.poll.interval.ms": int(max_poll_interval_s * 1000)}
+            return self.log.consumer(self.group, client_id, config=conf)  # type: ignore[call-arg]
+        return self.log.consumer(self.group, client_id=client_id)
 
     # -- lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -279,7 +302,7 @@ class Worker:
         assert consumer is not None
         while not self._control_stop.is_set():
             try:
-                records = consumer.poll(256, 0.2)
+                records = consumer.poll(256, min(0.2, self.poll_timeout_s))
             except Exception:
                 log.warning("control poll failed", exc_info=True, extra={"worker_id": self.worker_id})
                 self._control_stop.wait(1.0)
@@ -323,20 +346,22 @@ class Worker:
         safe: dict[TopicPartition, int] = {}  # where to resume if a flush fails
         for rec in records:
             safe.setdefault(TopicPartition(rec.topic, rec.partition), rec.offset)
-        i = 0
+        processed = 0
+        started = time.monotonic()
         try:
-            for i, rec in enumerate(records):  # noqa: B007 (i is used after the loop)
+            for rec in records:
                 if stop.is_set():
                     break
+                if processed and time.monotonic() - started > self.max_batch_duration_s:
+                    break  # long tasks: poll again soon (Kafka's poll interval); the rest is re-read
                 flush_now = self._process_record(rec, stop)
+                processed += 1
                 done[TopicPartition(rec.topic, rec.partition)] = rec.offset + 1
                 if flush_now:
                     self._producer.flush()
                     self._commit(done)
                     safe.update(done)
                     done = {}
-            else:
-                i = len(records)
             self._producer.flush()
             self._commit(done)
             safe.update(done)
@@ -346,9 +371,9 @@ class Worker:
             self._seek(safe)
             stop.wait(1.0)
             return
-        # Stopped mid-batch: rewind to the first record not processed.
+        # Stopped or out of time mid-batch: rewind to the first record not processed.
         rewind: dict[TopicPartition, int] = {}
-        for rec in records[i:]:
+        for rec in records[processed:]:
             rewind.setdefault(TopicPartition(rec.topic, rec.partition), rec.offset)
         self._seek(rewind)
 
