@@ -81,13 +81,14 @@ def _kafka_sh(cmd: str, port: int, data: Path) -> None:
 
 
 def _owner_alive(data: Path) -> bool:
+    """Whether the test session that claimed ``data`` still runs (a zombie does not)."""
     try:
-        os.kill(int((data / "owner.pid").read_text()), 0)
-    except ProcessLookupError:
-        return False
+        pid = int((data / "owner.pid").read_text())
+        os.kill(pid, 0)
     except (OSError, ValueError):
         return False
-    return True
+    stat = Path(f"/proc/{pid}/stat")  # Linux only; elsewhere a live pid is enough
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[-1].split()[:1] != ["Z"]
 
 
 def _claim_test_broker_dir() -> tuple[int, Path]:

@@ -141,6 +141,29 @@ def test_missing_topic_is_an_error_and_never_created(log_backend: Log, unique_to
         log_backend.partitions(topic)
 
 
+def test_assign_and_seek(log_backend: Log, unique_topic: TopicName) -> None:
+    topic = unique_topic("seek")
+    log_backend.create_topics([TopicSpec(topic, 2)])
+    tp0, tp1 = TopicPartition(topic, 0), TopicPartition(topic, 1)
+    p = log_backend.producer("test")
+    for i in range(5):
+        p.send(topic, b"k", f"a{i}".encode(), partition=0)
+        p.send(topic, b"k", f"b{i}".encode(), partition=1)
+    p.flush()
+
+    c = log_backend.consumer(None)
+    c.assign({tp0: 2, tp1: 4})
+    assert c.assignment() == [tp0, tp1]
+    recs = _drain(c, 4)
+    assert sorted((r.partition, r.value or b"") for r in recs) == [(0, b"a2"), (0, b"a3"), (0, b"a4"), (1, b"b4")]
+    c.seek(tp0, 1)
+    again = _drain(c, 4, timeout_s=2)
+    assert [(r.partition, r.value) for r in again] == [(0, b"a1"), (0, b"a2"), (0, b"a3"), (0, b"a4")]
+    with pytest.raises(LogError):
+        c.commit({tp0: 1})  # assign-only consumers have no group
+    c.close()
+
+
 def test_group_shares_partitions_and_rebalances(log_backend: Log, unique_topic: TopicName) -> None:
     topic = unique_topic("group")
     log_backend.create_topics([TopicSpec(topic, 4)])
@@ -271,10 +294,11 @@ def test_aborted_transaction_is_never_visible(log_backend: Log, unique_topic: To
     txp.abort()
     txp.begin()
     txp.send(topic, b"k", b"kept")
-    txp.commit({}, None)
+    last = txp.commit({}, None)
 
     recs = _drain(reader, 1) + _quiet(reader, 1.0)
     assert [r.value for r in recs] == [b"kept"]
+    assert last == {TopicPartition(topic, 0): recs[0].offset}
     txp.close()
     reader.close()
 
@@ -293,11 +317,21 @@ def test_newer_transactional_producer_fences_the_older(log_backend: Log, unique_
     new.send(topic, b"k", b"successor")
     new.commit({}, None)
 
+    # Fenced while idle: the next transaction fails (at the latest on commit).
+    newest = log_backend.transactional_producer("tx-" + topic)
+    new.begin()
+    with pytest.raises(FencedError):
+        new.send(topic, b"k", b"zombie-2")
+        new.commit({}, None)
+    newest.begin()
+    newest.send(topic, b"k", b"newest")
+    newest.commit({}, None)
+
     reader = _reader(log_backend, topic)
-    recs = _drain(reader, 1) + _quiet(reader, 1.0)
-    assert [r.value for r in recs] == [b"successor"]
-    old.close()
-    new.close()
+    recs = _drain(reader, 2) + _quiet(reader, 1.0)
+    assert [r.value for r in recs] == [b"successor", b"newest"]
+    for p in (old, new, newest):
+        p.close()
     reader.close()
 
 
@@ -351,3 +385,26 @@ def test_embedded_data_survives_close_and_reopen(tmp_path: Path, unique_topic: T
         assert sum(log.end_offsets(tps).values()) == 10
     finally:
         log.close()
+
+
+def test_position_reaches_the_end_offset_past_transaction_markers(log_backend: Log, unique_topic: TopicName) -> None:
+    """Catch-up relies on this: reading to the end means position >= end offset, on both backends."""
+    topic = unique_topic("pos")
+    log_backend.create_topics([TopicSpec(topic, 1)])
+    tp = TopicPartition(topic, 0)
+    txp = log_backend.transactional_producer("tx-" + topic)
+    for i in range(3):
+        txp.begin()
+        txp.send(topic, b"k", f"v{i}".encode(), partition=0)
+        txp.commit({}, None)
+    end = log_backend.end_offsets([tp])[tp]
+    reader = log_backend.consumer(None)
+    reader.assign({tp: 0})
+    seen: list[bytes] = []
+    deadline = time.monotonic() + 15
+    while reader.position(tp) < end and time.monotonic() < deadline:
+        seen.extend(r.value or b"" for r in reader.poll(100, 0.2))
+    assert reader.position(tp) >= end
+    assert seen == [b"v0", b"v1", b"v2"]
+    txp.close()
+    reader.close()

@@ -113,6 +113,10 @@ class Consumer(Protocol):
 
     def seek(self, tp: TopicPartition, offset: int) -> None: ...
 
+    def position(self, tp: TopicPartition) -> int:
+        """Next offset this consumer will read from ``tp``; past transaction markers on Kafka,
+        so ``position >= end_offsets`` means the partition was read to its end."""
+
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[LogRecord]:
         """Up to ``max_records`` committed records, waiting at most ``timeout_s``."""
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from rocksdict import Options, Rdict, WriteBatch
 
 from dagfold.exceptions import FencedError, LogError
-from dagfold.log.base import AssignCallback, LogRecord, TopicPartition, TopicSpec, partition_for
+from dagfold.log.base import AssignCallback, Consumer, LogRecord, TopicPartition, TopicSpec, partition_for
 
 _SEP = b"\x00"
 _PO = struct.Struct(">IQ")
@@ -299,6 +299,9 @@ class EmbeddedConsumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self._positions[tp] = offset
 
+    def position(self, tp: TopicPartition) -> int:
+        return self._positions.get(tp, 0)
+
     def _rebalance(self) -> None:
         group, member = self._group, self._member
         if group is None or member is None or group.generation == self._generation:
@@ -407,11 +410,13 @@ class EmbeddedTransactionalProducer:
         self._buf.append((topic, self._log._resolve_partition(topic, key, partition), key, value))
 
     def commit(
-        self, offsets: Mapping[TopicPartition, int], consumer: EmbeddedConsumer | None = None
+        self, offsets: Mapping[TopicPartition, int], consumer: Consumer | None = None
     ) -> dict[TopicPartition, int]:
         if self._buf is None:
             raise LogError("commit without begin")
         buf, self._buf = self._buf, None
+        if consumer is not None and not isinstance(consumer, EmbeddedConsumer):
+            raise LogError("an embedded transaction needs an embedded consumer")
         group = consumer.group_id if consumer is not None else None
         return self._log._append_batch(buf, offsets, group, fence=(self._tid, self._epoch))
 

@@ -18,14 +18,14 @@ Choices that keep it equal to the embedded backend:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from confluent_kafka import Consumer as _CkConsumer
-from confluent_kafka import KafkaError, KafkaException, Message
+from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, Message
 from confluent_kafka import Producer as _CkProducer
 from confluent_kafka import TopicPartition as _CkTP
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
@@ -40,12 +40,12 @@ _TIMEOUT_S = 30.0
 # Errors that mean another instance took over the transactional id.
 _FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
 
-# Transient while a new topic's leaders settle (librdkafka does not flag them retriable in admin results).
+# Transient while leaders settle, e.g. just after topic creation (librdkafka does not flag
+# them retriable in admin results).
 _SETTLING_CODES = frozenset(
     {
         KafkaError.NOT_LEADER_FOR_PARTITION,
         KafkaError.LEADER_NOT_AVAILABLE,
-        KafkaError.UNKNOWN_TOPIC_OR_PART,
         KafkaError.REPLICA_NOT_AVAILABLE,
         KafkaError.UNKNOWN_LEADER_EPOCH,
         KafkaError.FENCED_LEADER_EPOCH,
@@ -67,18 +67,19 @@ def _error_of(exc: KafkaException) -> KafkaError | None:
 
 
 def _serve(p: _CkProducer, timeout_s: float, flush: bool) -> int:
-    """``p.flush``/``p.poll``, raising a fatal error as the KafkaException it is.
+    """``p.flush``/``p.poll``, raising a fatal error as a ``KafkaException``.
 
     confluent-kafka 2.16 raises a fatal error (e.g. fencing) from flush/poll and then
-    still runs delivery callbacks with that exception pending, which CPython turns
-    into a ``SystemError`` chained to the real ``KafkaException``.
+    still runs delivery callbacks with that exception pending; CPython turns that into
+    a ``SystemError`` (chained to the real ``KafkaException``, or with none at all).
     """
     try:
         return p.flush(timeout_s) if flush else p.poll(timeout_s)
     except SystemError as exc:
         if isinstance(exc.__cause__, KafkaException):
             raise exc.__cause__ from None
-        raise
+        err = KafkaError(KafkaError._FATAL, f"client failed while serving callbacks: {exc}", fatal=True)
+        raise KafkaException(err) from exc
 
 
 class KafkaLog:
@@ -103,9 +104,9 @@ class KafkaLog:
         }
         self._consumer_config = dict(consumer_config or {})
         self._producer_config = dict(producer_config or {})
-        self._admin = AdminClient({"bootstrap.servers": bootstrap, "logger": _rdkafka_log})
+        admin_conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log}
+        self._admin = AdminClient(admin_conf)
         self._partitions: dict[str, int] = {}  # partition counts never change in dagfold
-        self._lock = threading.Lock()
 
     # -- topics ----------------------------------------------------------
     def create_topics(self, specs: Sequence[TopicSpec]) -> None:
@@ -140,14 +141,19 @@ class KafkaLog:
         # ... and until each leader answers for its partitions.
         self.end_offsets([TopicPartition(s.name, p) for s in missing for p in range(s.partitions)])
 
+    def _metadata(self, topic: str | None = None) -> Any:
+        try:
+            return self._admin.list_topics(topic=topic, timeout=_TIMEOUT_S)
+        except KafkaException as exc:
+            raise LogError(f"cannot read cluster metadata from {self.bootstrap}: {exc}") from exc
+
     def _existing(self, names: Sequence[str]) -> set[str]:
-        md = self._admin.list_topics(timeout=_TIMEOUT_S)
+        md = self._metadata()
         return {n for n in names if n in md.topics and md.topics[n].error is None}
 
     def _leaders(self, topic: str) -> int:
         """Number of partitions of ``topic`` that have a leader (0 if it is unknown)."""
-        md = self._admin.list_topics(topic=topic, timeout=_TIMEOUT_S)
-        t = md.topics.get(topic)
+        t = self._metadata(topic).topics.get(topic)
         if t is None or t.error is not None:
             return 0
         return sum(1 for p in t.partitions.values() if p.leader >= 0 and p.error is None)
@@ -156,11 +162,7 @@ class KafkaLog:
         n = self._partitions.get(topic)
         if n is not None:
             return n
-        try:
-            md = self._admin.list_topics(topic=topic, timeout=_TIMEOUT_S)
-        except KafkaException as exc:
-            raise LogError(f"cannot read metadata of topic {topic!r}: {exc}") from exc
-        t = md.topics.get(topic)
+        t = self._metadata(topic).topics.get(topic)
         if t is None or t.error is not None or not t.partitions:
             raise LogError(f"topic {topic!r} does not exist")
         n = len(t.partitions)
@@ -259,7 +261,13 @@ class KafkaProducer:
     def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
         p = self._log._resolve_partition(topic, key, partition)
         try:
-            _produce(self._p, topic, key, value, p, self._on_delivery)
+            while True:
+                try:
+                    self._p.produce(topic, value=value, key=key, partition=p, on_delivery=self._on_delivery)
+                    break
+                except BufferError:  # local queue full: wait for deliveries to make room
+                    _serve(self._p, 0.05, flush=False)
+            _serve(self._p, 0, flush=False)
         except KafkaException as exc:
             raise LogError(f"cannot send to {topic!r}: {exc}") from exc
 
@@ -279,33 +287,32 @@ class KafkaProducer:
         self._p.close()
 
 
-def _produce(p: _CkProducer, topic: str, key: bytes, value: bytes, partition: int, cb: Any) -> None:
-    """Queue one record, waiting for room when the local queue is full (raises KafkaException)."""
-    while True:
-        try:
-            p.produce(topic, value=value, key=key, partition=partition, on_delivery=cb)
-            break
-        except BufferError:
-            _serve(p, 0.05, flush=False)
-    _serve(p, 0, flush=False)
-
-
 class KafkaTransactionalProducer:
-    """One transaction at a time: ``begin`` → ``send``… → ``commit(offsets, consumer)``."""
+    """One transaction at a time: ``begin`` → ``send``… → ``commit(offsets, consumer)``.
+
+    Delivery reports are served only after ``commit_transaction`` succeeded (which flushes
+    and fails the whole transaction if any record failed), never while a fatal error
+    may be pending (see ``_serve``); they give the last offset per partition.
+    """
 
     def __init__(self, log: KafkaLog, producer: _CkProducer) -> None:
         self._log = log
         self._p = producer
         self._open = False
+        self._fenced = False
+        self._txn = 0  # numbers transactions, so late reports of an aborted one are ignored
+        self._sent = 0
+        self._delivered = 0
         self._last: dict[TopicPartition, int] = {}
-        self._errors: list[KafkaError] = []
         # Fences any older instance with this transactional id (and aborts its open transaction).
         self._call(lambda: self._p.init_transactions(_TIMEOUT_S), "init")
 
-    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None:
-            self._errors.append(err)
+    def _on_delivery(self, txn: int, err: KafkaError | None, msg: Message) -> None:
+        if txn != self._txn:
             return
+        self._delivered += 1
+        if err is not None:
+            return  # the transaction failed as a whole; commit_transaction reported it
         topic, partition, off = msg.topic(), msg.partition(), msg.offset()
         assert topic is not None and partition is not None and off is not None  # set on delivered records
         tp = TopicPartition(topic, partition)
@@ -330,6 +337,7 @@ class KafkaTransactionalProducer:
         cause = exc if isinstance(exc, KafkaException) else None
         if err is not None and (err.code() in _FENCED_CODES or err.fatal()):
             self._open = False
+            self._fenced = True
             raise FencedError(f"transaction {what} failed, producer fenced: {err}") from cause
         if err is not None and err.txn_requires_abort() and self._open:
             self._abort_quietly()
@@ -348,17 +356,31 @@ class KafkaTransactionalProducer:
             raise LogError("transaction already open")
         self._call(self._p.begin_transaction, "begin")
         self._open = True
+        self._txn += 1
+        self._sent = self._delivered = 0
         self._last = {}
-        self._errors = []
 
     def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
         if not self._open:
             raise LogError("send outside a transaction")
         p = self._log._resolve_partition(topic, key, partition)
-        try:
-            _produce(self._p, topic, key, value, p, self._on_delivery)
-        except KafkaException as exc:
-            self._fail(exc, "send")
+        txn = self._txn
+
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            self._on_delivery(txn, err, msg)
+
+        while True:
+            try:
+                self._p.produce(topic, value=value, key=key, partition=p, on_delivery=delivered)
+                break
+            except BufferError:  # queue full: serving reports frees it (records stay uncommitted)
+                try:
+                    _serve(self._p, 0.05, flush=False)
+                except KafkaException as exc:
+                    self._fail(exc, "send")
+            except KafkaException as exc:
+                self._fail(exc, "send")
+        self._sent += 1
 
     def commit(
         self, offsets: Mapping[TopicPartition, int], consumer: Consumer | None = None
@@ -371,19 +393,14 @@ class KafkaTransactionalProducer:
             meta = consumer.raw.consumer_group_metadata()
             ck_offsets = [_ck(tp, off) for tp, off in offsets.items()]
             self._call(lambda: self._p.send_offsets_to_transaction(ck_offsets, meta, _TIMEOUT_S), "offsets")
-        # Flush first so every delivery report (and the offsets we return) is in before the commit.
-        try:
-            _serve(self._p, _TIMEOUT_S, flush=True)
-        except KafkaException as exc:
-            self._fail(exc, "flush")
-        if self._errors:
-            err = self._errors[0]
-            if not (err.code() in _FENCED_CODES or err.fatal()):
-                self._abort_quietly()
-                raise LogError(f"transaction aborted: {len(self._errors)} record(s) not delivered: {err}")
-            self._fail(err, "commit")
         self._call(lambda: self._p.commit_transaction(_TIMEOUT_S), "commit")
         self._open = False
+        # Committed, so every record was delivered: collect the remaining delivery reports.
+        deadline = time.monotonic() + _TIMEOUT_S
+        while self._delivered < self._sent and time.monotonic() < deadline:
+            _serve(self._p, 0.01, flush=False)
+        if self._delivered < self._sent:
+            raise LogError(f"transaction committed but {self._sent - self._delivered} delivery report(s) missing")
         return dict(self._last)
 
     def abort(self) -> None:
@@ -397,10 +414,13 @@ class KafkaTransactionalProducer:
         producer's close reports the fencing again, which the caller already knows)."""
         if self._open:
             self._abort_quietly()
-        try:
-            self._p.close()
-        except KafkaException as exc:
-            log.debug("closing transactional producer: %s", exc)
+        with warnings.catch_warnings():
+            if self._fenced:  # confluent-kafka warns that close could not abort; we know
+                warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                self._p.close()
+            except KafkaException as exc:
+                log.debug("closing transactional producer: %s", exc)
 
 
 class KafkaConsumer:
@@ -451,6 +471,15 @@ class KafkaConsumer:
             self.raw.seek(_ck(tp, offset))
         except KafkaException as exc:
             raise LogError(f"cannot seek {tp} to {offset}: {exc}") from exc
+
+    def position(self, tp: TopicPartition) -> int:
+        try:
+            off = self.raw.position([_ck(tp, OFFSET_INVALID)])[0].offset
+        except KafkaException as exc:
+            raise LogError(f"cannot read the position of {tp}: {exc}") from exc
+        if off >= 0:
+            return int(off)
+        return self._manual.get(tp, 0)
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[LogRecord]:
         try:

@@ -209,8 +209,13 @@ class SchedulerRunner:
 
 
 def catch_up(log_: Log, store: PartitionStore, fold: SchedulerFold, partition: int,
-             idle_polls: int = 4) -> int:
-    """Apply the events of ``partition`` after the store's applied offset; returns how many."""
+             max_idle_s: float = 30.0) -> int:
+    """Apply the events of ``partition`` after the store's applied offset; returns how many.
+
+    Reads until the consumer's position reaches the end offset taken at the start
+    (positions step over Kafka's transaction markers). ``max_idle_s`` bounds the
+    wait if a zombie's open transaction holds the last stable offset back.
+    """
     tp = TopicPartition(EVENTS, partition)
     start = applied_events_offset(store) + 1
     end = log_.end_offsets([tp])[tp]
@@ -219,17 +224,18 @@ def catch_up(log_: Log, store: PartitionStore, fold: SchedulerFold, partition: i
     codec = default_codec()
     consumer = log_.consumer(None, client_id=f"catchup-{partition}")
     consumer.assign({tp: start})
-    applied = empty = 0
+    applied = 0
+    idle_since = time.monotonic()
     try:
-        while True:
-            recs = consumer.poll(5000, 0.25)
+        while consumer.position(tp) < end:
+            recs = consumer.poll(5000, 0.2)
             if not recs:
-                empty += 1
-                # Kafka's transaction markers occupy offsets, so 'end' may never be read exactly.
-                if empty >= idle_polls:
+                if time.monotonic() - idle_since > max_idle_s:
+                    log.warning("catch-up of partition %d stopped at %d of %d", partition,
+                                consumer.position(tp), end)
                     break
                 continue
-            empty = 0
+            idle_since = time.monotonic()
             txn = PartitionTransaction(store)
             for r in recs:
                 try:
@@ -238,8 +244,6 @@ def catch_up(log_: Log, store: PartitionStore, fold: SchedulerFold, partition: i
                     log.error("undecodable event at %s/%d@%d skipped", r.topic, r.partition, r.offset)
             txn.commit(applied_events=recs[-1].offset)
             applied += len(recs)
-            if recs[-1].offset + 1 >= end:
-                break
     finally:
         consumer.close()
     return applied

@@ -1,0 +1,74 @@
+"""End to end on the project's real Kafka broker (started by the session fixture)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dagfold.commands import submit_job
+from dagfold.config import Config
+from dagfold.wfcommons import workflow_spec
+from services.scheduler.spec import parse_spec, to_job_spec
+from services.stack import Stack, StackOptions
+from tests.cli_support import ROOT, UpProcess, dagfold
+
+pytestmark = pytest.mark.kafka
+WF = ROOT.parent / "shared" / "data" / "wfcommons"
+
+
+def test_montage_runs_to_success_on_kafka(kafka_bootstrap: str, tmp_path: Path) -> None:
+    job_id = f"montage-kafka-{int(time.time() * 1000)}"
+    spec = to_job_spec(parse_spec(workflow_spec(WF / "montage-chameleon-2mass-05d-001.json.gz", job_id=job_id)))
+    cfg = Config.from_env(log_url=f"kafka://{kafka_bootstrap}", data_dir=tmp_path / "data")
+    with Stack(cfg, StackOptions(workers=2, api=False)) as stack:
+        stack.sender.send(submit_job(spec, source="test"))
+        job = stack.wait_job(job_id, timeout_s=300)
+        assert job is not None and job["state"] == "succeeded", job
+        assert job["counts"]["succeeded"] == 1738
+        assert stack.runner.folded >= 2 * 1738  # every start and success went through the log
+
+
+def test_up_on_kafka_submit_wait_upstream_producer_and_kill9(kafka_bootstrap: str, tmp_path: Path) -> None:
+    url = f"kafka://{kafka_bootstrap}"
+    data = tmp_path / "data"
+    up = UpProcess(data, log=url).start()
+    try:
+        r = dagfold("submit", "examples/diamond.yaml", "--wait", "--api", up.api, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        r = dagfold("submit", "examples/cycle.yaml", "--api", up.api)
+        assert r.returncode == 2 and "b -> c -> a -> b" in r.stderr
+        r = dagfold("submit", "examples/failing.yaml", "--wait", "--api", up.api, "--json", timeout=300)
+        assert r.returncode == 1, r.stdout + r.stderr
+        job_id = r.stdout.split('"job_id": "', 1)[1].split('"', 1)[0]
+        h = dagfold("history", job_id, "--api", up.api)
+        assert "exit code 3" in h.stdout and "TaskSkipped" in h.stdout
+
+        # an upstream system with only confluent-kafka, fastavro and the .avsc files
+        p = subprocess.run([sys.executable, "examples/upstream_producer.py", "--bootstrap", kafka_bootstrap],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        upstream_job = p.stdout.strip()
+        assert up.wait(upstream_job, timeout=120)["state"] == "succeeded"
+
+        # kill -9 in the middle of a chain, restart on the same data folder: the job finishes
+        chain = "tasks:\n" + "".join(
+            f"  - {{id: t{i}, handler: sleep, args: {{seconds: 0.3}}"
+            f"{', depends_on: [t' + str(i - 1) + ']' if i else ''}}}\n" for i in range(10))
+        chain_job = up.submit(chain)
+        up.wait(chain_job, timeout=120, states={"running"})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (up.job(chain_job) or {}).get("counts", {}).get("succeeded", 0) < 3:
+            time.sleep(0.05)
+        up.kill9()
+    finally:
+        up.stop()
+    up2 = UpProcess(data, log=url, port=up.port).start()
+    try:
+        job = up2.wait(chain_job, timeout=180)
+        assert job["state"] == "succeeded" and job["counts"]["succeeded"] == 10, job
+    finally:
+        up2.stop()
