@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time

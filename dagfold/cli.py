@@ -339,6 +339,13 @@ def cancel(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> 
 
 
 @app.command()
+def redrive(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
+    """Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled tasks."""
+    res = _request("POST", api, f"/v1/jobs/{job_id}/redrive")
+    out.print_json(json.dumps(res)) if as_json else out.print(f"redrive requested for {job_id}")
+
+
+@app.command()
 def history(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
     """Show a job's history: every event with its time, attempt and reason."""
     items = _get_all(api, f"/v1/jobs/{job_id}/history", "events")

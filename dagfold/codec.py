@@ -67,7 +67,7 @@ class Codec:
             raise CodecError(f"no Avro schemas found in {schema_dir}")
         for path in files:
             named: dict[str, Any] = {}
-            parsed = load_schema(str(path), named_schemas=named)
+            parsed: dict[str, Any] = load_schema(str(path), named_schemas=named)  # type: ignore[assignment]
             name = parsed["name"]
             rs = RecordSchema(name, parsed, schema_fingerprint(parsed),
                               tuple(f["name"] for f in parsed["fields"]))

@@ -7,6 +7,7 @@ Kafka the same pieces also run as separate processes (``dagfold worker``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -18,7 +19,6 @@ from typing import Any
 from dagfold.commands import CommandSender
 from dagfold.config import Config
 from dagfold.log import Log, open_log
-from projections.jobs import ReadModel
 from projections.projector import Projector
 from services.scheduler.runner import SchedulerRunner
 from services.worker.handlers import HandlerRegistry, default_registry
@@ -94,7 +94,7 @@ class Stack:
         app = create_app(self.log, self.read_model, self.config)
         server = uvicorn.Server(uvicorn.Config(app, host=self.config.api_host, port=self.config.api_port,
                                                log_level="warning", lifespan="on"))
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
         self.api_server = server
         self._spawn("api", server.run)
         deadline = time.monotonic() + 15
@@ -126,10 +126,8 @@ class Stack:
             w.close()
         if hasattr(self, "projector"):
             self.projector.close()
-        try:
+        with contextlib.suppress(Exception):
             self.sender.close()
-        except Exception:
-            pass
         if self.log is not None:
             self.log.close()
 

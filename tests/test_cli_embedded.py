@@ -72,8 +72,8 @@ def test_up_submit_wait_history_and_client_commands(tmp_path: Path) -> None:
 def test_kill9_mid_job_and_restart_finishes_the_job(tmp_path: Path) -> None:
     data = tmp_path / "data"
     spec = "tasks:\n" + "".join(
-        f"  - {{id: t{i}, handler: sleep, args: {{seconds: 0.3}}{', depends_on: [t' + str(i - 1) + ']' if i else ''}}}\n"
-        for i in range(12))
+        f"  - {{id: t{i}, handler: sleep, args: {{seconds: 0.3}}"
+        f"{', depends_on: [t' + str(i - 1) + ']' if i else ''}}}\n" for i in range(12))
     up = UpProcess(data).start()
     try:
         job_id = up.submit(spec)

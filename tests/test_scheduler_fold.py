@@ -275,3 +275,28 @@ def test_real_workflows_run_to_completion_respecting_every_edge(name: str) -> No
     assert done == set(parents)
     assert h.job(name)["state"] == "succeeded"
     assert h.replayed_digest() == h.digest()
+
+
+def test_redrive_reruns_failed_and_skipped_tasks_keeping_history() -> None:
+    h = FoldHarness()
+    spec = to_job_spec(load_spec_text((EXAMPLES / "failing.yaml").read_text()))
+    job = spec["job_id"]
+    h.submit(spec)
+    while h.dispatched:
+        d = h.dispatched.popleft()
+        h.report("Started", d)
+        h.report("Failed", d, reason="exit code 3", exit_code=3) if d["task_id"] == "bad" else h.report("Succeeded", d)
+    assert h.job(job)["state"] == "failed"
+    h.process({"type": "dagfold.command.RedriveJob", "job_id": job, "requested_at_ms": 0})
+    assert h.events[-2]["type"] == "dagfold.event.JobRedriven"
+    assert sorted(h.events[-2]["task_ids"]) == ["after_bad", "bad", "report"]
+    [d] = list(h.dispatched)
+    assert (d["task_id"], d["attempt"]) == ("bad", 2)  # attempts keep counting
+    assert h.job(job)["state"] == "running"
+    h.run_all()
+    assert h.job(job)["state"] == "succeeded"
+    assert {h.task(job, t)["state"] for t in ("bad", "after_bad", "report")} == {"succeeded"}
+    assert h.replayed_digest() == h.digest()
+    n = len(h.events)
+    h.process({"type": "dagfold.command.RedriveJob", "job_id": job, "requested_at_ms": 0})
+    assert len(h.events) == n  # a succeeded job has nothing to redrive

@@ -22,8 +22,9 @@ import itertools
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 from rocksdict import Options, Rdict, WriteBatch
 
@@ -43,6 +44,11 @@ def _rkey(topic: str, partition: int, offset: int) -> bytes:
 
 def _gkey(group: str, tp: TopicPartition) -> bytes:
     return b"g" + group.encode() + _SEP + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
+
+
+def _items(db: Rdict, start: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """Raw-mode iteration from ``start``; keys and values are bytes in raw mode."""
+    return cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start)))
 
 
 def _now_ms() -> int:
@@ -73,7 +79,7 @@ class EmbeddedLog:
 
     # -- catalogue -------------------------------------------------------
     def _load_catalogue(self) -> None:
-        for k, v in self._db.items(from_key=b"t"):
+        for k, v in _items(self._db, b"t"):
             if not k.startswith(b"t"):
                 break
             name = k[1:].decode()
@@ -183,7 +189,7 @@ class EmbeddedLog:
             return []
         out: list[LogRecord] = []
         prefix = b"r" + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
-        for k, v in self._db.items(from_key=_rkey(tp.topic, tp.partition, offset)):
+        for k, v in _items(self._db, _rkey(tp.topic, tp.partition, offset)):
             if not k.startswith(prefix):
                 break
             off = int(_OFF.unpack(k[-8:])[0])

@@ -24,8 +24,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from confluent_kafka import Consumer as _CkConsumer
 from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, Message
+from confluent_kafka import Consumer as _CkConsumer
 from confluent_kafka import Producer as _CkProducer
 from confluent_kafka import TopicPartition as _CkTP
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec

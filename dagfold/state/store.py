@@ -89,6 +89,7 @@ class PartitionStore:
 
     def range(self, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
         for k, v in self._db.items(from_key=start):
+            assert isinstance(k, bytes) and isinstance(v, bytes)  # raw mode
             if k >= end:
                 break
             yield k, v

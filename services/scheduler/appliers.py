@@ -97,7 +97,7 @@ def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
     for t in tasks:
         ups = list(dict.fromkeys(t["depends_on"]))
         txn.put(keys.task(job_id, t["task_id"]), {
-            "state": "pending", "attempt": 0, "rem": len(ups), "ok": 0, "bad": 0, "skip": 0,
+            "state": "pending", "attempt": 0, "n_up": len(ups), "rem": len(ups), "ok": 0, "bad": 0, "skip": 0,
             "queue": t["queue"], "handler": t["handler"], "args": t["args_json"], "rule": t["trigger_rule"],
             "retry": t["retry"] or spec["retry"] or NO_RETRY,
             "timeouts": t["timeouts"] or spec["timeouts"], "resources": t["resources"],
@@ -194,6 +194,34 @@ def _job_ended(state: str) -> Applier:
     return apply
 
 
+def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
+    """Re-open the listed tasks (all terminal but succeeded); upstream counts are rebuilt from the set.
+
+    Every task of a finished job is terminal, so an upstream outside the set has
+    succeeded: a re-opened task waits only for re-opened upstreams.
+    """
+    job_id = e["job_id"]
+    reopened = set(e["task_ids"])
+    j = get_job(txn, job_id)
+    if j is None:
+        return
+    waiting: dict[str, int] = dict.fromkeys(reopened, 0)
+    for tid in reopened:
+        for d in get_dependents(txn, job_id, tid):
+            if d in waiting:
+                waiting[d] += 1
+    for tid in e["task_ids"]:
+        t = get_task(txn, job_id, tid)
+        if t is None:
+            continue
+        j[t["state"]] -= 1
+        t.update(state="pending", rem=waiting[tid], ok=t["n_up"] - waiting[tid], bad=0, skip=0,
+                 worker=None, lease_ms=None, ended_ms=None)
+        txn.put(keys.task(job_id, tid), t)
+    j.update(state="running", open=j["open"] + len(reopened), first_failure=None, ended_ms=None)
+    txn.put(keys.job(job_id), j)
+
+
 def _no_state(txn: PartitionTransaction, e: Record) -> None:
     """Recorded for the audit only."""
 
@@ -215,6 +243,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobSucceeded": _job_ended("succeeded"),
     "dagfold.event.JobFailed": _job_ended("failed"),
     "dagfold.event.JobCancelled": _job_ended("cancelled"),
+    "dagfold.event.JobRedriven": _job_redriven,
 }
 
 

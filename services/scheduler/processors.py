@@ -192,6 +192,30 @@ def cancel_job(ctx: Ctx, cmd: Record) -> None:
     ctx.event("JobCancelled", job_id, reason=cmd["reason"])
 
 
+REDRIVABLE = frozenset({"failed", "succeeded_partial", "cancelled"})
+
+
+def redrive_job(ctx: Ctx, cmd: Record) -> None:
+    """Re-run a finished job from its failed, skipped and cancelled tasks; history stays in the log."""
+    job_id = cmd["job_id"]
+    j = get_job(ctx.txn, job_id)
+    if j is None or j["state"] not in REDRIVABLE:
+        return  # nothing to redrive; the API answers 409 before sending
+    reopen = []
+    for tid in ctx.txn.get(keys.task_list(job_id)) or []:
+        t = get_task(ctx.txn, job_id, tid)
+        if t is not None and t["state"] in ("failed", "skipped", "cancelled"):
+            reopen.append(tid)
+    if not reopen:
+        return
+    ctx.event("JobRedriven", job_id, task_ids=reopen)
+    for tid in reopen:
+        t = get_task(ctx.txn, job_id, tid)
+        assert t is not None
+        if t["rem"] == 0 or t["rule"] == "always":
+            dispatch(ctx, job_id, tid, t, t["attempt"] + 1, j["tenant"])
+
+
 def _report_target(ctx: Ctx, cmd: Record, report: str) -> dict[str, Any] | None:
     """The task if ``cmd`` comes from the current lease holder; else record why not and return None."""
     job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
@@ -314,6 +338,7 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
 PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
     "dagfold.command.SubmitJob": submit_job,
     "dagfold.command.CancelJob": cancel_job,
+    "dagfold.command.RedriveJob": redrive_job,
     "dagfold.command.TaskStarted": task_started,
     "dagfold.command.TaskHeartbeat": task_heartbeat,
     "dagfold.command.TaskSucceeded": task_succeeded,
