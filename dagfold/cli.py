@@ -13,7 +13,6 @@ import json
 import logging
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -366,5 +365,4 @@ def main() -> None:
     app()
 
 
-if __name__ == "__main__":
-    sys.exit(app())
+from dagfold import cli_admin as _cli_admin  # noqa: E402,F401  (registers scheduler, replay, audit)

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-DAGFOLD = [sys.executable, "-m", "dagfold.cli"]
+DAGFOLD = [sys.executable, "-m", "dagfold"]
 TERMINAL = {"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"}
 
 

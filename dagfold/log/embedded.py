@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import AccessType, Options, Rdict, WriteBatch
 
 from dagfold.exceptions import FencedError, LogError
 from dagfold.log.base import AssignCallback, Consumer, LogRecord, TopicPartition, TopicSpec, partition_for
@@ -58,14 +58,21 @@ def _now_ms() -> int:
 class EmbeddedLog:
     """The embedded backend (see module docstring)."""
 
-    def __init__(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, read_only: bool = False) -> None:
+        """``read_only`` opens a snapshot next to a running writer (audits, replay); it cannot append."""
         self.url = "embedded"
         self.path = path
+        self.read_only = read_only
         opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
         try:
-            self._db = Rdict(str(path), options=opts)
+            if read_only:
+                if not path.exists():
+                    raise LogError(f"no embedded log at {path}")
+                self._db = Rdict(str(path), options=opts, access_type=AccessType.read_only())
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+                opts.create_if_missing(True)
+                self._db = Rdict(str(path), options=opts)
         except Exception as exc:
             raise LogError(f"cannot open embedded log at {path} (is another dagfold using it?): {exc}") from exc
         self._lock = threading.RLock()
@@ -98,6 +105,10 @@ class EmbeddedLog:
 
     def create_topics(self, specs: Sequence[TopicSpec]) -> None:
         with self._lock:
+            if self.read_only:
+                if missing := [s.name for s in specs if s.name not in self._topics]:
+                    raise LogError(f"read-only log has no topics {missing}")
+                return
             created = False
             for s in specs:
                 if s.name in self._topics:
@@ -148,6 +159,8 @@ class EmbeddedLog:
         with self._lock:
             if self._closed:
                 raise LogError("log is closed")
+            if self.read_only:
+                raise LogError("the log is open read-only")
             if fence is not None and self._epochs.get(fence[0]) != fence[1]:
                 raise FencedError(f"transactional id {fence[0]!r} was taken over by a newer instance")
             wb = WriteBatch(raw_mode=True)

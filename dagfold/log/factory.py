@@ -8,12 +8,16 @@ from dagfold.exceptions import LogError
 from dagfold.log.base import Log
 
 
-def open_log(url: str, data_dir: Path) -> Log:
-    """``embedded`` (default) or ``kafka://host:port[,host:port...]``."""
+def open_log(url: str, data_dir: Path, read_only: bool = False) -> Log:
+    """``embedded`` (default) or ``kafka://host:port[,host:port...]``.
+
+    ``read_only`` matters for the embedded log only: audits read a snapshot of a
+    log that a running stack holds open.
+    """
     if url in ("", "embedded") or url.startswith("embedded:"):
         from dagfold.log.embedded import EmbeddedLog
 
-        return EmbeddedLog(data_dir / "log")
+        return EmbeddedLog(data_dir / "log", read_only=read_only)
     if url.startswith("kafka://"):
         from dagfold.log.kafka import KafkaLog
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import AccessType, Options, Rdict, WriteBatch
 
 from dagfold.state.exceptions import StateError
 
@@ -64,12 +64,15 @@ class MemoryStore:
 class PartitionStore:
     """RocksDB (rocksdict, raw mode) holding one partition's state."""
 
-    def __init__(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, read_only: bool = False) -> None:
         opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
         try:
-            self._db = Rdict(str(path), options=opts)
+            if read_only:
+                self._db = Rdict(str(path), options=opts, access_type=AccessType.read_only())
+            else:
+                path.mkdir(parents=True, exist_ok=True)
+                opts.create_if_missing(True)
+                self._db = Rdict(str(path), options=opts)
         except Exception as exc:
             raise StateError(f"cannot open state store {path}: {exc}") from exc
         self.path = path
