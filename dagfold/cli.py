@@ -105,13 +105,19 @@ def print_summary(job: dict[str, Any], tasks: list[dict[str, Any]], as_json: boo
 def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Option(2, "--workers"),
        port: int = typer.Option(8080, "--port"), queue: list[str] = typer.Option(["default"], "--queue"),
        examples: bool = typer.Option(False, "--examples", help="submit the examples at start"),
+       with_scheduler: bool = typer.Option(True, "--scheduler/--no-scheduler",
+                                           help="run a scheduler instance in this process"),
+       instance: str = typer.Option("0", "--instance", help="scheduler instance id (unique per process)"),
        verbose: bool = typer.Option(False, "-v")) -> None:
     """Run the whole local stack: scheduler, projector, workers and the API."""
     from services.stack import Stack, StackOptions
 
     _logging(verbose)
     cfg = _config(log, data, port)
-    stack = Stack(cfg, StackOptions(workers=workers, queues=tuple(queue)))
+    if not with_scheduler and cfg.log_url == "embedded":
+        raise fail("--no-scheduler needs a shared log (kafka://...): the embedded log is one process's")
+    stack = Stack(cfg, StackOptions(workers=workers, queues=tuple(queue), scheduler=with_scheduler,
+                                    scheduler_instance=instance))
     try:
         stack.start()
     except Exception as exc:

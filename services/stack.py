@@ -34,6 +34,7 @@ class StackOptions:
     workers: int = 2
     queues: tuple[str, ...] = ("default",)
     api: bool = True
+    scheduler: bool = True  # False: API/projector/workers only, schedulers run as `dagfold scheduler`
     scheduler_instance: str = "0"
     registry: HandlerRegistry = field(default_factory=default_registry)
 
@@ -68,8 +69,9 @@ class Stack:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.log = open_log(cfg.log_url, cfg.data_dir)
         self.log.create_topics(cfg.core_topics() + [cfg.dispatch_spec(q) for q in self.options.queues])
-        self.runner = SchedulerRunner(self.log, cfg, self.options.scheduler_instance)
-        self._spawn("scheduler", lambda: self.runner.run(self.stop_event))
+        if self.options.scheduler:
+            self.runner = SchedulerRunner(self.log, cfg, self.options.scheduler_instance)
+            self._spawn("scheduler", lambda: self.runner.run(self.stop_event))
         self.projector = Projector(self.log, cfg.data_dir / "projections")
         self.read_model = self.projector.read_model
         self._spawn("projector", lambda: self.projector.run(self.stop_event))

@@ -166,7 +166,9 @@ class SchedulerRunner:
         self.folded += len(recs)
 
     def _rewind(self, partitions: list[int]) -> None:
-        tps = [TopicPartition(COMMANDS, p) for p in partitions]
+        """After an aborted transaction, read the batch again from the committed offsets."""
+        owned = set(self.consumer.assignment())
+        tps = [tp for tp in (TopicPartition(COMMANDS, p) for p in partitions) if tp in owned]
         for tp, off in self.consumer.committed(tps).items():
             self.consumer.seek(tp, off)
 
