@@ -20,53 +20,54 @@ never contain ``\\x00``, which keeps every prefix unambiguous)::
     p  topic partition(>I)         -> next offset to read (projector position)
     m  name                        -> counters (skipped records, applier errors)
 
+The operator models (tenant usage, queue depths, stuck-task deadlines, failure
+reasons; ``projections.operator``) are secondary indexes kept by the same
+appliers in the same write batch; the GPU cluster model (``projections.cluster``)
+folds the allocator's events.
+
 ``ReadModel`` answers queries from a ``Store``; listings are paginated with an
 opaque cursor (the last key of the page, base64url).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
-from projections.exceptions import InvalidCursor
+from projections import operator as ops
+from projections.keys import (
+    MAX_LIMIT,
+    SEP,
+    U32,
+    U64,
+    Page,
+    Record,
+    clamp_limit,
+    decode_cursor,
+    encode_cursor,
+    ms,
+    paginate,
+    part,
+    public,
+    unpart,
+)
 from projections.store import Store, Txn, decode_value
 
-Record = dict[str, Any]
 Applier = Callable[[Txn, Record, int, int], None]
 
-TASK_STATES = ("pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled")
+TASK_STATES = ops.TASK_STATES
 FINISHED_TASK_STATES = frozenset({"succeeded", "failed", "skipped", "cancelled"})
-JOB_STATES = ("running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected")
+JOB_STATES = ops.JOB_STATES
 TERMINAL_JOB_STATES = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
 
-MAX_LIMIT = 1000
 DETAIL_MAX = 500
 
-_SEP = b"\x00"
-_U32 = struct.Struct(">I")
-_U64 = struct.Struct(">Q")
+_SEP = SEP
+_U32 = U32
+_U64 = U64
+__all__ = ["MAX_LIMIT", "Page", "ReadModel", "apply", "part", "unpart"]
 
 
 # -- keys -------------------------------------------------------------------
-def part(s: str) -> bytes:
-    """A string key part, escaped so it never contains the separator."""
-    b = s.encode()
-    if b"\x00" in b or b"\x01" in b:
-        b = b.replace(b"\x01", b"\x01\x02").replace(b"\x00", b"\x01\x01")
-    return b
-
-
-def unpart(b: bytes) -> str:
-    if b"\x01" in b:
-        b = b.replace(b"\x01\x01", b"\x00").replace(b"\x01\x02", b"\x01")
-    return b.decode()
-
-
 def job_key(job_id: str) -> bytes:
     return b"j" + _SEP + part(job_id)
 
@@ -145,10 +146,20 @@ def _new_job(job_id: str, tenant: str, ts: int, partition: int) -> Record:
         "partition": partition,
         "last_offset": -1,
         "redrives": 0,
+        "retries": 0,
+        "spec_hash": None,
     }
 
 
-def _new_task(job_id: str, spec: Record, ts: int) -> Record:
+def _timeout_ms(spec: Record, job_timeouts: Record | None, name: str) -> int | None:
+    """A task's time limit in ms: its own, else the job's, else None (no limit)."""
+    for t in (spec.get("timeouts"), job_timeouts):
+        if t and t.get(name) is not None:
+            return int(float(t[name]) * 1000)
+    return None
+
+
+def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None = None) -> Record:
     return {
         "job_id": job_id,
         "task_id": spec["task_id"],
@@ -175,6 +186,9 @@ def _new_task(job_id: str, spec: Record, ts: int) -> Record:
         "started_ms": None,
         "ended_ms": None,
         "updated_ms": ts,
+        "s2s_ms": _timeout_ms(spec, job_timeouts, "schedule_to_start_s"),
+        "s2c_ms": _timeout_ms(spec, job_timeouts, "start_to_close_s"),
+        "_ix": ops.initial_ix(),
     }
 
 
@@ -209,6 +223,8 @@ def _set_job_state(txn: Txn, job: Record, state: str) -> None:
         return
     for k in _index_keys(job)[2:]:
         txn.delete(k)
+    ops.count_job(txn, job["tenant"], job["state"], -1)
+    ops.count_job(txn, job["tenant"], state, 1)
     job["state"] = state
     for k in _index_keys(job)[2:]:
         txn.put(k, 0)
@@ -259,6 +275,8 @@ class _Ctx:
     def save(self, ts: int) -> None:
         if self.task is not None:
             self.task["updated_ms"] = ts
+            if self.job is not None:
+                ops.sync_task(self.txn, self.job, self.task)
             self.txn.put(self.tkey, self.task)
         if self.job is not None:
             self.job["updated_ms"] = ts
@@ -295,18 +313,22 @@ def _job_accepted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
             return  # a job is accepted once; a repeat changes nothing (history keeps it)
         for k in _index_keys(old):
             txn.delete(k)
+        ops.count_job(txn, old["tenant"], "rejected", -1)
     ts = ev["ts_ms"]
     job = _new_job(job_id, spec.get("tenant", "default"), ts, partition)
     job.update(tier=spec.get("tier", "standard"), failure_policy=spec.get("failure_policy", "skip_downstream"),
                idempotency_key=spec.get("idempotency_key"), labels=dict(spec.get("labels") or {}),
-               callback_url=spec.get("callback_url"))
+               callback_url=spec.get("callback_url"), spec_hash=ev.get("spec_hash"))
     seen: set[str] = set()
+    job_timeouts = spec.get("timeouts")
     for t in spec["tasks"]:
         if t["task_id"] in seen:
             continue  # validation rejects duplicates; never count one twice
         seen.add(t["task_id"])
-        txn.put(task_key(job_id, t["task_id"]), _new_task(job_id, t, ts))
+        txn.put(task_key(job_id, t["task_id"]), _new_task(job_id, t, ts, job_timeouts))
     n = len(seen)
+    ops.count_job(txn, job["tenant"], "running", 1)
+    ops.tasks_created(txn, job["tenant"], n)
     job["total_tasks"] = n
     job["counts"]["pending"] = n
     _set_progress(job)
@@ -324,6 +346,7 @@ def _job_rejected(txn: Txn, ev: Record, partition: int, offset: int) -> None:
         job["state"] = "rejected"
         for k in _index_keys(job):
             txn.put(k, 0)
+        ops.count_job(txn, job["tenant"], "rejected", 1)
     elif job["state"] != "rejected":
         return  # e.g. job_exists: a resubmission of a live job; the job itself is unchanged
     job.update(code=ev["code"], reason=ev["reason"], ended_ms=ts, duration_ms=0, updated_ms=ts)
@@ -369,6 +392,8 @@ def _lease_extended(txn: Txn, ev: Record, partition: int, offset: int) -> None:
         task.update(lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts)
         if ev.get("progress") is not None:
             task["progress"] = ev["progress"]
+        if ctx.job is not None:
+            ops.sync_task(txn, ctx.job, task)  # the lease deadline moved
         ctx.txn.put(ctx.tkey, task)  # no count changes: the job summary is left alone
     key, att = _load_attempt(txn, ev, ev["worker_id"])
     att.update(lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts)
@@ -409,6 +434,7 @@ def _task_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     att.update(reason=ev["reason"], exit_code=ev.get("exit_code"), error_type=ev.get("error_type"),
                stdout_tail=ev.get("stdout_tail", ""), stderr_tail=ev.get("stderr_tail", ""))
     txn.put(key, att)
+    ops.record_failure(txn, ctx.job, ev)
     ctx.save(ts)
 
 
@@ -420,6 +446,8 @@ def _task_retry_scheduled(txn: Txn, ev: Record, partition: int, offset: int) -> 
     _set_task_state(ctx.job, task, "retrying")
     task.update(retries=task["retries"] + 1, retry_at_ms=ev["retry_at_ms"], reason=ev["reason"],
                 worker_id=None, lease_deadline_ms=None)
+    ctx.job["retries"] = ctx.job.get("retries", 0) + 1
+    ops.record_retry(txn, ctx.job["tenant"])
     ctx.save(ev["ts_ms"])
 
 
@@ -488,6 +516,7 @@ def _job_redriven(txn: Txn, ev: Record, partition: int, offset: int) -> None:
         _set_task_state(job, task, "pending")
         task.update(reason=None, exit_code=None, error_type=None, ended_ms=None, worker_id=None,
                     lease_deadline_ms=None, retry_at_ms=None, progress=None, updated_ms=ts)
+        ops.sync_task(txn, job, task)
         txn.put(tkey, task)
     _set_job_state(txn, job, "running")
     job.update(ended_ms=None, duration_ms=None, reason=None, redrives=job.get("redrives", 0) + 1)
@@ -589,44 +618,9 @@ def apply(txn: Txn, event: Record, partition: int, offset: int) -> None:
 
 
 # -- queries ----------------------------------------------------------------
-@dataclass(frozen=True)
-class Page:
-    """One page of a listing; ``next_cursor`` is None on the last page."""
-
-    items: list[Record] = field(default_factory=list)
-    next_cursor: str | None = None
-
-
-def _encode_cursor(key: bytes) -> str:
-    return base64.urlsafe_b64encode(key).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str, prefix: bytes) -> bytes:
-    try:
-        key = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-    except (binascii.Error, ValueError):
-        raise InvalidCursor("cursor is not valid") from None
-    if not key.startswith(prefix):
-        raise InvalidCursor("cursor belongs to another listing")
-    return key
-
-
-def _limit(limit: int) -> int:
-    return max(1, min(int(limit), MAX_LIMIT))
-
-
-def _paginate(rows: Iterator[tuple[bytes, Record | None]], limit: int) -> Page:
-    """The first ``limit`` items (None rows are filtered out); the cursor only if more follow."""
-    items: list[Record] = []
-    last = b""
-    for key, item in rows:
-        if item is None:
-            continue
-        if len(items) == limit:
-            return Page(items, _encode_cursor(last))
-        items.append(item)
-        last = key
-    return Page(items, None)
+def _attempt_task_id(k: bytes, prefix: bytes) -> str:
+    """Task ID of an attempt key ``prefix task \0 attempt(>I)`` (the attempt is the last 4 bytes)."""
+    return unpart(k[len(prefix):-5])
 
 
 class ReadModel:
@@ -641,47 +635,76 @@ class ReadModel:
         return job
 
     def list_jobs(self, tenant: str | None = None, state: str | None = None, limit: int = 100,
-                  cursor: str | None = None) -> Page:
-        """Job summaries, newest first, optionally of one tenant and/or job state."""
+                  cursor: str | None = None, created_after: int | None = None,
+                  created_before: int | None = None) -> Page:
+        """Job summaries, newest first, optionally of one tenant and/or job state.
+
+        ``created_after`` / ``created_before`` (ms, inclusive / exclusive) bound
+        the creation time: a range of the index, not a filter over all jobs.
+        """
         prefix = index_prefix(tenant, state)
-        after = _decode_cursor(cursor, prefix) if cursor else None
+        after = decode_cursor(cursor, prefix) if cursor else None
+        if created_before is not None:
+            bound = prefix + ms(created_before)
+            if after is None or bound < after:
+                after = bound  # a reverse scan starts strictly before this key
+        low = ms(created_after) if created_after is not None else None
 
         def rows() -> Iterator[tuple[bytes, Record | None]]:
             for k, _ in self.store.scan(prefix, after=after, reverse=True):
+                if low is not None and k[len(prefix):len(prefix) + 16] < low:
+                    return
                 job = self.get_job(unpart(k.rsplit(_SEP, 1)[1]))
                 if job is not None and state is not None and job["state"] != state:
                     job = None  # moved on between the index read and now
                 yield k, job
 
-        return _paginate(rows(), _limit(limit))
+        return paginate(rows(), clamp_limit(limit))
 
     def get_tasks(self, job_id: str, limit: int = 100, cursor: str | None = None,
                   state: str | None = None) -> Page:
         """Task records of a job in task-ID order; ``state`` filters (a scan of the job's tasks)."""
         prefix = tasks_prefix(job_id)
-        after = _decode_cursor(cursor, prefix) if cursor else None
+        after = decode_cursor(cursor, prefix) if cursor else None
 
         def rows() -> Iterator[tuple[bytes, Record | None]]:
             for k, v in self.store.scan(prefix, after=after):
                 task = decode_value(v)
-                yield k, (task if state is None or task["state"] == state else None)
+                yield k, (public(task) if state is None or task["state"] == state else None)
 
-        return _paginate(rows(), _limit(limit))
+        return paginate(rows(), clamp_limit(limit))
+
+    def iter_tasks(self, job_id: str) -> Iterator[Record]:
+        """Every task record of a job, in task-ID order (for the graph layout)."""
+        for _, v in self.store.scan(tasks_prefix(job_id)):
+            yield decode_value(v)
 
     def get_task(self, job_id: str, task_id: str) -> Record | None:
         task: Record | None = self.store.get(task_key(job_id, task_id))
-        return task
+        return None if task is None else public(task)
 
     def get_attempts(self, job_id: str, task_id: str) -> list[Record]:
         """Attempts of a task, first attempt first."""
         return [decode_value(v) for _, v in self.store.scan(attempts_prefix(job_id, task_id))]
 
+    def get_job_attempts(self, job_id: str, limit: int = 1000, cursor: str | None = None) -> Page:
+        """Every attempt of a job (each with its ``task_id``), by task then attempt: the timeline."""
+        prefix = b"a" + _SEP + part(job_id) + _SEP
+        after = decode_cursor(cursor, prefix) if cursor else None
+        rows = ((k, {"task_id": _attempt_task_id(k, prefix), **decode_value(v)})
+                for k, v in self.store.scan(prefix, after=after))
+        return paginate(rows, clamp_limit(limit))
+
     def get_history(self, job_id: str, limit: int = 100, cursor: str | None = None) -> Page:
         """Every event of a job in log order (oldest first)."""
         prefix = history_prefix(job_id)
-        after = _decode_cursor(cursor, prefix) if cursor else None
+        after = decode_cursor(cursor, prefix) if cursor else None
         rows = ((k, decode_value(v)) for k, v in self.store.scan(prefix, after=after))
-        return _paginate(rows, _limit(limit))
+        return paginate(rows, clamp_limit(limit))
+
+    def history_cursor(self, job_id: str, partition: int, offset: int) -> str:
+        """The cursor that resumes a job's history after the entry at ``partition``/``offset``."""
+        return encode_cursor(history_key(job_id, partition, offset))
 
     def positions(self, topic: str) -> dict[int, int]:
         """Next offset the projector will read, per partition of ``topic``."""
