@@ -1,9 +1,11 @@
 """The ``dagfold`` command line.
 
 Stack commands (``up``, ``run``, ``worker``) start components in this process;
-client commands (``submit``, ``status``, ``tasks``, ``cancel``, ``history``)
-talk to a running API over HTTP. Every client command takes ``--api`` and
-``--json``. Exit codes: 0 success, 1 job failed/cancelled or a request failed,
+client commands (``submit``, ``jobs``, ``status``, ``watch``, ``tasks``,
+``attempts``, ``history``, ``cancel``, ``redrive``) and operator commands
+(``stuck``, ``queues``, ``tenants``, ``cluster``, ``failures``) talk to a
+running API over HTTP. Every client command takes ``--api``, ``--api-key``
+(``DAGFOLD_API_KEY``) and ``--json``. Exit codes: 0 success, 1 job failed/cancelled or a request failed,
 2 rejected or bad input.
 """
 
@@ -108,11 +110,14 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
        with_scheduler: bool = typer.Option(True, "--scheduler/--no-scheduler",
                                            help="run a scheduler instance in this process"),
        instance: str = typer.Option("0", "--instance", help="scheduler instance id (unique per process)"),
+       auth_file: Path | None = typer.Option(None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
+                                             help="API keys per tenant (YAML/JSON); without it the API is open"),
        verbose: bool = typer.Option(False, "-v")) -> None:
     """Run the whole local stack: scheduler, projector, workers and the API."""
     from services.stack import Stack, StackOptions
 
     _logging(verbose)
+    _use_auth_file(auth_file)
     cfg = _config(log, data, port)
     if not with_scheduler and cfg.log_url == "embedded":
         raise fail("--no-scheduler needs a shared log (kafka://...): the embedded log is one process's")
@@ -135,6 +140,22 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
     stack.stop()
     if stack.failed:
         raise fail(f"a component failed: {stack.errors[0]!r}", 1)
+
+
+def _use_auth_file(auth_file: Path | None) -> None:
+    """Check the auth file now (a bad one must stop start-up) and hand it to the API through the environment."""
+    import os
+
+    from services.api.auth import AuthConfig, AuthConfigError
+
+    if auth_file is None:
+        return
+    try:
+        conf = AuthConfig.from_env(auth_file)
+    except AuthConfigError as exc:
+        raise fail(str(exc)) from None
+    os.environ["DAGFOLD_AUTH_FILE"] = str(auth_file.resolve())
+    out.print(f"API keys: {len(conf.principals)} from {auth_file}; every /v1 request needs one")
 
 
 def submit_examples(stack: Any) -> None:
@@ -214,8 +235,15 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
 @app.command()
 def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embedded",
            data: DataOpt = None, concurrency: int = typer.Option(1, "--concurrency"),
+           handlers: list[str] = typer.Option(
+               [], "--handlers", help="import this module first; it registers custom handlers "
+               "(services.worker.register_handler). Repeatable"),
+           metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
+                                                   help="serve Prometheus /metrics on this port"),
+           metrics_addr: str = typer.Option("127.0.0.1", "--metrics-addr", help="address for --metrics-port"),
            verbose: bool = typer.Option(False, "-v")) -> None:
     """Run workers for one queue in this process (use with --log kafka://...)."""
+    import importlib
     import socket
 
     from dagfold.log import open_log
@@ -223,6 +251,18 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
     from services.worker.worker import Worker
 
     _logging(verbose)
+    if metrics_port is not None:
+        from dagfold import metrics
+
+        try:
+            metrics.serve(metrics_port, metrics_addr)
+        except OSError as exc:
+            raise fail(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {exc}", 1) from None
+    for module in handlers:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise fail(f"cannot import handler module {module!r}: {exc!r}") from None
     cfg = _config(log, data)
     lg = open_log(cfg.log_url, cfg.data_dir)
     stop = threading.Event()
@@ -239,18 +279,33 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
             time.sleep(0.2)
     except KeyboardInterrupt:
         stop.set()
+    asked_to_stop = stop.is_set()
+    stop.set()
     for t in threads:
         t.join(timeout=10)
     for w in workers:
         w.close()
     lg.close()
+    if not asked_to_stop:  # every worker thread died on its own: a supervisor must see a failure
+        raise fail("every worker thread stopped (see the errors above)", 1)
 
 
 # -- client commands ---------------------------------------------------------------
+# They talk to a running API. --api-key (or DAGFOLD_API_KEY) is sent as a bearer
+# token when the API has keys configured; every command takes --json.
 
-def _request(method: str, api: str, path: str, **kw: Any) -> Any:
+KeyOpt = Annotated[str | None, typer.Option("--api-key", envvar="DAGFOLD_API_KEY",
+                                            help="API key (Authorization: Bearer); needed when the API has keys")]
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _request(method: str, api: str, path: str, api_key: str | None = None, **kw: Any) -> Any:
+    headers = {**_headers(api_key), **kw.pop("headers", {})}
     try:
-        r = httpx.request(method, api.rstrip("/") + path, timeout=30, **kw)
+        r = httpx.request(method, api.rstrip("/") + path, timeout=30, headers=headers, **kw)
     except httpx.HTTPError as exc:
         raise fail(f"cannot reach the API at {api}: {exc}", 1) from None
     if r.status_code >= 400:
@@ -259,43 +314,77 @@ def _request(method: str, api: str, path: str, **kw: Any) -> Any:
             msg = f"{e['code']}: {e['reason']}"
         except Exception:
             msg = r.text[:500]
+        if r.status_code == 429 and r.headers.get("retry-after"):
+            msg += f" (retry after {r.headers['retry-after']} s)"
         raise fail(f"HTTP {r.status_code}: {msg}", 2 if r.status_code in (400, 413, 422) else 1)
     return r.json()
 
 
-def _get_all(api: str, path: str, key: str) -> list[dict[str, Any]]:
+def _get_all(api: str, path: str, key: str, api_key: str | None = None,
+             params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     cursor = None
     while True:
-        params: dict[str, Any] = {"limit": 1000}
+        q: dict[str, Any] = {**(params or {}), "limit": 1000}
         if cursor:
-            params["cursor"] = cursor
-        page = _request("GET", api, path, params=params)
+            q["cursor"] = cursor
+        page = _request("GET", api, path, api_key, params=q)
         items.extend(page[key])
         cursor = page.get("next_cursor")
         if not cursor:
             return items
 
 
+def _print_json(data: Any) -> None:
+    out.print_json(json.dumps(data, default=str))
+
+
+def _ts(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    return time.strftime("%H:%M:%S", time.localtime(ms / 1000)) + f".{ms % 1000:03d}"
+
+
+def _dur(ms: int | float | None) -> str:
+    if ms is None:
+        return ""
+    s = ms / 1000
+    if s < 60:
+        return f"{s:.2f}s" if s < 10 else f"{s:.1f}s"
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s < 3600 else f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def _table(*cols: str) -> Table:
+    t = Table()
+    for c in cols:
+        t.add_column(c, justify="right" if c in {"#", "runnable", "running", "retrying", "tasks", "count", "gpus",
+                                                  "overdue", "open jobs", "allocated", "free", "share",
+                                                  "progress", "duration", "attempt"} else "left")
+    return t
+
+
 @app.command()
 def submit(file: Path, wait: bool = typer.Option(False, "--wait"), api: ApiOpt = DEFAULT_API,
-           as_json: JsonOpt = False, timeout: float = typer.Option(3600, "--timeout")) -> None:
-    """Submit a job spec; with --wait, follow it to its end (exit code as for `run`)."""
+           api_key: KeyOpt = None, as_json: JsonOpt = False, timeout: float = typer.Option(3600, "--timeout")) -> None:
+    """Submit a job spec; with --wait, follow it to its end (exit code as for `run`).
+
+    A repeated submission of the same spec (same job ID or idempotency key) returns the existing job.
+    """
     try:
         body = file.read_bytes()
     except OSError as exc:
         raise fail(f"cannot read {file}: {exc}") from None
     ctype = "application/json" if file.suffix == ".json" else "application/yaml"
-    res = _request("POST", api, "/v1/jobs", content=body, headers={"content-type": ctype})
+    res = _request("POST", api, "/v1/jobs", api_key, content=body, headers={"content-type": ctype})
     job_id = res["job_id"]
     if not wait:
-        out.print_json(json.dumps(res)) if as_json else out.print(job_id)
+        _print_json(res) if as_json else out.print(job_id)
         return
     deadline = time.monotonic() + timeout
     job = None
     while time.monotonic() < deadline:
         try:
-            job = _request("GET", api, f"/v1/jobs/{job_id}")
+            job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
         except typer.Exit:
             job = None
         if job and job["state"] in EXIT:
@@ -303,33 +392,117 @@ def submit(file: Path, wait: bool = typer.Option(False, "--wait"), api: ApiOpt =
         time.sleep(0.2)
     if not job or job["state"] not in EXIT:
         raise fail(f"job {job_id} did not finish within {timeout}s", 1)
-    print_summary(job, _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks"), as_json)
+    print_summary(job, _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key), as_json)
     raise typer.Exit(EXIT[job["state"]])
 
 
 @app.command()
-def status(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
+def status(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Show a job's state and counts."""
-    job = _request("GET", api, f"/v1/jobs/{job_id}")
+    job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
     if as_json:
-        out.print_json(json.dumps(job))
+        _print_json(job)
         return
-    out.print(f"{job['job_id']}: {job['state']}  progress {job.get('progress_pct', 0):.1f}%")
+    out.print(f"{job['job_id']}: {job['state']}  progress {job.get('progress', 0):.1f}%  "
+              f"(tenant {job['tenant']}, {job['total_tasks']} tasks, retries {job.get('retries', 0)})")
     out.print(", ".join(f"{k}={v}" for k, v in (job.get("counts") or {}).items() if v))
     if job.get("reason"):
         out.print(f"reason: {job['reason']}")
 
 
 @app.command()
-def tasks(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
-    """List a job's tasks."""
-    items = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks")
+def jobs(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+         state: str | None = typer.Option(None, "--state", help="running, succeeded, succeeded_partial, failed, "
+                                           "cancelled, rejected"),
+         tenant: str | None = typer.Option(None, "--tenant"),
+         since: str | None = typer.Option(None, "--since", help="created at or after (ms since epoch or ISO 8601)"),
+         before: str | None = typer.Option(None, "--before", help="created before (ms since epoch or ISO 8601)"),
+         limit: int = typer.Option(50, "--limit", min=1, max=1000)) -> None:
+    """List jobs, newest first, with filters."""
+    params: dict[str, Any] = {"limit": limit}
+    for k, v in (("state", state), ("tenant", tenant), ("created_after", since), ("created_before", before)):
+        if v:
+            params[k] = v
+    page = _request("GET", api, "/v1/jobs", api_key, params=params)
     if as_json:
-        out.print_json(json.dumps(items))
+        _print_json(page)
         return
-    t = Table()
-    for col in ("task", "state", "attempt", "worker", "reason"):
-        t.add_column(col)
+    t = _table("job", "tenant", "state", "progress", "tasks", "created", "duration", "reason")
+    for j in page["jobs"]:
+        t.add_row(j["job_id"], j["tenant"], j["state"], f"{j.get('progress', 0):.0f}%", str(j["total_tasks"]),
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_ms"] / 1000)),
+                  _dur(j.get("duration_ms")), (j.get("reason") or "")[:60])
+    out.print(t)
+    if page.get("next_cursor"):
+        out.print("[dim]more jobs: raise --limit (up to 1000) or filter with --since/--before[/dim]")
+
+
+@app.command()
+def watch(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+          timeout: float = typer.Option(0, "--timeout", help="give up after this many seconds (0: never)")) -> None:
+    """Follow a job live (server-sent events): a progress bar and each failure as it happens.
+
+    Exits when the job ends, with the exit code of `run` (0 succeeded, 1 failed/cancelled, 2 rejected).
+    With --json, prints each event as one JSON line instead.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
+    params: dict[str, str] = {"timeout_s": str(timeout)} if timeout > 0 else {}
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[counts]}"), TimeElapsedColumn(), console=out,
+                        disable=as_json)
+    bar = progress.add_task(job_id[:36], total=job["total_tasks"] or 1, completed=job["finished_tasks"],
+                            counts="")
+    last_id = None
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    with progress:
+        while job["state"] not in EXIT:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise fail(f"job {job_id} still {job['state']} after {timeout}s", 1)
+            try:
+                q = {**params, **({"after": last_id} if last_id else {})}
+                with httpx.stream("GET", f"{api.rstrip('/')}/v1/jobs/{job_id}/events", params=q,
+                                  headers=_headers(api_key), timeout=httpx.Timeout(30, read=60)) as r:
+                    if r.status_code >= 400:
+                        raise fail(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}", 1)
+                    event = None
+                    for line in r.iter_lines():
+                        if line.startswith("id: "):
+                            last_id = line[4:]
+                        elif line.startswith("event: "):
+                            event = line[7:]
+                        elif line.startswith("data: ") and event:
+                            data = json.loads(line[6:])
+                            if as_json:
+                                print(json.dumps({"event": event, "data": data}), flush=True)
+                            if event == "job":
+                                job = data
+                                counts = " ".join(f"{k}={v}" for k, v in job["counts"].items()
+                                                  if v and k != "succeeded")
+                                progress.update(bar, total=job["total_tasks"] or 1, completed=job["finished_tasks"],
+                                                description=f"{job_id[:36]} {job['state']}", counts=counts)
+                            elif event == "history" and data["type"] == "TaskFailed" and not as_json:
+                                progress.console.print(f"[red]{data.get('task_id')}[/red] #{data.get('attempt')}: "
+                                                       f"{data.get('detail')}")
+            except httpx.HTTPError:
+                time.sleep(1.0)  # reconnect and resume after the last event
+            if job["state"] not in EXIT:
+                job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
+    if not as_json:
+        out.print(f"{job_id}: {job['state']}" + (f" — {job['reason']}" if job.get("reason") else ""))
+    raise typer.Exit(EXIT[job["state"]])
+
+
+@app.command()
+def tasks(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+          state: str | None = typer.Option(None, "--state", help="only tasks in this state")) -> None:
+    """List a job's tasks."""
+    items = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key, {"state": state} if state else None)
+    if as_json:
+        _print_json(items)
+        return
+    t = _table("task", "state", "attempt", "worker", "reason")
     for x in items:
         t.add_row(x["task_id"], x["state"], str(x.get("attempt", "")), x.get("worker_id") or "",
                   (x.get("reason") or "")[:80])
@@ -337,32 +510,154 @@ def tasks(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> N
 
 
 @app.command()
-def cancel(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
-    """Cancel a job."""
-    res = _request("POST", api, f"/v1/jobs/{job_id}/cancel")
-    out.print_json(json.dumps(res)) if as_json else out.print(f"cancel requested for {job_id}")
-
-
-@app.command()
-def redrive(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
-    """Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled tasks."""
-    res = _request("POST", api, f"/v1/jobs/{job_id}/redrive")
-    out.print_json(json.dumps(res)) if as_json else out.print(f"redrive requested for {job_id}")
-
-
-@app.command()
-def history(job_id: str, api: ApiOpt = DEFAULT_API, as_json: JsonOpt = False) -> None:
-    """Show a job's history: every event with its time, attempt and reason."""
-    items = _get_all(api, f"/v1/jobs/{job_id}/history", "events")
+def attempts(job_id: str, task_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None,
+             as_json: JsonOpt = False) -> None:
+    """Show every attempt of a task: worker, times, outcome, reason, exit code and output tails."""
+    items = _request("GET", api, f"/v1/jobs/{job_id}/tasks/{task_id}/attempts", api_key)["attempts"]
     if as_json:
-        out.print_json(json.dumps(items))
+        _print_json(items)
         return
-    t = Table()
-    for col in ("time", "event", "task", "attempt", "detail"):
-        t.add_column(col)
+    t = _table("#", "worker", "outcome", "started", "duration", "reason")
+    for a in items:
+        reason = a.get("reason") or ""
+        if a.get("exit_code") is not None and "exit code" not in reason:
+            reason += f" (exit code {a['exit_code']})"
+        t.add_row(str(a["attempt"]), a.get("worker_id") or "", a["outcome"], _ts(a.get("started_ms")),
+                  _dur(a.get("duration_ms")), reason[:100])
+    out.print(t)
+    last = items[-1] if items else None
+    if last and last.get("stderr_tail"):
+        out.print(f"[dim]stderr of attempt {last['attempt']}:[/dim]")
+        out.print(last["stderr_tail"].rstrip(), markup=False, highlight=False)
+
+
+@app.command()
+def stuck(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+          grace: float = typer.Option(5.0, "--grace", help="ignore deadlines passed less than this many seconds"),
+          queued_longer_than: float | None = typer.Option(
+              None, "--queued-longer-than", help="also list runnable tasks waiting longer than this (seconds)"),
+          limit: int = typer.Option(100, "--limit", min=1, max=1000)) -> None:
+    """List stuck tasks: past their lease, start-to-close, schedule-to-start or backoff deadline."""
+    params: dict[str, Any] = {"grace_s": grace, "limit": limit}
+    if queued_longer_than is not None:
+        params["queued_longer_than_s"] = queued_longer_than
+    res = _request("GET", api, "/v1/stuck", api_key, params=params)
+    if as_json:
+        _print_json(res)
+        return
+    if not res["tasks"]:
+        out.print("nothing stuck")
+        return
+    t = _table("job", "task", "kind", "overdue", "state", "attempt", "worker", "queue")
+    for x in res["tasks"]:
+        t.add_row(x["job_id"], x["task_id"], x["kind"], _dur(x["overdue_s"] * 1000), x["state"], str(x["attempt"]),
+                  x.get("worker_id") or "", x["queue"])
+    out.print(t)
+
+
+@app.command()
+def queues(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Show dispatch queues: runnable (the depth), running and retrying tasks, oldest wait."""
+    res = _request("GET", api, "/v1/queues", api_key)
+    if as_json:
+        _print_json(res)
+        return
+    t = _table("queue", "runnable", "running", "retrying", "oldest wait")
+    for q in res["queues"]:
+        age = q.get("oldest_runnable_age_s")
+        t.add_row(q["queue"], str(q["runnable"]), str(q["running"]), str(q["retrying"]),
+                  "" if age is None else _dur(age * 1000))
+    out.print(t if res["queues"] else "no open tasks in any queue")
+
+
+@app.command()
+def tenants(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Show tenants: open jobs, running tasks, their share, GPUs (when the allocator runs), failures."""
+    res = _request("GET", api, "/v1/tenants", api_key)
+    if as_json:
+        _print_json(res)
+        return
+    cols = ["tenant", "open jobs", "running", "share"] + (["gpus", "gpu share", "weight"] if res["cluster"] else [])
+    t = _table(*cols, "retries", "failures")
+    for x in res["tenants"]:
+        row = [x["tenant"], str(x["open_jobs"]), str(x["running_tasks"]), f"{x['share']['running_tasks']:.1%}"]
+        if res["cluster"]:
+            row += [str(x["gpus"]), f"{x['share']['gpus'] or 0:.1%}", str(x["share"]["weight"] or "")]
+        t.add_row(*row, str(x["retries"]), str(x["failures"]))
+    out.print(t if res["tenants"] else "no tenants yet")
+
+
+@app.command()
+def cluster(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+            nodes: bool = typer.Option(False, "--nodes", help="also list the nodes")) -> None:
+    """Show GPU cluster occupancy (empty until the GPU allocator reports nodes)."""
+    res = _request("GET", api, "/v1/cluster", api_key)
+    node_list = _get_all(api, "/v1/cluster/nodes", "nodes", api_key) if nodes and res["available"] else []
+    if as_json:
+        _print_json({**res, "nodes": node_list} if nodes else res)
+        return
+    if not res["available"]:
+        out.print("no GPU cluster data yet: the GPU allocator has not reported any node")
+        return
+    tot = res["totals"]
+    out.print(f"GPUs: {tot['allocated']} of {tot['healthy_gpus']} healthy allocated ({tot['allocation_ratio']:.1%}), "
+              f"{tot['free']} free, {tot['gpus'] - tot['healthy_gpus']} unhealthy; {tot['nodes']} nodes")
+    t = _table("pool", "nodes", "gpus", "allocated", "unhealthy nodes")
+    for p in res["pools"]:
+        t.add_row(p["pool"], str(p["nodes"]), str(p["gpus"]), str(p["allocated"]), str(p["unhealthy_nodes"]))
+    out.print(t)
+    t = _table("tenant", "gpus", "share", "weight")
+    for x in res["tenants"]:
+        t.add_row(x["tenant"], str(x["gpus"]), "" if x.get("share") is None else f"{x['share']:.1%}",
+                  str(x.get("weight") or ""))
+    out.print(t)
+    if node_list:
+        t = _table("node", "pool", "type", "health", "gpus", "allocated", "tenants")
+        for n in node_list:
+            t.add_row(n["node_id"], n.get("pool") or "", n.get("gpu_type") or "", n["health"], str(n["gpus"]),
+                      str(n["allocated"]), ", ".join(f"{k}:{v}" for k, v in (n.get("tenants") or {}).items()))
+        out.print(t)
+
+
+@app.command()
+def failures(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+             limit: int = typer.Option(20, "--limit", min=1, max=1000)) -> None:
+    """Show failure reasons by class and the most recent failed attempts."""
+    res = _request("GET", api, "/v1/failures", api_key, params={"limit": limit})
+    if as_json:
+        _print_json(res)
+        return
+    t = _table("reason", "count", "final", "last task", "example")
+    for r in res["reasons"]:
+        t.add_row(r["class"], str(r["count"]), str(r["final"]), f"{r['last_job_id']} {r['last_task_id']}",
+                  r["sample_reason"][:60])
+    out.print(t if res["reasons"] else "no failures")
+
+
+@app.command()
+def cancel(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Cancel a job."""
+    res = _request("POST", api, f"/v1/jobs/{job_id}/cancel", api_key)
+    _print_json(res) if as_json else out.print(f"cancel requested for {job_id}")
+
+
+@app.command()
+def redrive(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled tasks."""
+    res = _request("POST", api, f"/v1/jobs/{job_id}/redrive", api_key)
+    _print_json(res) if as_json else out.print(f"redrive requested for {job_id}")
+
+
+@app.command()
+def history(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Show a job's history: every event with its time, attempt and reason."""
+    items = _get_all(api, f"/v1/jobs/{job_id}/history", "events", api_key)
+    if as_json:
+        _print_json(items)
+        return
+    t = _table("time", "event", "task", "attempt", "detail")
     for x in items:
-        ts = time.strftime("%H:%M:%S", time.localtime(x["ts_ms"] / 1000)) + f".{x['ts_ms'] % 1000:03d}"
-        t.add_row(ts, x["type"].rsplit(".", 1)[-1], x.get("task_id") or "", str(x.get("attempt") or ""),
+        t.add_row(_ts(x["ts_ms"]), x["type"].rsplit(".", 1)[-1], x.get("task_id") or "", str(x.get("attempt") or ""),
                   (x.get("detail") or "")[:100])
     out.print(t)
 
@@ -372,3 +667,8 @@ def main() -> None:
 
 
 from dagfold import cli_admin as _cli_admin  # noqa: E402,F401  (registers scheduler, replay, audit)
+
+if __name__ == "__main__":  # `python -m dagfold.cli`: run the imported module's app, on which cli_admin registered
+    from dagfold.cli import main as _main
+
+    _main()

@@ -76,6 +76,8 @@ class Config:
             partitions=int(env.get("DAGFOLD_PARTITIONS", cls.partitions)),
             dispatch_partitions=int(env.get("DAGFOLD_DISPATCH_PARTITIONS", cls.dispatch_partitions)),
             replication=int(env.get("DAGFOLD_REPLICATION", cls.replication)),
+            events_retention_ms=int(env.get("DAGFOLD_EVENTS_RETENTION_MS", cls.events_retention_ms)),
+            commands_retention_ms=int(env.get("DAGFOLD_COMMANDS_RETENTION_MS", cls.commands_retention_ms)),
             api_port=int(env.get("DAGFOLD_PORT", cls.api_port)),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}

@@ -185,6 +185,21 @@ def observe_fold(component: str, records: int, seconds: float) -> None:
     FOLD_BATCH_SIZE.labels(component).observe(records)
 
 
+def observe_dispatch(queue: str, dispatched_at_ms: int, started_at_ms: int) -> None:
+    """A worker starts an attempt the scheduler dispatched at ``dispatched_at_ms`` (scheduler clock)."""
+    DISPATCH_LATENCY.labels(queue).observe(max(started_at_ms - dispatched_at_ms, 0) / 1000.0)
+
+
+def observe_worker_task(queue: str, report: Mapping[str, Any] | None, seconds: float) -> None:
+    """A worker finished an attempt: ``report`` is the TaskSucceeded/TaskFailed it sends (None: stopped)."""
+    if report is None:
+        outcome = "stopped"
+    else:
+        outcome = "succeeded" if str(report.get("type", "")).endswith("TaskSucceeded") else "failed"
+    WORKER_TASKS.labels(queue, outcome).inc()
+    WORKER_TASK_DURATION.labels(queue).observe(seconds)
+
+
 _servers: dict[int, Any] = {}
 _servers_lock = threading.Lock()
 

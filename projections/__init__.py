@@ -1,14 +1,20 @@
 """Read models folded from the events topic (projector + query API).
 
-The projector (``Projector``) tails every partition of the events topic and
-applies each polled batch, together with the consumed offsets, in one RocksDB
-write batch (``Store``), so the read model and its position never disagree and
-a restart resumes exactly where it stopped. ``ReadModel`` answers the API's
-queries from the same store, safe to use from other threads.
+The projector (``Projector``) tails every partition of the events topic (and
+the GPU allocator's events topic once it exists) and applies each polled batch,
+together with the consumed offsets, in one RocksDB write batch (``Store``), so
+the read models and their position never disagree and a restart resumes
+exactly where it stopped. Deleting the store rebuilds every model by replay.
+
+Queries, safe from other threads: ``ReadModel`` (jobs, tasks, attempts,
+history), ``OperatorModel`` (tenant usage, queue depths, stuck tasks, failure
+reasons) and ``ClusterModel`` (GPU nodes, allocations, tenant GPU shares).
 """
 
+from projections.cluster import ClusterModel
 from projections.exceptions import InvalidCursor, ProjectionError, StoreError
 from projections.jobs import JOB_STATES, TASK_STATES, TERMINAL_JOB_STATES, Page, ReadModel, apply
+from projections.operator import OperatorModel
 from projections.projector import Projector
 from projections.store import Store, Txn
 
@@ -16,7 +22,9 @@ __all__ = [
     "JOB_STATES",
     "TASK_STATES",
     "TERMINAL_JOB_STATES",
+    "ClusterModel",
     "InvalidCursor",
+    "OperatorModel",
     "Page",
     "ProjectionError",
     "Projector",

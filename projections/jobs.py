@@ -12,7 +12,9 @@ never contain ``\\x00``, which keeps every prefix unambiguous)::
     j  job                         -> job summary
     t  job task                    -> task record
     a  job task attempt(>I)        -> attempt record
-    h  job partition(>I) offset(>Q) -> history entry (one key per event: O(1) appends)
+    h  job partition(>I) offset(>Q) -> history entry (one key per event: O(1) appends; an entry of a
+                                      task event carries ``task_state``, the task's state after it, so
+                                      live views recolour from the history stream alone)
     ic created(016d) job           -> 0   (all jobs by creation time)
     it tenant created job          -> 0   (per tenant)
     is state created job           -> 0   (per job state)
@@ -607,10 +609,15 @@ def apply(txn: Txn, event: Record, partition: int, offset: int) -> None:
     job_id = event.get("job_id")
     if not isinstance(job_id, str):
         return  # not a job event: nothing of the jobs read model
-    txn.put(history_key(job_id, partition, offset), history_entry(event, partition, offset))
     applier = APPLIERS.get(event.get("type", ""))
     if applier is not None:
         applier(txn, event, partition, offset)
+    entry = history_entry(event, partition, offset)
+    task_id = event.get("task_id")
+    if isinstance(task_id, str):  # the task's state after the event: live views recolour from history alone
+        task = txn.get(task_key(job_id, task_id))
+        entry["task_state"] = task["state"] if task is not None else None
+    txn.put(history_key(job_id, partition, offset), entry)
     job = txn.get(job_key(job_id))
     if job is not None and job["last_offset"] < offset:
         job["last_offset"] = offset

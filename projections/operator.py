@@ -145,26 +145,27 @@ def sync_task(txn: Txn, job: Record, task: Record) -> None:
         ix["q"] = task["queue"] if state in QUEUE_STATES else None
     suffix = _task_suffix(task["job_id"], task["task_id"])
 
-    want_qa = ([task["queue"], int(task["dispatched_ms"])]
-               if state == "runnable" and task.get("dispatched_ms") is not None else None)
+    want_qa: list[Any] | None = ([task["queue"], int(task["dispatched_ms"])]
+                                 if state == "runnable" and task.get("dispatched_ms") is not None else None)
     if want_qa != ix.get("qa"):
         if ix.get("qa"):
             q, t = ix["qa"]
             txn.delete(key(QUEUE_AGE, part(q), ms(t), suffix))
         if want_qa:
-            txn.put(key(QUEUE_AGE, part(want_qa[0]), ms(want_qa[1]), suffix), tenant)
+            txn.put(key(QUEUE_AGE, part(str(want_qa[0])), ms(int(want_qa[1])), suffix), tenant)
         ix["qa"] = want_qa
 
     dl = _deadline(task)
-    want_dl = [dl[0], dl[1]] if dl else None
+    want_dl: list[Any] | None = [dl[0], dl[1]] if dl else None
     if want_dl != ix.get("dl"):
         if ix.get("dl"):
             due = ix["dl"][0]
             txn.delete(key(DEADLINE, ms(due), suffix))
             txn.delete(key(DEADLINE_TENANT, part(tenant), ms(due), suffix))
         if want_dl:
-            txn.put(key(DEADLINE, ms(want_dl[0]), suffix), want_dl[1])
-            txn.put(key(DEADLINE_TENANT, part(tenant), ms(want_dl[0]), suffix), want_dl[1])
+            due = int(want_dl[0])
+            txn.put(key(DEADLINE, ms(due), suffix), want_dl[1])
+            txn.put(key(DEADLINE_TENANT, part(tenant), ms(due), suffix), want_dl[1])
         ix["dl"] = want_dl
     task["_ix"] = ix
 

@@ -1,14 +1,22 @@
-"""The projector: tails the events topic into the jobs read model.
+"""The projector: tails the events topic (and the allocator's) into the read models.
 
-No consumer group: the projector assigns every partition of the events topic
-itself, from the positions stored in its own RocksDB store, and writes each
-polled batch of events together with the new positions in one write batch. So
-the read model is always exactly "the events before these positions", and a
+No consumer group: the projector assigns every partition of its topics itself,
+from the positions stored in its own RocksDB store, and writes each polled
+batch of events together with the new positions in one write batch. So the
+read model is always exactly "the events before these positions", and a
 restart (even after kill -9) resumes where the last write batch stopped,
 without applying any event twice.
 
+Topics: ``events`` (the scheduler's decisions: jobs, tasks, attempts, history
+and the operator models) and, once it exists, ``allocator.events`` (GPU node
+inventory and allocations: the cluster model). A topic that does not exist yet
+is looked for again every ``partition_check_s``.
+
 A record that cannot be decoded is skipped (and counted): the projector is a
 reader, the scheduler owns the dead-letter topic.
+
+Metrics (``dagfold.metrics``): events folded, fold latency, projection lag
+(event time to applied) and consumer lag (records behind the end offsets).
 """
 
 from __future__ import annotations
@@ -16,16 +24,23 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from dagfold import config as dagfold_config
+from dagfold import metrics
 from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
+from projections import cluster
 from projections.jobs import ReadModel, apply, meta_key, position_key
 from projections.store import Store
 
 log = logging.getLogger(__name__)
+
+ALLOCATOR_EVENTS: str = getattr(dagfold_config, "ALLOCATOR_EVENTS", "allocator.events")
+LAG_CHECK_S = 5.0
 
 
 class Projector:
@@ -37,6 +52,7 @@ class Projector:
         path: Path | Store,
         *,
         topic: str = EVENTS,
+        extra_topics: Sequence[str] | None = None,
         batch_max_records: int = 5000,
         poll_timeout_s: float = 0.2,
         partition_check_s: float = 10.0,
@@ -46,14 +62,22 @@ class Projector:
         self._owns_store = not isinstance(path, Store)
         self.store = path if isinstance(path, Store) else Store(path)
         self.topic = topic
+        default_extra = (ALLOCATOR_EVENTS,) if topic == EVENTS else ()
+        self.topics = (topic, *(default_extra if extra_topics is None else extra_topics))
         self.batch_max_records = batch_max_records
         self.poll_timeout_s = poll_timeout_s
         self.partition_check_s = partition_check_s
         self._codec = codec or default_codec()
         self._consumer: Consumer | None = None
-        self._partitions = 0
+        self._parts: dict[str, int] = {}
         self._checked_at = 0.0
+        self._lag_at = 0.0
         self.applied = 0  # events applied by this instance
+        self.commits = 0  # batches committed by this instance (a cheap change signal for readers)
+
+    @property
+    def _partitions(self) -> int:
+        return self._parts.get(self.topic, 0)
 
     @property
     def read_model(self) -> ReadModel:
@@ -61,32 +85,38 @@ class Projector:
         return ReadModel(self.store)
 
     # -- positions -------------------------------------------------------
-    def positions(self) -> dict[int, int]:
-        """Next offset to read per partition, as stored with the read model."""
+    def positions(self, topic: str | None = None) -> dict[int, int]:
+        """Next offset to read per partition of ``topic`` (default: the events topic), as stored."""
+        t = topic or self.topic
         out = {}
-        for p in range(self._partitions):
-            v = self.store.get(position_key(self.topic, p))
+        for p in range(self._parts.get(t, 0)):
+            v = self.store.get(position_key(t, p))
             out[p] = int(v) if v is not None else 0
         return out
 
     def _assign(self) -> bool:
-        """(Re)assign all partitions when the topic appears or grows; False if it does not exist yet."""
+        """(Re)assign all partitions when a topic appears or grows; False if the events topic does not exist yet."""
         now = time.monotonic()
         if self._consumer is not None and now - self._checked_at < self.partition_check_s:
             return True
         self._checked_at = now
-        try:
-            n = self.log.partitions(self.topic)
-        except LogError:
+        found: dict[str, int] = {}
+        for t in self.topics:
+            try:
+                found[t] = self.log.partitions(t)
+            except LogError:
+                if t in self._parts:
+                    found[t] = self._parts[t]  # a metadata hiccup does not unassign
+        if self.topic not in found:
             return self._consumer is not None
-        if n == self._partitions and self._consumer is not None:
+        if found == self._parts and self._consumer is not None:
             return True
-        self._partitions = n
+        self._parts = found
         if self._consumer is None:
             self._consumer = self.log.consumer(None, client_id="dagfold-projector")
-        positions = self.positions()
-        self._consumer.assign({TopicPartition(self.topic, p): off for p, off in positions.items()})
-        log.info("projector assigned %d partitions of %s at %s", n, self.topic, positions)
+        assignment = {TopicPartition(t, p): off for t in found for p, off in self.positions(t).items()}
+        self._consumer.assign(assignment)
+        log.info("projector assigned %s", {t: n for t, n in found.items()})
         return True
 
     # -- folding ---------------------------------------------------------
@@ -94,18 +124,21 @@ class Projector:
         """Apply records and their positions in one write batch; returns events applied."""
         if not records:
             return 0
+        started = time.perf_counter()
         txn = self.store.txn()
-        nexts: dict[int, int] = {}
+        nexts: dict[tuple[str, int], int] = {}
         applied = skipped = errors = 0
+        lags: list[float] = []
+        now_ms = time.time() * 1000
         for rec in records:
-            pkey = position_key(self.topic, rec.partition)
-            pos = nexts.get(rec.partition)
+            pkey = position_key(rec.topic, rec.partition)
+            pos = nexts.get((rec.topic, rec.partition))
             if pos is None:
                 stored = txn.get(pkey)
                 pos = int(stored) if stored is not None else 0
             if rec.offset < pos:
                 continue  # already in the read model
-            nexts[rec.partition] = rec.offset + 1
+            nexts[(rec.topic, rec.partition)] = rec.offset + 1
             try:
                 event = self._codec.decode(rec.value)
             except CodecError as exc:
@@ -113,21 +146,44 @@ class Projector:
                 log.warning("projector skips %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
                 continue
             try:
-                apply(txn, event, rec.partition, rec.offset)
+                cluster.apply(txn, event)
+                if rec.topic == self.topic:
+                    apply(txn, event, rec.partition, rec.offset)
                 applied += 1
+                ts = event.get("ts_ms")
+                if isinstance(ts, int):
+                    lags.append(max(now_ms - ts, 0.0) / 1000.0)
             except Exception:  # one bad event must not stop the read model
                 errors += 1
                 log.exception("projector failed to apply %s at %s[%d]@%d", event.get("type"), rec.topic,
                               rec.partition, rec.offset)
-        for p, nxt in nexts.items():
-            txn.put(position_key(self.topic, p), nxt)
+        for (t, p), nxt in nexts.items():
+            txn.put(position_key(t, p), nxt)
         for name, n in (("skipped", skipped), ("errors", errors)):
             if n:
                 key = meta_key(name)
                 txn.put(key, int(txn.get(key) or 0) + n)
         self.store.commit(txn)
         self.applied += applied
+        self.commits += 1
+        metrics.observe_fold("projector", applied, time.perf_counter() - started)
+        metrics.PROJECTION_LAST_APPLIED.set(time.time())
+        for lag in lags:
+            metrics.PROJECTION_LAG.observe(lag)
         return applied
+
+    def _update_lag(self) -> None:
+        """Set the consumer-lag gauge: records between the stored positions and the end offsets."""
+        now = time.monotonic()
+        if now - self._lag_at < LAG_CHECK_S:
+            return
+        self._lag_at = now
+        for t, n in self._parts.items():
+            tps = [TopicPartition(t, p) for p in range(n)]
+            ends = self.log.end_offsets(tps)
+            pos = self.positions(t)
+            lag = sum(max(end - pos.get(tp.partition, 0), 0) for tp, end in ends.items())
+            metrics.CONSUMER_LAG.labels("projector", t).set(lag)
 
     def poll_once(self, timeout_s: float | None = None) -> int:
         """Poll one batch and apply it; returns records polled (0 if the topic does not exist yet)."""
@@ -138,6 +194,7 @@ class Projector:
         records = self._consumer.poll(self.batch_max_records,
                                       self.poll_timeout_s if timeout_s is None else timeout_s)
         self.apply_records(records)
+        self._update_lag()
         return len(records)
 
     def catch_up(self, timeout_s: float = 60.0, idle_s: float = 1.0) -> int:
@@ -152,14 +209,14 @@ class Projector:
         self._checked_at = 0.0
         if not self._assign():
             return 0
-        tps = [TopicPartition(self.topic, p) for p in range(self._partitions)]
+        tps = [TopicPartition(t, p) for t, n in self._parts.items() for p in range(n)]
         ends = self.log.end_offsets(tps)
         deadline = time.monotonic() + timeout_s
         idle_since = time.monotonic()
         got_any = False
         while time.monotonic() < deadline:
-            pos = self.positions()
-            if all(pos.get(tp.partition, 0) >= end for tp, end in ends.items()):
+            pos = {t: self.positions(t) for t in self._parts}
+            if all(pos[tp.topic].get(tp.partition, 0) >= end for tp, end in ends.items()):
                 break
             if self.poll_once(0.1):
                 idle_since = time.monotonic()

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".librdkafka")
 
 _TIMEOUT_S = 30.0
+_END_OFFSETS_ROUND_S = 5.0
 # Errors that mean another instance took over the transactional id.
 _FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
 
@@ -49,6 +50,7 @@ _SETTLING_CODES = frozenset(
         KafkaError.REPLICA_NOT_AVAILABLE,
         KafkaError.UNKNOWN_LEADER_EPOCH,
         KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,  # a broker that has not yet heard of a new topic
     }
 )
 
@@ -173,28 +175,54 @@ class KafkaLog:
         """High watermarks (after a transaction that includes its commit marker).
 
         Retries retriable errors: right after creation the metadata can name a leader
-        before that broker serves the partition (NOT_LEADER_FOR_PARTITION).
+        before that broker serves the partition (NOT_LEADER_FOR_PARTITION). After a
+        leader change (a broker died) the admin client's cached metadata names the old
+        leader, or an old leader epoch (FENCED_LEADER_EPOCH), until it is refreshed: a
+        request sent there times out and comes back as an invalid offset (-1001) with no
+        error. So each round has a short timeout, and a retry refreshes the metadata first.
         """
         out: dict[TopicPartition, int] = {}
         todo = list(tps)
         deadline = time.monotonic() + _TIMEOUT_S
         while todo:
+            # A short timeout per round: a request stuck on a dead leader is asked again (after a
+            # metadata refresh) instead of waiting out the whole deadline.
             futures = self._admin.list_offsets(
-                {_ck(tp): OffsetSpec.latest() for tp in todo}, request_timeout=_TIMEOUT_S
+                {_ck(tp): OffsetSpec.latest() for tp in todo}, request_timeout=_END_OFFSETS_ROUND_S
             )
             todo = []
             for ck_tp, fut in futures.items():
                 try:
-                    out[_tp(ck_tp)] = fut.result().offset
+                    off = fut.result().offset
                 except KafkaException as exc:
                     err = _error_of(exc)
                     transient = err is not None and (err.retriable() or err.code() in _SETTLING_CODES)
                     if not transient or time.monotonic() > deadline:
                         raise LogError(f"cannot read end offset of {ck_tp.topic}[{ck_tp.partition}]: {exc}") from exc
                     todo.append(_tp(ck_tp))
+                    continue
+                if off < 0:
+                    # A request that timed out (the leader died) can come back as a result with an
+                    # invalid offset and no error; it is no end offset, so ask again.
+                    if time.monotonic() > deadline:
+                        raise LogError(f"cannot read end offset of {ck_tp.topic}[{ck_tp.partition}]: "
+                                       f"the broker answered offset {off}")
+                    todo.append(_tp(ck_tp))
+                    continue
+                out[_tp(ck_tp)] = off
             if todo:
                 time.sleep(0.05)
+                self._refresh_metadata({tp.topic for tp in todo})
         return out
+
+    def _refresh_metadata(self, topics: set[str]) -> None:
+        """Ask the cluster for these topics' metadata, which updates the admin client's cache
+        (leaders and leader epochs); errors are left to the caller's retry."""
+        for topic in topics:
+            try:
+                self._admin.list_topics(topic=topic, timeout=5)
+            except KafkaException as exc:
+                log.debug("metadata refresh of %s failed: %s", topic, exc)
 
     # -- clients ---------------------------------------------------------
     def _resolve_partition(self, topic: str, key: bytes, partition: int | None) -> int:

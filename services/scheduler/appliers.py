@@ -215,8 +215,9 @@ def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
         if t is None:
             continue
         j[t["state"]] -= 1
+        # base: attempts before this run; the retry budget counts from it, attempt numbers go on
         t.update(state="pending", rem=waiting[tid], ok=t["n_up"] - waiting[tid], bad=0, skip=0,
-                 worker=None, lease_ms=None, ended_ms=None)
+                 worker=None, lease_ms=None, ended_ms=None, base=t["attempt"])
         txn.put(keys.task(job_id, tid), t)
     j.update(state="running", open=j["open"] + len(reopened), first_failure=None, ended_ms=None)
     txn.put(keys.job(job_id), j)

@@ -100,7 +100,9 @@ def evaluate_rule(t: dict[str, Any]) -> str:
 def dispatch(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], attempt: int, tenant: str) -> None:
     """Make an attempt runnable: a TaskDispatched event and a reference on its queue."""
     ctx.event("TaskDispatched", job_id, task_id=task_id, attempt=attempt, queue=t["queue"])
-    ctx.out.append(Output(dispatch_topic(t["queue"]), job_id, {
+    # keyed by job and task, not job: a job's parallel tasks spread over the queue's partitions
+    # (and so over workers) instead of queueing behind each other on one partition
+    ctx.out.append(Output(dispatch_topic(t["queue"]), f"{job_id}/{task_id}", {
         "type": "dagfold.dispatch.TaskDispatch", "job_id": job_id, "task_id": task_id, "attempt": attempt,
         "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
         "idempotency_key": f"{job_id}/{task_id}", "lease_timeout_s": lease_timeout_ms(ctx, t) / 1000,
@@ -121,7 +123,9 @@ def propagate(ctx: Ctx, job_id: str, task_id: str, outcome: str) -> None:
                 continue
             decision = evaluate_rule(dt)
             if decision == "run":
-                dispatch(ctx, job_id, d, dt, 1, j["tenant"])
+                # attempt + 1, not 1: a task re-opened by a redrive keeps counting its attempts, so
+                # reports and StopTasks of its earlier attempts stay fenced off
+                dispatch(ctx, job_id, d, dt, dt["attempt"] + 1, j["tenant"])
             elif decision == "skip":
                 ctx.event("TaskSkipped", job_id, task_id=d,
                           reason=f"trigger rule {dt['rule']}: upstream {up} {up_outcome}")
@@ -212,8 +216,18 @@ def redrive_job(ctx: Ctx, cmd: Record) -> None:
     for tid in reopen:
         t = get_task(ctx.txn, job_id, tid)
         assert t is not None
-        if t["rem"] == 0 or t["rule"] == "always":
+        if t["state"] != "pending":
+            continue  # skipped meanwhile, downstream of a task skipped again below
+        # the trigger rule decides again, on the upstream outcomes that stay (all succeeded)
+        decision = "run" if t["n_up"] == 0 or t["rule"] == "always" else evaluate_rule(t)
+        if decision == "run":
             dispatch(ctx, job_id, tid, t, t["attempt"] + 1, j["tenant"])
+        elif decision == "skip":
+            ctx.event("TaskSkipped", job_id, task_id=tid,
+                      reason=f"trigger rule {t['rule']}: cannot be met after redrive "
+                             f"({t['ok']} upstream succeeded, none failed)")
+            propagate(ctx, job_id, tid, "skipped")
+    finish_job_if_done(ctx, job_id)
 
 
 def _report_target(ctx: Ctx, cmd: Record, report: str) -> dict[str, Any] | None:
@@ -285,13 +299,15 @@ def fail_attempt(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], *, work
                  stdout_tail: str = "", stderr_tail: str = "") -> None:
     """The current attempt failed: schedule a retry per policy, or fail the task for good."""
     attempt = t["attempt"]
-    retry = should_retry(t["retry"], attempt, exit_code, error_type, retryable)
+    # the retry budget and backoff count the attempts of this run (a redrive starts a new run)
+    run_attempt = attempt - t.get("base", 0)
+    retry = should_retry(t["retry"], run_attempt, exit_code, error_type, retryable)
     ctx.event("TaskFailed", job_id, task_id=task_id, attempt=attempt, worker_id=worker, reason=reason,
               exit_code=exit_code, error_type=error_type, final=not retry,
               stdout_tail=stdout_tail, stderr_tail=stderr_tail)
     if retry:
         ctx.event("TaskRetryScheduled", job_id, task_id=task_id, attempt=attempt, next_attempt=attempt + 1,
-                  retry_at_ms=ctx.now_ms + backoff_ms(t["retry"], job_id, task_id, attempt), reason=reason)
+                  retry_at_ms=ctx.now_ms + backoff_ms(t["retry"], job_id, task_id, run_attempt), reason=reason)
         return
     j = get_job(ctx.txn, job_id)
     if j is not None and j["policy"] == "fail_fast" and j["state"] == "running":

@@ -7,6 +7,7 @@ so a replayed or re-processed failure schedules the retry at the same time.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 NO_RETRY: dict[str, Any] = {
@@ -28,12 +29,15 @@ def jitter_fraction(job_id: str, task_id: str, attempt: int) -> float:
 
 def backoff_ms(policy: dict[str, Any], job_id: str, task_id: str, attempt: int) -> int:
     """Delay before the attempt after ``attempt``: exponential, capped, jittered by +/-20%."""
-    base = policy["initial_interval_s"] * policy["backoff_coefficient"] ** (attempt - 1)
+    initial = policy["initial_interval_s"]
+    try:
+        base = initial * policy["backoff_coefficient"] ** (attempt - 1)
+    except OverflowError:  # e.g. coefficient 10 at attempt 310: past any cap
+        base = math.inf if initial > 0 else 0.0
     base = min(base, policy["max_interval_s"])
     if policy["jitter"]:
         base *= 0.8 + 0.4 * jitter_fraction(job_id, task_id, attempt)
     return int(base * 1000)
-
 
 
 def should_retry(

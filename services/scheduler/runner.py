@@ -26,6 +26,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from dagfold import metrics
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, DEADLETTER, DISPATCH_PREFIX, EVENTS, SCHEDULER_GROUP, Config
 from dagfold.exceptions import CodecError, FencedError, LogError
@@ -97,7 +98,7 @@ class SchedulerRunner:
     def run(self, stop: threading.Event) -> None:
         self.log.create_topics(self.config.core_topics())
         self.consumer.subscribe([COMMANDS], on_assign=self._on_assign, on_revoke=self._on_revoke)
-        last_timer = 0.0
+        last_timer = last_lag = 0.0
         try:
             while not stop.is_set():
                 recs = self.consumer.poll(self.config.scheduler.batch_max_records,
@@ -107,6 +108,9 @@ class SchedulerRunner:
                 if time.monotonic() - last_timer >= 0.1:
                     self.fire_timers(now_ms())
                     last_timer = time.monotonic()
+                if time.monotonic() - last_lag >= 5.0:
+                    self.report_lag()
+                    last_lag = time.monotonic()
         except FencedError:
             log.error("scheduler instance %s was fenced by a newer instance; stopping", self.instance_id)
             raise
@@ -134,6 +138,7 @@ class SchedulerRunner:
             return [dead_letter(rec, f"fold error: {exc!r}")]
 
     def process_batch(self, recs: Sequence[LogRecord]) -> None:
+        started = time.perf_counter()
         now = now_ms()
         txns: dict[int, PartitionTransaction] = {}
         offsets: dict[TopicPartition, int] = {}
@@ -164,6 +169,23 @@ class SchedulerRunner:
         for p, txn in txns.items():
             txn.commit(applied_events=last.get(TopicPartition(EVENTS, p)))
         self.folded += len(recs)
+        metrics.observe_fold("scheduler", len(recs), time.perf_counter() - started)
+        metrics.record_scheduler_events(o.record for _, o in outputs if o.topic == EVENTS)
+        dead = sum(o.topic == DEADLETTER for _, o in outputs)
+        if dead:
+            metrics.DEAD_LETTERS.labels("scheduler").inc(dead)
+
+    def report_lag(self) -> None:
+        """Commands not yet folded on this instance's partitions (the consumer-lag metric)."""
+        tps = [TopicPartition(COMMANDS, p) for p in self.stores]
+        if not tps:
+            return
+        try:
+            ends = self.log.end_offsets(tps)
+            lag = sum(max(ends[tp] - self.consumer.position(tp), 0) for tp in tps)
+        except LogError:
+            return
+        metrics.CONSUMER_LAG.labels("scheduler", COMMANDS).set(lag)
 
     def _rewind(self, partitions: list[int]) -> None:
         """After an aborted transaction, read the batch again from the committed offsets."""
@@ -194,6 +216,7 @@ class SchedulerRunner:
                 sent += 1
         if sent:
             self.timer_producer.flush()
+            metrics.TIMERS_FIRED.inc(sent)
         if len(self._fired) > 10_000:
             self._fired = {k: t for k, t in self._fired.items() if now - t < TIMER_REFIRE_MS}
         return sent

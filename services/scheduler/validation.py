@@ -9,6 +9,7 @@ the same function to answer 4xx at once.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,30 @@ def find_cycle(tasks: list[dict[str, Any]]) -> list[str] | None:
     return cycle + [cycle[0]]
 
 
+MAX_ATTEMPTS = 1000
+MAX_SECONDS = 10 * 365 * 24 * 3600.0  # longest interval or timeout: times stay in Avro longs (ms)
+
+
+def _check_policies(where: str, retry: dict[str, Any] | None, timeouts: dict[str, Any] | None) -> Rejection | None:
+    """Retry policy and timeouts: finite, in range (the API's spec model says the same; upstream
+    producers bypass it, and a NaN or infinite time would make the fold fail on every command)."""
+    if retry is not None:
+        n = retry["max_attempts"]
+        if not 1 <= n <= MAX_ATTEMPTS:
+            return Rejection("invalid_field", f"{where}retry.max_attempts must be 1..{MAX_ATTEMPTS}, got {n}")
+        for name, low, high in (("initial_interval_s", 0.0, MAX_SECONDS), ("max_interval_s", 0.0, MAX_SECONDS),
+                                ("backoff_coefficient", 1.0, math.inf)):
+            v = retry[name]
+            if not (math.isfinite(v) and low <= v <= high):
+                return Rejection("invalid_field", f"{where}retry.{name} must be a finite number >= {low:g}"
+                                 + (f" and <= {high:g}" if high < math.inf else "") + f", got {v}")
+    for name, v in (timeouts or {}).items():
+        if v is not None and not (math.isfinite(v) and 0 < v <= MAX_SECONDS):
+            return Rejection("invalid_field",
+                             f"{where}timeouts.{name} must be a finite number > 0 and <= {MAX_SECONDS:g}, got {v}")
+    return None
+
+
 def _check_task(t: dict[str, Any], limits: Limits) -> Rejection | None:
     tid = t["task_id"]
     if not tid or len(tid) > limits.max_task_id_len:
@@ -91,7 +116,7 @@ def _check_task(t: dict[str, Any], limits: Limits) -> Rejection | None:
         return Rejection("invalid_field", f"task {tid!r}: unknown trigger_rule {t['trigger_rule']!r}")
     if tid in t["depends_on"]:
         return Rejection("cycle", f"dependency cycle: {tid} -> {tid}")
-    return None
+    return _check_policies(f"task {tid!r}: ", t["retry"], t["timeouts"])
 
 
 def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
@@ -106,6 +131,9 @@ def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
         return Rejection("too_many_tasks", f"{len(tasks)} tasks, limit {limits.max_tasks_per_job} per job")
     if spec["failure_policy"] not in FAILURE_POLICIES:
         return Rejection("invalid_field", f"unknown failure_policy {spec['failure_policy']!r}")
+    bad_policy = _check_policies("", spec["retry"], spec["timeouts"])
+    if bad_policy:
+        return bad_policy
     ids: set[str] = set()
     for t in tasks:
         if t["task_id"] in ids:

@@ -22,20 +22,30 @@ What it cannot do: if the process dies *after* the side effect but *before* the
 result is recorded, the next attempt runs it again. Where the external system
 accepts an idempotency key of its own, pass it ``ctx.idempotency_key`` too; the
 ledger then only saves the round trip. The ledger is a file on one host (SQLite,
-shared safely by the worker threads and processes of that host); it does not
-deduplicate across hosts.
+shared safely by the worker threads and processes of that host: ``once`` calls
+for one key are serialised across threads by a lock and across processes by a
+POSIX record lock on ``<file>.lock``, which the OS releases when a process
+dies); it does not deduplicate across hosts.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import threading
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# Byte offsets of the lock file that stand for keys (crc32 of the key); the file stays
+# empty: POSIX record locks may lie past its end. Two keys sharing a slot only wait for
+# each other.
+_LOCK_SLOTS = 1 << 32
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS side_effects (
@@ -63,7 +73,8 @@ class SideEffectLedger:
         self._db.execute(_SCHEMA)
         self._db_lock = threading.Lock()
         self._keys_lock = threading.Lock()
-        self._key_locks: dict[str, tuple[threading.Lock, int]] = {}
+        self._key_locks: dict[int, tuple[threading.Lock, int]] = {}
+        self._lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
 
     def get(self, key: str) -> tuple[bool, Any]:
         """``(True, result)`` if ``key`` is recorded, else ``(False, None)``."""
@@ -76,7 +87,8 @@ class SideEffectLedger:
 
     def once(self, key: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` unless ``key`` was recorded; record and return its result, or the stored one."""
-        lock = self._acquire(key)
+        slot = zlib.crc32(key.encode()) % _LOCK_SLOTS
+        lock = self._acquire(slot)
         try:
             found, stored = self.get(key)
             if found:
@@ -89,30 +101,49 @@ class SideEffectLedger:
             found, stored = self.get(key)
             return stored if found else result  # type: ignore[no-any-return]
         finally:
-            self._release(key, lock)
+            self._release(slot, lock)
 
-    def _acquire(self, key: str) -> threading.Lock:
-        """Serialise ``once`` calls of one key inside this process (other keys run in parallel)."""
+    def _acquire(self, slot: int) -> threading.Lock:
+        """Serialise ``once`` calls of one key: in this process (a lock per key slot, other
+        slots run in parallel), then across processes (the slot's byte in the lock file).
+
+        POSIX record locks belong to the process, not the thread, which is why the
+        thread lock comes first: one thread of a process holds a slot's record lock at a time.
+        """
         with self._keys_lock:
-            lock, users = self._key_locks.get(key, (None, 0))
+            lock, users = self._key_locks.get(slot, (None, 0))
             if lock is None:
                 lock = threading.Lock()
-            self._key_locks[key] = (lock, users + 1)
+            self._key_locks[slot] = (lock, users + 1)
         lock.acquire()
+        try:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_EX, 1, slot)
+        except BaseException:
+            self._release_thread_lock(slot, lock)
+            raise
         return lock
 
-    def _release(self, key: str, lock: threading.Lock) -> None:
+    def _release(self, slot: int, lock: threading.Lock) -> None:
+        try:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, slot)
+        finally:
+            self._release_thread_lock(slot, lock)
+
+    def _release_thread_lock(self, slot: int, lock: threading.Lock) -> None:
         lock.release()
         with self._keys_lock:
-            _, users = self._key_locks[key]
+            _, users = self._key_locks[slot]
             if users <= 1:
-                del self._key_locks[key]
+                del self._key_locks[slot]
             else:
-                self._key_locks[key] = (lock, users - 1)
+                self._key_locks[slot] = (lock, users - 1)
 
     def close(self) -> None:
         with self._db_lock:
             self._db.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
     def __enter__(self) -> SideEffectLedger:
         return self

@@ -23,6 +23,9 @@ shell handler kills its process group) and nothing is reported for it. Past
 ``start_to_close_timeout``. When ``run``'s stop event is set, the running
 attempt gets ``shutdown_grace_s`` to finish, then is cancelled and fails
 retryably with ``worker_shutdown``.
+
+Fault injection (tests): a handler that raises ``WorkerCrashed`` makes its
+worker behave as if its process were killed at that point (see the class).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
-from dagfold import codec
+from dagfold import codec, metrics
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic, worker_group
 from dagfold.exceptions import CodecError, LogError
@@ -56,6 +59,20 @@ MIN_HEARTBEAT_S = 0.2
 _STOPPED_MEMORY = 4096
 
 AttemptKey = tuple[str, str, int]
+
+
+class WorkerCrashed(Exception):
+    """Fault injection: raised by a handler, its worker acts as if its process were killed there.
+
+    For tests of lease expiry where workers are threads of one process (``dagfold
+    up`` on the embedded log) and cannot be killed one by one. The attempt is
+    abandoned: no outcome is reported, its heartbeats stop, its dispatch offset
+    is not committed; the worker stops at once and its dispatch consumer leaves
+    the group, so other workers take its partitions over and re-read the
+    uncommitted records (as after a killed process's session timeout). The
+    scheduler reclaims the attempt when its lease expires (``lease_expired``).
+    Never raised by dagfold itself; no built-in handler raises it.
+    """
 
 
 def _now_ms() -> int:
@@ -162,6 +179,7 @@ class Worker:
         self._running: _Running | None = None
         self._stopped: OrderedDict[AttemptKey, str] = OrderedDict()
         self._closed = False
+        self.crashed = False  # stopped by WorkerCrashed (fault injection)
         # counters (read them as attributes; Prometheus metrics come later)
         self.tasks_run = 0
         self.tasks_succeeded = 0
@@ -219,10 +237,15 @@ class Worker:
                 records = self._consumer.poll(self.max_batch, self.poll_timeout_s)
                 if records:
                     self._process_batch(records, stop)
+        except WorkerCrashed as exc:
+            self.crashed = True
+            log.warning("worker crashed (fault injection): %s", exc, extra={"worker_id": self.worker_id})
+            self._consumer.close()  # leave the group without committing: others take the partitions over
         finally:
             self._stop_control()
             try:
-                self._producer.flush()
+                if not self.crashed:
+                    self._producer.flush()
             except LogError:
                 log.exception("final flush failed", extra={"worker_id": self.worker_id})
             log.info("worker stopped", extra={"worker_id": self.worker_id, **self.stats()})
@@ -251,7 +274,7 @@ class Worker:
             return False
 
     def _prepare(self, stop: threading.Event) -> bool:
-        """Create the dispatch topic, wait for the core topics, subscribe, start the control reader."""
+        """Create the dispatch topic, wait for the core topics, start the control reader, subscribe."""
         announced = False
         while not stop.is_set():
             try:
@@ -266,10 +289,19 @@ class Worker:
                 log.info("waiting for topics %s", missing, extra={"worker_id": self.worker_id})
                 announced = True
             stop.wait(0.5)
+        # The control reader starts at the end offsets, which a broker outage can make
+        # unreadable for a while: wait it out (before joining the dispatch group, where a
+        # member that does not poll would hold up the group's rebalances).
+        while not stop.is_set():
+            try:
+                self._start_control()
+                break
+            except LogError as exc:
+                log.warning("cannot start the control reader yet: %s", exc, extra={"worker_id": self.worker_id})
+                stop.wait(1.0)
         if stop.is_set():
             return False
         self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
-        self._start_control()
         return True
 
     def _on_assign(self, tps: list[TopicPartition]) -> None:
@@ -283,8 +315,9 @@ class Worker:
     def _start_control(self) -> None:
         n = self.log.partitions(CONTROL)
         tps = [TopicPartition(CONTROL, p) for p in range(n)]
+        ends = self.log.end_offsets(tps)
         self._control = self.log.consumer(None, client_id=f"dagfold-worker-{self.worker_id}-control")
-        self._control.assign(self.log.end_offsets(tps))
+        self._control.assign(ends)
         self._control_stop.clear()
         self._control_thread = threading.Thread(target=self._control_loop, daemon=True,
                                                 name=f"worker-{self.worker_id}-control")
@@ -402,6 +435,7 @@ class Worker:
                         ts_ms=_now_ms())
         self._send(DEADLETTER, rec.key or b"", dl)
         self.dead_lettered += 1
+        metrics.DEAD_LETTERS.labels(SERVICE).inc()
         log.warning("dead-lettered %s/%d@%d: %s", rec.topic, rec.partition, rec.offset, reason,
                     extra={"worker_id": self.worker_id})
 
@@ -432,9 +466,12 @@ class Worker:
             "dagfold.command.TaskStarted", job_id=key[0], task_id=key[1], attempt=key[2],
             worker_id=self.worker_id, ts_ms=_now_ms()))
         self.tasks_run += 1
+        metrics.observe_dispatch(self.queue, d["dispatched_at_ms"], _now_ms())
         if not batched:
             self._producer.flush()  # take the lease before a long run
+        started = time.monotonic()
         report = self._execute(d, key, handler, stop)
+        metrics.observe_worker_task(self.queue, report, time.monotonic() - started)
         if report is not None:
             self._send(COMMANDS, kb, report)
         return not batched
@@ -461,8 +498,16 @@ class Worker:
 
         running = _Running(key, ctx)
         ctx.on_heartbeat = running.request_heartbeat
-        with self._lock:
-            self._running = running
+        with self._lock:  # stop_task records under this lock, then looks for the running attempt
+            stopped = self._stopped.get(key)
+            if stopped is None:
+                self._running = running
+        if stopped is not None:
+            # a StopTask (e.g. lease_rejected: a redelivered record) that came after the check in
+            # _process_record, before the attempt was registered as running: do not run it
+            self.tasks_skipped += 1
+            log.info("skipping attempt stopped before it ran: %s", stopped, extra=self._extra(key))
+            return None
         lease = d["lease_timeout_s"]
         interval = max(lease / 3.0, MIN_HEARTBEAT_S) if lease == lease and lease > 0 else MIN_HEARTBEAT_S
         limit = d["start_to_close_s"]
@@ -493,6 +538,8 @@ class Worker:
     def _call(handler: Handler, ctx: TaskContext) -> tuple[Any, Exception | None]:
         try:
             return handler.fn(ctx), None
+        except WorkerCrashed:
+            raise  # fault injection: abandon the attempt and stop the worker (see WorkerCrashed)
         except Exception as exc:
             return None, exc
 

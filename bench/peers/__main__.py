@@ -1,0 +1,294 @@
+"""`make bench-peers`: dagfold side by side with Dask, Celery and Prefect, then the physical limits.
+
+    python -m bench.peers [--smoke] [--limit 180] [--systems ...] [--workloads ...]
+
+Every system runs every workload (noop tasks) in its own process, one after the
+other, with a time limit: a run that has not finished is recorded as timed out
+(with how many tasks it did finish) and its process group is ended. Installs
+the peers first (bench/peers/setup.sh, idempotent), starts a Kafka broker on
+loopback for dagfold-Kafka and the limits (each Celery run starts its own
+redis-server). Writes bench/results/peers.json (peers-smoke.json with
+``--smoke``), docs/img/bench-peers.png and the peers section of
+docs/benchmarks.md, prints one table with the ratio of dagfold to each peer,
+then runs ``bench.limits`` against the same broker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.peers import report
+from bench.peers.workloads import WORKLOADS
+
+ROOT = report.ROOT
+MAIN_PY = sys.executable
+SYSTEMS = ["dagfold-embedded", "dagfold-kafka", "dask", "celery", "prefect"]
+PEERS = ["dask", "celery", "prefect"]
+DAGFOLD = ["dagfold-kafka", "dagfold-embedded"]
+LABEL = {"dagfold-embedded": "dagfold (embedded)", "dagfold-kafka": "dagfold (Kafka, EOS)", "dask": "Dask distributed",
+         "celery": "Celery + Redis", "prefect": "Prefect 3"}
+
+
+class Broker:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.data = Path(tempfile.mkdtemp(prefix="bench-peers-kafka-"))
+        self.env = dict(os.environ, KAFKA_PORT=str(port), KAFKA_DATA=str(self.data))
+
+    def start(self) -> Broker:
+        subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start"], check=True, env=self.env)
+        return self
+
+    @property
+    def pid(self) -> int:
+        return int((self.data / "node-1" / "kafka.pid").read_text())
+
+    @property
+    def url(self) -> str:
+        return f"kafka://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop"], env=self.env, check=False)
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def command(system: str, workload: str, args: argparse.Namespace, broker: Broker | None,
+            kafka_data: Path | None) -> list[str]:
+    common = ["--workload", workload, "--workers", str(args.workers), "--limit", str(args.limit)]
+    if args.smoke:
+        common.append("--smoke")
+    if system == "dagfold-embedded":
+        return [MAIN_PY, "-m", "bench.peers.run_dagfold", *common]
+    if system == "dagfold-kafka":
+        assert broker is not None and kafka_data is not None
+        cmd = [MAIN_PY, "-m", "bench.peers.run_dagfold", *common, "--log", broker.url, "--data", str(kafka_data),
+               "--infra-pid", str(broker.pid)]
+        return cmd + (["--worker-procs"] if args.kafka_worker_procs else [])
+    return [str(report.PEERS_PY), "-m", f"bench.peers.run_{system}", *common]
+
+
+def run_one(system: str, workload: str, args: argparse.Namespace, broker: Broker | None, kafka_data: Path | None,
+            logdir: Path) -> dict[str, Any]:
+    cmd = command(system, workload, args, broker, kafka_data)
+    log = logdir / f"{system}-{workload}.log"
+    grace = 240.0  # start-up (Prefect's server, Kafka group joins), warm-up and reading the log back
+    t0 = time.monotonic()
+    out_path = logdir / f"{system}-{workload}.out"
+    # stdout to a file, not a pipe: a child that outlives the run (Prefect's server) must not hold it open
+    with open(log, "w") as err, open(out_path, "w") as stdout:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=err, text=True, start_new_session=True)
+        try:
+            p.wait(timeout=args.limit + grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return {"system": system, "workload": workload, "status": "timeout", "limit_s": args.limit,
+                    "tasks_per_s": None, "done": None, "notes": f"killed after {args.limit + grace:.0f} s"}
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # stragglers: Prefect's server, Celery pool children
+    out = out_path.read_text()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if not lines:
+        tail = log.read_text()[-1500:]
+        return {"system": system, "workload": workload, "status": f"error (exit {p.returncode})",
+                "limit_s": args.limit, "tasks_per_s": None, "done": None, "notes": tail}
+    res = json.loads(lines[-1])
+    res["process_wall_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+def cell_status(r: dict[str, Any]) -> str:
+    if r["status"] == "ok":
+        return "ok"
+    if r["status"] == "timeout":
+        done = r.get("done")
+        return f"timeout {r['limit_s']:.0f}s" + (f" ({done:,} done)" if done is not None else "")
+    return r["status"][:40]
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any]) -> str:
+    """dagfold ÷ peer on tasks/s; a timed-out peer's rate is an upper bound, so the ratio is a lower bound."""
+    if a is None or a.get("status") != "ok" or not a.get("tasks_per_s"):
+        return "–"
+    rb = b.get("tasks_per_s")
+    if not rb:
+        return "∞" if b.get("status") != "ok" else "–"
+    x = a["tasks_per_s"] / rb
+    return ("≥" if b.get("status") != "ok" else "") + (f"{x:,.1f}×" if x < 100 else f"{x:,.0f}×")
+
+
+def rows(results: list[dict[str, Any]], workloads: list[str], systems: list[str]) -> list[list[str]]:
+    by = {(r["workload"], r["system"]): r for r in results}
+    out = []
+    for w in workloads:
+        for s in systems:
+            r = by.get((w, s))
+            if r is None:
+                continue
+            ok = r["status"] == "ok"
+            rate = report.fmt(r.get("tasks_per_s"), 0 if (r.get("tasks_per_s") or 0) >= 100 else 1)
+            out.append([w, s, cell_status(r), ("" if ok or rate == "–" else "≤") + rate,
+                        report.fmt(r.get("sched_cpu_us_per_task")), report.fmt(r.get("total_cpu_us_per_task")),
+                        report.fmt(r.get("lat_p50_ms"), 1), report.fmt(r.get("lat_p99_ms"), 1),
+                        report.fmt(r.get("peak_rss_mib")),
+                        ratio(by.get((w, "dagfold-kafka")), r) if s in PEERS else "",
+                        ratio(by.get((w, "dagfold-embedded")), r) if s in PEERS else ""])
+    return out
+
+
+HEADER = ["workload", "system", "status", "tasks/s", "sched CPU µs/task", "total CPU µs/task",
+          "dep→start p50 ms", "p99 ms", "peak RSS MiB", "Kafka ÷ peer", "embedded ÷ peer"]
+
+
+def plot(results: list[dict[str, Any]], workloads: list[str], systems: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {(r["workload"], r["system"]): r for r in results}
+    colors = {"dagfold-embedded": "#1f77b4", "dagfold-kafka": "#0b3d91", "dask": "#ff7f0e", "celery": "#2ca02c",
+              "prefect": "#9467bd"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+    width = 0.8 / len(systems)
+    for ax, key, title in ((axes[0], "tasks_per_s", "tasks/s (higher is better)"),
+                           (axes[1], "lat_p99_ms", "upstream success → downstream start, p99 ms (lower is better)")):
+        for i, s in enumerate(systems):
+            xs, ys, hatch = [], [], []
+            for j, w in enumerate(workloads):
+                r = by.get((w, s))
+                v = None if r is None else r.get(key)
+                if r is not None and v:
+                    xs.append(j + (i - (len(systems) - 1) / 2) * width)
+                    ys.append(v)
+                    hatch.append(r["status"] != "ok")
+            bars = ax.bar(xs, ys, width, label=LABEL.get(s, s), color=colors.get(s))
+            for b, h in zip(bars, hatch, strict=True):
+                if h:
+                    b.set_hatch("//")
+                    b.set_alpha(0.5)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(workloads)))
+        ax.set_xticklabels(workloads, rotation=15)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("noop DAGs, 2 workers; hatched = timed out (rate of the tasks done within the limit)", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def docs(doc: dict[str, Any], workloads: list[str], systems: list[str]) -> None:
+    res = doc["results"]
+    table = report.md_table(HEADER, rows(res, workloads, systems), "lllrrrrrrrr")
+    notes = sorted({f"* **{r['system']}**: {r['notes']}" for r in res if r.get("notes") and r["status"] == "ok"})
+    body = f"""## dagfold side by side with Dask, Celery and Prefect (issue 7)
+
+Measured {doc['when']} by `make bench-peers` ({'smoke sizes' if doc['smoke'] else 'full sizes'}, time limit
+{doc['limit_s']:.0f} s per run, {doc['workers']} worker processes each). Machine: {report.machine_line(
+        doc['machine'], doc['load_before'])}.
+
+Every task is a noop; each system runs each workload in a fresh process after a 16-task warm-up.
+*tasks/s* = tasks ÷ time from submission to the client seeing the DAG done. *sched CPU* =
+CPU of the scheduler alone (dagfold: the scheduler thread; Dask: the scheduler process without its client
+thread); Celery and Prefect have no separable scheduler, so theirs is all CPU of the system. *total CPU* = all
+processes of the system (bench client, scheduler, workers, projector) plus the broker (Kafka's JVM, redis-server).
+*dep→start* = from an upstream task's success (its worker's clock) to the start of a downstream task whose
+last upstream it was (queueing included). *peak RSS* = the system's own processes, summed (the Kafka broker
+and redis-server not included; they are in the JSON as `infra_rss_mib`). *÷ peer* = dagfold's tasks/s over
+the peer's; against a timed-out peer it is a lower bound (≥).
+
+![tasks/s and p99 latency per system](img/bench-peers.png)
+
+{table}
+
+How each system ran:
+
+{chr(10).join(notes)}
+
+Reproduce: `bench/peers/setup.sh && .venv/bin/python -m bench.peers` (peers go to `.cache/peers-venv` from
+the pinned `bench/peers/requirements.txt`, never into dagfold's dependencies); one cell:
+`.venv/bin/python -m bench.peers --systems dask --workloads montage`. Raw figures:
+`bench/results/peers.json`.
+"""
+    report.replace_section("peers", body)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="small sizes of the same shapes (build and debug)")
+    ap.add_argument("--limit", type=float, default=180.0, help="seconds per run before it counts as timed out")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--kafka-port", type=int, default=19492)
+    ap.add_argument("--kafka-worker-procs", action="store_true",
+                    help="dagfold-kafka workers as separate `dagfold worker` processes (default: stack threads)")
+    ap.add_argument("--no-setup", action="store_true")
+    ap.add_argument("--no-limits", action="store_true")
+    ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    if not args.no_setup:
+        subprocess.run([str(ROOT / "bench/peers/setup.sh")], check=True)
+    out = args.out or report.RESULTS / ("peers-smoke.json" if args.smoke else "peers.json")
+    load_before = report.loadavg()
+    broker = None
+    kafka_data = None
+    needs_kafka = "dagfold-kafka" in args.systems or not args.no_limits
+    logdir = Path(tempfile.mkdtemp(prefix="bench-peers-logs-"))
+    results: list[dict[str, Any]] = []
+    try:
+        if needs_kafka:
+            broker = Broker(args.kafka_port).start()
+            kafka_data = Path(tempfile.mkdtemp(prefix="bench-peers-dagfold-kafka-"))
+        for w in args.workloads:
+            for s in args.systems:
+                r = run_one(s, w, args, broker, kafka_data, logdir)
+                results.append(r)
+                print(f"{w:16} {s:17} {cell_status(r):28} tasks/s={r.get('tasks_per_s')} "
+                      f"p99={r.get('lat_p99_ms')} ms  (log {logdir})", flush=True)
+        doc = {"when": report.when(), "smoke": args.smoke, "limit_s": args.limit, "workers": args.workers,
+               "load_before": load_before, "load_after": report.loadavg(), "machine": report.machine(),
+               "results": results}
+        report.RESULTS.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        systems = [s for s in SYSTEMS if s in args.systems]
+        print()
+        print(report.text_table(HEADER, rows(results, args.workloads, systems)))
+        print(f"\nload average before/after: {load_before} / {doc['load_after']}; results in {out}")
+        if not args.no_docs and not args.smoke:
+            plot(results, args.workloads, systems, report.IMG / "bench-peers.png")
+            docs(doc, args.workloads, systems)
+        if not args.no_limits:
+            assert broker is not None
+            cmd = [MAIN_PY, "-m", "bench.limits", "--bootstrap", f"127.0.0.1:{args.kafka_port}", "--peers", str(out)]
+            if args.smoke:
+                cmd.append("--smoke")
+            if args.no_docs:
+                cmd.append("--no-docs")
+            subprocess.run(cmd, cwd=ROOT, check=True)
+    finally:
+        if broker is not None:
+            broker.stop()
+        if kafka_data is not None:
+            shutil.rmtree(kafka_data, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

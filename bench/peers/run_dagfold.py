@@ -1,0 +1,176 @@
+"""One dagfold run of one workload (main venv): ``python -m bench.peers.run_dagfold``.
+
+The stack is ``services.stack.Stack`` (scheduler, projector, workers; no API), on
+the embedded log or on Kafka (the exactly-once path: one Kafka transaction per
+batch of commands). The clock runs from sending the SubmitJob (its Avro encoding
+and schema validation included) to the job being terminal in the read model
+(what the API would answer), polled every 10 ms.
+
+* scheduler CPU: the scheduler thread only (``/proc/self/task/TID/schedstat``);
+* total CPU: this process and its children (workers when ``--worker-procs``),
+  plus the Kafka broker (``--infra-pid``);
+* latency: from an upstream's TaskSucceeded report (worker clock, ms) to the
+  downstream's TaskStarted report, read back from the commands topic; also
+  dependency→dispatch (the success report to the dispatch record's log
+  timestamp), the baseline bench's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.peers import probe
+from bench.peers.workloads import Dag, load
+from dagfold.codec import default_codec
+from dagfold.commands import submit_job
+from dagfold.config import COMMANDS, Config, dispatch_topic
+from dagfold.log import TopicPartition
+from services.scheduler.spec import parse_spec, to_job_spec
+from services.stack import Stack, StackOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job_spec(dag: Dag, job_id: str) -> dict[str, Any]:
+    return to_job_spec(parse_spec({"id": job_id, "tasks": [
+        {"id": t, "handler": "noop", "depends_on": ps} for t, ps in dag]}))
+
+
+def read_reports(stack: Stack, cfg: Config, job_id: str) -> tuple[dict[str, float], dict[str, float],
+                                                                      dict[str, float]]:
+    """(started, succeeded, dispatched) times in seconds for the tasks of ``job_id``, from the log."""
+    codec = default_codec()
+    assert stack.log is not None
+    started: dict[str, float] = {}
+    done: dict[str, float] = {}
+    dispatched: dict[str, float] = {}
+    for topic, n in ((COMMANDS, cfg.partitions), (dispatch_topic("default"), cfg.dispatch_partitions)):
+        c = stack.log.consumer(None, client_id="bench-reader")
+        tps = [TopicPartition(topic, p) for p in range(n)]
+        ends = stack.log.end_offsets(tps)
+        c.assign(dict.fromkeys(tps, 0))
+        deadline = time.monotonic() + 120
+        while any(c.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
+            for r in c.poll(5000, 0.25):
+                rec = codec.decode(r.value)
+                if rec.get("job_id") != job_id:
+                    continue
+                t = rec["type"]
+                if t == "dagfold.command.TaskStarted":
+                    started.setdefault(rec["task_id"], rec["ts_ms"] / 1000)
+                elif t == "dagfold.command.TaskSucceeded":
+                    done.setdefault(rec["task_id"], rec["ts_ms"] / 1000)
+                elif t == "dagfold.dispatch.TaskDispatch":
+                    dispatched.setdefault(rec["task_id"], r.timestamp_ms / 1000)
+        c.close()
+    return started, done, dispatched
+
+
+def scheduler_tid() -> int:
+    for t in threading.enumerate():
+        if t.name == "scheduler" and t.native_id is not None:
+            return t.native_id
+    raise RuntimeError("no scheduler thread")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--log", default="embedded", help="embedded or kafka://HOST:PORT")
+    ap.add_argument("--data", type=Path, help="data folder (default: a fresh temporary one)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--worker-procs", action="store_true",
+                    help="Kafka only: run the workers as `dagfold worker` processes, not threads of the stack")
+    ap.add_argument("--limit", type=float, default=180.0)
+    ap.add_argument("--infra-pid", type=int, action="append", default=[])
+    ap.add_argument("--pyspy", type=Path,
+                    help="profile the measured window with py-spy (raw, per thread) into this file")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    kafka = args.log.startswith("kafka://")
+    system = "dagfold-kafka" if kafka else "dagfold-embedded"
+    data = args.data or Path(tempfile.mkdtemp(prefix="bench-dagfold-"))
+    cfg = Config.from_env(log_url=args.log, data_dir=data)
+    procs: list[subprocess.Popen[bytes]] = []
+    thread_workers = 0 if (kafka and args.worker_procs) else args.workers
+    stack = Stack(cfg, StackOptions(workers=thread_workers, api=False)).start()
+    try:
+        if thread_workers == 0:
+            for _ in range(args.workers):
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "dagfold", "worker", "--log", args.log, "--data", str(data)],
+                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if not stack.runner.ready.wait(120):
+            raise RuntimeError("scheduler got no partitions")
+        run_id = f"{os.getpid()}-{int(time.time() * 1000)}"
+        warm = job_spec(load("warmup"), f"warmup-{run_id}")
+        stack.sender.send(submit_job(warm, source="bench"))
+        w = stack.wait_job(warm["job_id"], timeout_s=120, poll_s=0.01)
+        if w is None or w["state"] != "succeeded":
+            raise RuntimeError(f"warm-up job did not succeed: {w}")
+
+        dag = load(args.workload, args.smoke)
+        job_id = f"{args.workload}-{run_id}"
+        spec = job_spec(dag, job_id)
+        tid = scheduler_tid()
+        sched0 = probe.thread_cpu_s(os.getpid(), tid)
+        spy = None
+        if args.pyspy is not None:
+            spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(os.getpid()),
+                                    "--rate", "250", "--threads", "--nonblocking", "--format", "raw",
+                                    "--output", str(args.pyspy)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)
+        meter = probe.Meter(infra=args.infra_pid).start()
+        t0 = time.perf_counter()
+        stack.sender.send(submit_job(spec, source="bench"))
+        job = stack.wait_job(job_id, timeout_s=args.limit, poll_s=0.01)
+        dt = time.perf_counter() - t0
+        m = meter.stop()
+        sched = probe.thread_cpu_s(os.getpid(), tid) - sched0
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(60)
+        status = "ok" if job is not None and job["state"] == "succeeded" else "timeout"
+        if stack.failed:
+            status = "error"
+        done = len(dag) if status == "ok" else int(((job or {}).get("counts") or {}).get("succeeded", 0))
+        started, succeeded, dispatched = read_reports(stack, cfg, job_id)
+        if status != "ok":
+            done = len(succeeded)
+        lat = probe.dependency_latencies_ms(dag, started, succeeded)
+        lat_d = probe.dependency_latencies_ms(dag, dispatched, succeeded)
+        kind = "processes (dagfold worker)" if thread_workers == 0 else "threads of the stack"
+        notes = f"workers: {args.workers} {kind}; scheduler CPU = the scheduler thread"
+        res = probe.result(system, args.workload, dag, status=status, seconds=dt if status == "ok" else args.limit,
+                           done=done, meter=m, sched_cpu_s=sched, lat_ms=lat, limit_s=args.limit,
+                           workers=args.workers, notes=notes,
+                           dep_to_dispatch_p50_ms=probe._r(probe.percentile(lat_d, 50)),
+                           dep_to_dispatch_p99_ms=probe._r(probe.percentile(lat_d, 99)),
+                           error=repr(stack.errors[0]) if stack.errors else None)
+        probe.emit(res, args.out)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        stack.stop()
+        if args.data is None:
+            shutil.rmtree(data, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

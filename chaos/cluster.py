@@ -1,0 +1,150 @@
+"""A 3-broker KRaft cluster on loopback, run by the project's ``deploy/kafka/kafka.sh``.
+
+``kafka.sh start`` starts the brokers that are not running (and waits until the
+cluster metadata lists all of them), so restarting one killed broker is
+``kill -9`` its pid, then ``start`` again. Before another broker may be killed
+the cluster must be whole again: every broker registered and every partition's
+ISR complete (``healthy``), so no partition ever has fewer than two in-sync
+replicas because of the harness.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient
+
+ROOT = Path(__file__).resolve().parent.parent
+KAFKA_SH = ROOT / "deploy" / "kafka" / "kafka.sh"
+BROKERS = 3
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port(start: int = 30192, stop: int = 31700, step: int = 100) -> int:
+    """A client port p with p..p+2 and the controller ports p+1000..p+1002 free.
+
+    Below the ephemeral range (32768 up on Linux): a killed broker must get its ports back
+    when it restarts, which an outgoing connection holding one would prevent.
+    """
+    for p in range(start, stop, step):
+        if all(_port_free(p + i) and _port_free(p + 1000 + i) for i in range(BROKERS)):
+            return p
+    raise RuntimeError(f"no free port range for a 3-broker cluster in {start}..{stop}")
+
+
+class BrokerCluster:
+    def __init__(self, data: Path, port: int | None = None, heap: str = "-Xmx384m -Xms128m") -> None:
+        self.data = data
+        self.port = port if port is not None else free_base_port()
+        self.heap = heap
+        self.bootstrap = ",".join(f"127.0.0.1:{self.port + i}" for i in range(BROKERS))
+        self._admin: AdminClient | None = None
+
+    def _sh(self, cmd: str, timeout: float = 240) -> str:
+        env = {**os.environ, "KAFKA_PORT": str(self.port), "KAFKA_BROKERS": str(BROKERS),
+               "KAFKA_DATA": str(self.data), "KAFKA_HEAP_OPTS": self.heap, "KAFKA_START_TIMEOUT": "180"}
+        p = subprocess.run([str(KAFKA_SH), cmd], env=env, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"kafka.sh {cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        return p.stdout
+
+    def start(self) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        self._sh("start")
+
+    def stop(self) -> None:
+        try:
+            self._sh("stop", timeout=120)
+        except (RuntimeError, subprocess.TimeoutExpired):
+            for i in range(1, BROKERS + 1):
+                self.kill9(i)
+
+    # -- one broker -----------------------------------------------------------
+    def node_dir(self, node: int) -> Path:
+        return self.data / f"node-{node}"
+
+    def pid(self, node: int) -> int | None:
+        """The broker's pid if it runs (checked against its command line: pids get reused)."""
+        try:
+            pid = int((self.node_dir(node) / "kafka.pid").read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except (OSError, ValueError):
+            return None
+        want = f"kafka.Kafka {self.node_dir(node)}/server.properties".encode()
+        return pid if want in cmdline else None
+
+    def running(self) -> list[int]:
+        return [n for n in range(1, BROKERS + 1) if self.pid(n) is not None]
+
+    def kill9(self, node: int) -> bool:
+        pid = self.pid(node)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return False
+        deadline = time.monotonic() + 10
+        while self.pid(node) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return True
+
+    def restart_missing(self) -> None:
+        """Start every broker that is not running (``kafka.sh start``)."""
+        self._sh("start")
+
+    # -- health ---------------------------------------------------------------
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            self._admin = AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 0})
+        return self._admin
+
+    def registered(self) -> set[int] | None:
+        """Brokers in the cluster metadata (a killed broker stays there until the controller fences it)."""
+        try:
+            return set(self.admin().list_topics(timeout=5).brokers)
+        except Exception:
+            return None
+
+    def under_replicated(self) -> int | None:
+        """Partitions whose ISR lacks a replica or whose leader is not running (None: metadata unreadable)."""
+        try:
+            md = self.admin().list_topics(timeout=5)
+        except Exception:
+            return None
+        if len(md.brokers) < BROKERS:
+            return None
+        running = set(self.running())
+        n = 0
+        for t in md.topics.values():
+            if t.error is not None:
+                return None
+            for p in t.partitions.values():
+                if p.error is not None or p.leader not in running or len(p.isrs) < len(p.replicas):
+                    n += 1
+        return n
+
+    def healthy(self) -> bool:
+        return len(self.running()) == BROKERS and self.under_replicated() == 0
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.healthy():
+                return True
+            time.sleep(0.5)
+        return False

@@ -1,0 +1,226 @@
+"""The fault injector: kill -9 schedulers, workers and one broker at a time, at random times.
+
+Seeded (``random.Random(seed)``), so a run's fault schedule can be reproduced as
+far as timing allows. Each kind fires after an exponentially distributed wait
+with its own mean:
+
+* ``scheduler kill -9``: a random running scheduler instance; restarted after
+  ``restart_delay_s`` on its data folder, or (``empty_state_share`` of the
+  time) on an emptied one, which makes it rebuild every partition it gets from
+  the events topic (``scheduler kill -9, empty state``);
+* ``worker kill -9``: a random running worker process, restarted likewise;
+* ``broker kill -9``: a random broker, only while all three run and every
+  partition's ISR is complete; restarted ``broker_down_s`` later with
+  ``kafka.sh start``, so at most one broker is ever down.
+
+Duplicated and delayed worker reports come from the duplicator process
+(``chaos.duplicator``); ``Injector.counts`` holds the kills, the duplicator's
+stats file the copies. A supervisor pass restarts any process that exited
+without being killed (and records it as an ``unexpected exit``: a crash, which
+the report lists).
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from chaos.cluster import BrokerCluster
+from chaos.procs import Proc
+
+SCHEDULER_KILL = "scheduler kill -9"
+SCHEDULER_KILL_EMPTY = "scheduler kill -9, empty state"
+WORKER_KILL = "worker kill -9"
+BROKER_KILL = "broker kill -9"
+KILL_KINDS = (SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, WORKER_KILL, BROKER_KILL)
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    scheduler_every_s: float = 6.0
+    worker_every_s: float = 5.0
+    broker_every_s: float = 30.0
+    empty_state_share: float = 0.25
+    restart_delay_s: tuple[float, float] = (0.3, 3.0)
+    broker_down_s: tuple[float, float] = (3.0, 12.0)
+    broker_settle_s: float = 5.0  # after a broker is back and healthy, before the next broker kill
+    max_schedulers_down: int = 2
+
+
+class Injector:
+    def __init__(self, rng: random.Random, plan: FaultPlan, cluster: BrokerCluster, schedulers: list[Proc],
+                 scheduler_dirs: dict[str, Path], workers: list[Proc], others: list[Proc], journal: Path,
+                 say: Callable[[str], None] = print) -> None:
+        self.rng = rng
+        self.plan = plan
+        self.cluster = cluster
+        self.schedulers = schedulers
+        self.scheduler_dirs = scheduler_dirs
+        self.workers = workers
+        self.others = others
+        self.journal = journal.open("a")
+        self.say = say
+        self.counts: dict[str, int] = dict.fromkeys(KILL_KINDS, 0)
+        self.unexpected: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+        self._restarts: list[tuple[float, int, Proc, bool]] = []
+        self._seq = 0
+        self._broker_busy = False
+        self._broker_ready_at = 0.0
+        self._broker_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._due: dict[str, float] | None = None
+
+    # -- bookkeeping ------------------------------------------------------------
+    def record(self, kind: str, target: str, **detail: Any) -> None:
+        with self._lock:
+            if kind in self.counts:
+                self.counts[kind] += 1
+            row = {"t": round(time.monotonic() - self.t0, 3), "kind": kind, "target": target, **detail}
+            self.journal.write(json.dumps(row) + "\n")
+            self.journal.flush()
+
+    @property
+    def kills(self) -> int:
+        return sum(self.counts.values())
+
+    # -- the loop -----------------------------------------------------------------
+    def _next(self, mean: float) -> float:
+        return time.monotonic() + self.rng.expovariate(1.0 / mean)
+
+    def step_until(self, until: float) -> None:
+        """Inject faults (and restart what is due) until ``until`` (monotonic time)."""
+        p = self.plan
+        if self._due is None:
+            self._due = {"scheduler": self._next(p.scheduler_every_s), "worker": self._next(p.worker_every_s),
+                         "broker": time.monotonic() + self.rng.uniform(3.0, min(20.0, p.broker_every_s))}
+        due = self._due
+        while time.monotonic() < until:
+            now = time.monotonic()
+            self.restart_due(now)
+            self.supervise()
+            if now >= due["scheduler"]:
+                self.kill_scheduler()
+                due["scheduler"] = self._next(p.scheduler_every_s)
+            if now >= due["worker"]:
+                self.kill_worker()
+                due["worker"] = self._next(p.worker_every_s)
+            if now >= due["broker"]:
+                if self.kill_broker():
+                    due["broker"] = self._next(p.broker_every_s)
+                else:
+                    due["broker"] = now + 1.0  # not now: a broker is down or the ISR is not complete
+            time.sleep(0.05)
+
+    def recover(self, timeout_s: float = 300.0) -> None:
+        """Restart everything that is down and wait for the cluster to be whole."""
+        deadline = time.monotonic() + timeout_s
+        while self._restarts and time.monotonic() < deadline:
+            self.restart_due(float("inf"))
+        if self._broker_thread is not None:
+            self._broker_thread.join(max(1.0, deadline - time.monotonic()))
+        self.supervise()
+        if not self.cluster.wait_healthy(max(1.0, deadline - time.monotonic())):
+            self.say("warning: the cluster is not whole after recovery")
+
+    def restart_due(self, now: float) -> None:
+        while self._restarts and self._restarts[0][0] <= now:
+            _, _, proc, empty = heapq.heappop(self._restarts)
+            if empty:
+                shutil.rmtree(self.scheduler_dirs[proc.name], ignore_errors=True)
+            proc.start()
+
+    def _schedule_restart(self, proc: Proc, empty: bool = False) -> None:
+        self._seq += 1
+        delay = self.rng.uniform(*self.plan.restart_delay_s)
+        heapq.heappush(self._restarts, (time.monotonic() + delay, self._seq, proc, empty))
+
+    def supervise(self) -> None:
+        """Restart processes that died without being killed; remember them."""
+        for proc in [*self.schedulers, *self.workers, *self.others]:
+            with proc.lock:
+                if proc.down_on_purpose or proc.proc is None or proc.alive():
+                    continue
+                code = proc.exit_code()
+                tail = "\n".join(line for line in proc.tail(60).splitlines()
+                                 if "librdkafka" not in line and line.strip("│ "))[-3000:]
+                errors = [ln.strip() for ln in tail.splitlines() if ln[:1].isalpha() and "Error" in ln.split(":")[0]]
+                self.unexpected.append({"t": round(time.monotonic() - self.t0, 3), "process": proc.name,
+                                        "exit_code": code, "reason": errors[-1][:300] if errors else "",
+                                        "tail": tail})
+                self.record("unexpected exit", proc.name, exit_code=code)
+                self.say(f"unexpected exit of {proc.name} (code {code}); restarting it\n{tail}")
+                proc.start()
+
+    # -- faults ---------------------------------------------------------------------
+    def kill_scheduler(self) -> None:
+        alive = [s for s in self.schedulers if s.alive()]
+        down = len(self.schedulers) - len(alive)
+        if not alive or down >= self.plan.max_schedulers_down:
+            return
+        victim = self.rng.choice(alive)
+        empty = self.rng.random() < self.plan.empty_state_share
+        victim.kill9()
+        self.record(SCHEDULER_KILL_EMPTY if empty else SCHEDULER_KILL, victim.name)
+        self._schedule_restart(victim, empty)
+
+    def kill_worker(self) -> None:
+        alive = [w for w in self.workers if w.alive()]
+        if not alive:
+            return
+        victim = self.rng.choice(alive)
+        victim.kill9()
+        self.record(WORKER_KILL, victim.name)
+        self._schedule_restart(victim)
+
+    def kill_broker(self) -> bool:
+        if self._broker_busy or time.monotonic() < self._broker_ready_at + self.plan.broker_settle_s:
+            return False
+        if not self.cluster.healthy():
+            return False
+        node = self.rng.randint(1, 3)
+        down_s = self.rng.uniform(*self.plan.broker_down_s)
+        self._broker_busy = True
+        if not self.cluster.kill9(node):
+            self._broker_busy = False
+            return False
+        self.record(BROKER_KILL, f"broker-{node}", down_s=round(down_s, 1))
+        self._broker_thread = threading.Thread(target=self._bring_back, args=(node, down_s), daemon=True,
+                                               name="broker-restart")
+        self._broker_thread.start()
+        return True
+
+    def _bring_back(self, node: int, down_s: float) -> None:
+        """Restart a killed broker once it was down ``down_s`` and the controller fenced it.
+
+        A broker restarted before it was fenced (KRaft's broker session timeout, 9 s) looks
+        whole in the metadata while it is still catching up; killing another one then
+        would take two brokers out at once.
+        """
+        time.sleep(down_s)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            reg = self.cluster.registered()
+            if reg is not None and node not in reg:
+                break
+            time.sleep(0.5)
+        for attempt in range(5):
+            try:
+                self.cluster.restart_missing()
+                break
+            except Exception as exc:  # a restart that fails is retried; the run reports it if it never works
+                self.say(f"restarting broker-{node} failed (attempt {attempt + 1}): {exc}")
+                time.sleep(2)
+        self.record("broker restarted", f"broker-{node}")
+        if not self.cluster.wait_healthy(180):
+            self.say(f"warning: broker-{node} is back but the ISR is not complete after 180 s")
+        self._broker_ready_at = time.monotonic()
+        self._broker_busy = False

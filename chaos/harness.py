@@ -1,0 +1,542 @@
+"""The chaos run: start the cluster and the processes, run the workload under faults, check, report.
+
+Layout of a run folder (``--workdir``, default a temporary folder removed after a passing run)::
+
+    kafka/            the 3-broker cluster (kafka.sh's KAFKA_DATA)
+    api/              dagfold up --no-scheduler --workers 0 (API + projector)
+    s1/ s2/ s3/       dagfold scheduler --instance sI --data sI
+    effects.sqlite    the external system (chaos.handlers), ledger.sqlite the SideEffectLedger
+    logs/             one log per process; faults.jsonl, duplicates.jsonl; report.json
+    replay/           dagfold replay --verify output
+
+The end of a run, step by step: stop injecting and bring every process and
+broker back; stop the duplicator; wait until every submitted job is terminal in
+the read model; wait until the schedulers consumed every command; stop all
+schedulers but s1 and wait until s1 owns every partition and its stores hold
+the last event of each; stop s1; ``dagfold replay --verify --data s1``; compare
+every instance's store that holds a partition's final state with the replay;
+run ``chaos.checks``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from chaos import checks
+from chaos.cluster import BrokerCluster
+from chaos.faults import BROKER_KILL, KILL_KINDS, SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, FaultPlan, Injector
+from chaos.handlers import EFFECTS_ENV, LEDGER_ENV
+from chaos.procs import ROOT, Proc
+from chaos.workload import JobPlan, plan_workload
+from dagfold.config import COMMANDS, EVENTS, SCHEDULER_GROUP
+from dagfold.log import Log, TopicPartition, open_log
+from dagfold.state import PartitionStore
+from dagfold.state.store import applied_events_offset, state_digest
+from services.scheduler.replay import job_digest, job_ids
+
+PY = sys.executable
+PARTITIONS = 8
+# Short session timeouts so a killed process's partitions move within seconds. A transaction
+# timeout of 30 s (librdkafka's default is 60 s) bounds how long a killed scheduler's open
+# transaction holds its partitions back when that instance does not come back; shorter ones
+# (10 s) make the coordinator abort live transactions that straddle a broker failover, which
+# fences the producer (a fatal error: the scheduler exits and is restarted).
+CLIENT_SETTINGS = ("consumer.session.timeout.ms=6000&consumer.heartbeat.interval.ms=500"
+                   "&producer.transaction.timeout.ms=30000")
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    generated_jobs: int
+    workflows: tuple[str, ...]
+    inject_s: float  # at most this long
+    min_faults: int = 0  # keep injecting past inject_s until this many faults (kills + copied reports)
+    max_inject_s: float = 0.0  # ... but never longer than this (0: inject_s)
+    submit_share: float = 0.6  # jobs are submitted over this share of inject_s
+    max_open_jobs: int = 0  # >0: submit only while fewer jobs than this are unfinished (long runs)
+    schedulers: int = 3
+    workers: int = 3
+    worker_concurrency: int = 2
+    dup_rate: float = 0.05
+    dup_max_per_s: float = 1.0
+    drain_s: float = 180.0
+    plan: FaultPlan = field(default_factory=FaultPlan)
+    scenario: str = "random"  # "random" faults, or "failover": one scheduler and one broker killed once
+
+
+PROFILES: dict[str, Profile] = {
+    # tests/test_chaos.py (make test): about 3 minutes on a 2-core box.
+    "short": Profile("short", generated_jobs=36, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
+                     inject_s=90, min_faults=60, max_inject_s=110, drain_s=150,
+                     plan=FaultPlan(scheduler_every_s=5.0, worker_every_s=4.0, broker_every_s=20.0)),
+    # make chaos: at least 1,000 faults, under 30 minutes.
+    "long": Profile("long", generated_jobs=520,
+                    workflows=("montage-chameleon-2mass-01d-001.json.gz", "seismology-chameleon-1100p-001.json.gz",
+                               "1000genome-chameleon-22ch-250k-001.json.gz", "cycles-chameleon-10l-1c-9p-001.json.gz",
+                               "montage-chameleon-2mass-05d-001.json.gz",
+                               "epigenomics-chameleon-ilmn-6seq-50k-001.json.gz"),
+                    inject_s=1080, min_faults=1000, max_inject_s=1260, submit_share=0.85, drain_s=300,
+                    max_open_jobs=30, dup_max_per_s=0.5,
+                    plan=FaultPlan(scheduler_every_s=5.0, worker_every_s=3.0, broker_every_s=45.0)),
+    # 3 schedulers on 3 brokers: kill -9 one instance and one broker mid-run, bring neither back until the end.
+    "failover": Profile("failover", generated_jobs=40, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
+                        inject_s=0, drain_s=240, dup_rate=0.0, scenario="failover"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ChaosRun:
+    def __init__(self, profile: Profile, seed: int, workdir: Path | None = None, keep: bool = False,
+                 say: Any = None) -> None:
+        self.profile = profile
+        self.seed = seed
+        self.keep = keep or workdir is not None
+        self.dir = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="dagfold-chaos-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.logs = self.dir / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.rng = random.Random(seed)
+        self._say = say or (lambda m: print(m, flush=True))
+        self.t0 = time.monotonic()
+        self.timings: dict[str, float] = {}
+        self.submitted: list[JobPlan] = []
+        self.procs: list[Proc] = []
+        self.submit_stop = threading.Event()
+
+    def say(self, msg: str) -> None:
+        self._say(f"[chaos {time.monotonic() - self.t0:7.1f}s] {msg}")
+
+    def mark(self, name: str) -> None:
+        self.timings[name] = round(time.monotonic() - self.t0, 1)
+
+    # -- processes ---------------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"DAGFOLD_REPLICATION": "3", "DAGFOLD_PARTITIONS": str(PARTITIONS),
+                    LEDGER_ENV: str(self.dir / "ledger.sqlite"), EFFECTS_ENV: str(self.dir / "effects.sqlite"),
+                    "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "COLUMNS": "200"})
+        return env
+
+    def _proc(self, name: str, *args: str) -> Proc:
+        p = Proc(name, [PY, *args], self._env(), self.logs / f"{name}.log")
+        self.procs.append(p)
+        return p
+
+    def start_processes(self) -> None:
+        url = self.url
+        self.api_port = free_port()
+        self.api = f"http://127.0.0.1:{self.api_port}"
+        self.api_proc = self._proc("api", "-m", "dagfold", "up", "--log", url, "--data", str(self.dir / "api"),
+                                   "--no-scheduler", "--workers", "0", "--port", str(self.api_port)).start()
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.api + "/healthz", timeout=2).status_code == 200:
+                    break
+            if not self.api_proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API did not start:\n{self.api_proc.tail()}")
+            time.sleep(0.3)
+        self.scheduler_dirs = {f"s{i}": self.dir / f"s{i}" for i in range(1, self.profile.schedulers + 1)}
+        self.schedulers = [self._proc(name, "-m", "dagfold", "scheduler", "--log", url, "--data", str(d),
+                                      "--instance", name).start() for name, d in self.scheduler_dirs.items()]
+        self.workers = [self._proc(f"w{i}", "-m", "dagfold", "worker", "--log", url, "--data",
+                                   str(self.dir / f"w{i}"), "--queue", "default", "--concurrency",
+                                   str(self.profile.worker_concurrency), "--handlers", "chaos.handlers").start()
+                        for i in range(1, self.profile.workers + 1)]
+        self.dup_stats = self.dir / "duplicates.json"
+        self.duplicator = self._proc("duplicator", "-m", "chaos.duplicator", "--log", url, "--seed",
+                                     str(self.seed + 1), "--rate", str(self.profile.dup_rate), "--max-per-s",
+                                     str(self.profile.dup_max_per_s), "--stats", str(self.dup_stats),
+                                     "--journal", str(self.logs / "duplicates.jsonl"))
+        if self.profile.dup_rate > 0:
+            self.duplicator.start()
+
+    def duplicates(self) -> dict[str, int]:
+        try:
+            return dict(json.loads(self.dup_stats.read_text())["counts"])
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    # -- workload -------------------------------------------------------------------------------------
+    def submit_all(self, plans: list[JobPlan], over_s: float, stop: threading.Event) -> None:
+        """Submit the plans evenly over ``over_s`` seconds; with ``max_open_jobs``, as fast as jobs
+        finish instead, until ``stop`` (the plans left are not submitted)."""
+        start = time.monotonic()
+        open_jobs: list[str] = []
+        with httpx.Client(base_url=self.api, timeout=30) as http:
+            for i, plan in enumerate(plans):
+                if self.profile.max_open_jobs:
+                    while not stop.is_set():
+                        open_jobs = [j for j in open_jobs if not self._terminal(http, j)]
+                        if len(open_jobs) < self.profile.max_open_jobs:
+                            break
+                        time.sleep(1.0)
+                    if stop.is_set():
+                        return
+                    open_jobs.append(plan.job_id)
+                at = start + over_s * i / max(1, len(plans))
+                while time.monotonic() < at and not stop.is_set():
+                    time.sleep(0.05)
+                body = json.dumps(plan.doc)
+                deadline = time.monotonic() + 300
+                while time.monotonic() < deadline:
+                    try:
+                        r = http.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+                        if r.status_code == 202:
+                            self.submitted.append(plan)
+                            break
+                        self.say(f"submit {plan.job_id}: HTTP {r.status_code} {r.text[:200]}; retrying")
+                    except httpx.HTTPError as exc:
+                        self.say(f"submit {plan.job_id}: {exc!r}; retrying")
+                    time.sleep(1.0)  # the same job ID again: a duplicate submission is deduplicated
+                else:
+                    self.say(f"giving up on submitting {plan.job_id}")
+
+    @staticmethod
+    def _terminal(http: httpx.Client, job_id: str) -> bool:
+        try:
+            r = http.get(f"/v1/jobs/{job_id}")
+            return r.status_code == 200 and r.json()["state"] in checks.JOB_TERMINAL
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    def job_states(self) -> Counter[str]:
+        c: Counter[str] = Counter()
+        with httpx.Client(base_url=self.api, timeout=30) as http:
+            for plan in list(self.submitted):
+                try:
+                    r = http.get(f"/v1/jobs/{plan.job_id}")
+                    c[r.json()["state"] if r.status_code == 200 else "missing"] += 1
+                except (httpx.HTTPError, ValueError, KeyError):
+                    c["unknown"] += 1
+        return c
+
+    def wait_jobs(self, timeout_s: float, injector: Injector | None) -> bool:
+        deadline = time.monotonic() + timeout_s
+        last = 0.0
+        while time.monotonic() < deadline:
+            if injector is not None:
+                injector.supervise()
+            c = self.job_states()
+            open_ = sum(n for s, n in c.items() if s not in checks.JOB_TERMINAL)
+            if time.monotonic() - last > 15:
+                self.say(f"jobs: {dict(c)}")
+                last = time.monotonic()
+            if open_ == 0:
+                return True
+            time.sleep(2)
+        return False
+
+    # -- the end: quiesce, consolidate, replay -------------------------------------------------------------
+    def command_lag(self, log: Log) -> int | None:
+        tps = [TopicPartition(COMMANDS, p) for p in range(PARTITIONS)]
+        try:
+            c = log.consumer(SCHEDULER_GROUP, client_id="chaos-lag")
+            try:
+                committed = c.committed(tps)
+            finally:
+                c.close()
+            ends = log.end_offsets(tps)
+        except Exception:
+            return None
+        return sum(max(0, ends[tp] - committed.get(tp, 0)) for tp in tps)
+
+    def last_event_offsets(self, log: Log) -> dict[int, int]:
+        """Offset of the last committed record of each events partition (-1 if none)."""
+        out = {}
+        for p in range(PARTITIONS):
+            tp = TopicPartition(EVENTS, p)
+            end = log.end_offsets([tp])[tp]
+            window, found = 64, -1
+            while end > 0:
+                start = max(0, end - window)
+                c = log.consumer(None, client_id="chaos-tail")
+                c.assign({tp: start})
+                deadline = time.monotonic() + 20
+                while c.position(tp) < end and time.monotonic() < deadline:
+                    for r in c.poll(5000, 0.2):
+                        found = max(found, r.offset)
+                c.close()
+                if found >= 0 or start == 0:
+                    break
+                window *= 8
+            out[p] = found
+        return out
+
+    def store_offsets(self, instance_dir: Path) -> dict[int, int]:
+        out = {}
+        for p in range(PARTITIONS):
+            path = instance_dir / "scheduler" / f"p{p:04d}"
+            if not path.exists():
+                continue
+            try:
+                s = PartitionStore(path, read_only=True)
+            except Exception:
+                continue
+            try:
+                out[p] = applied_events_offset(s)
+            finally:
+                s.close()
+        return out
+
+    def consolidate(self, log: Log, injector: Injector | None) -> dict[str, Any]:
+        """Stop every scheduler but s1; wait until s1 holds the final state of every partition; stop it."""
+        info: dict[str, Any] = {}
+        deadline = time.monotonic() + 120
+        lag = None
+        while time.monotonic() < deadline:
+            if injector is not None:
+                injector.supervise()
+            lag = self.command_lag(log)
+            if lag == 0:
+                break
+            time.sleep(1)
+        info["command lag before consolidation"] = lag
+        keep, others = self.schedulers[0], self.schedulers[1:]
+        for s in others:
+            s.terminate()
+        if not keep.alive():
+            keep.start()
+        deadline = time.monotonic() + 180
+        final: dict[int, int] = {}
+        behind: dict[int, tuple[int | None, int]] = {}
+        while time.monotonic() < deadline:
+            if not keep.alive():
+                self.say(f"s1 exited during consolidation (code {keep.exit_code()}); restarting it")
+                keep.start()
+            final = self.last_event_offsets(log)
+            have = self.store_offsets(self.scheduler_dirs[keep.name])
+            behind = {p: (have.get(p), off) for p, off in final.items() if off >= 0 and have.get(p) != off}
+            if not behind and self.command_lag(log) == 0:
+                break
+            time.sleep(1)
+        info["s1 caught up"] = not behind
+        if behind:
+            info["s1 behind"] = {str(p): v for p, v in behind.items()}
+        keep.terminate()
+        self.final_offsets = final
+        return info
+
+    def replay_and_compare(self, findings: checks.Findings) -> dict[str, Any]:
+        out_dir = self.dir / "replay"
+        shutil.rmtree(out_dir, ignore_errors=True)
+        t = time.monotonic()
+        p = subprocess.run([PY, "-m", "dagfold", "replay", "--log", self.url, "--data", str(self.scheduler_dirs["s1"]),
+                            "--out", str(out_dir), "--verify", "--json"], cwd=ROOT, env=self._env(),
+                           capture_output=True, text=True, timeout=900)
+        info: dict[str, Any] = {"exit code": p.returncode, "seconds": round(time.monotonic() - t, 1)}
+        try:
+            rep = json.loads(p.stdout)
+            info.update(applied=rep["applied"], events_per_s=rep["events_per_s"],
+                        differences=len(rep.get("differences", [])))
+            for d in rep.get("differences", []):
+                findings.add(checks.REPLAY_DIFFERS, d.get("job_id"), None,
+                             f"dagfold replay --verify: partition {d['partition']}: {d['what']}")
+        except (ValueError, KeyError):
+            info["output"] = (p.stdout + p.stderr)[-2000:]
+        if p.returncode != 0 and not info.get("differences"):
+            findings.add(checks.REPLAY_DIFFERS, None, None, f"dagfold replay --verify exited {p.returncode}: "
+                                                            f"{(p.stdout + p.stderr)[-500:]}")
+        # Every instance's store that holds a partition's final state must equal the replay.
+        compared = 0
+        for name, d in self.scheduler_dirs.items():
+            for part, off in self.store_offsets(d).items():
+                if off != self.final_offsets.get(part) or off < 0:
+                    continue
+                live = PartitionStore(d / "scheduler" / f"p{part:04d}", read_only=True)
+                rep_store = PartitionStore(out_dir / "scheduler" / f"p{part:04d}", read_only=True)
+                try:
+                    compared += 1
+                    if state_digest(live) != state_digest(rep_store):
+                        lj, rj = job_ids(live), job_ids(rep_store)
+                        bad = sorted(j for j in lj | rj if j not in lj or j not in rj
+                                     or job_digest(live, j) != job_digest(rep_store, j))
+                        findings.add(checks.REPLAY_DIFFERS, bad[0] if bad else None, None,
+                                     f"{name} partition {part}: live state differs from the replay "
+                                     f"({len(bad)} job(s))")
+                finally:
+                    live.close()
+                    rep_store.close()
+        info["stores compared"] = compared
+        return info
+
+    # -- the run -----------------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        prof = self.profile
+        self.say(f"profile {prof.name}, seed {self.seed}, folder {self.dir}")
+        plans = plan_workload(self.seed, prof.generated_jobs, list(prof.workflows))
+        self.say(f"workload: {len(plans)} jobs, {sum(p.tasks for p in plans)} tasks")
+        self.cluster = BrokerCluster(self.dir / "kafka")
+        self.url = f"kafka://{self.cluster.bootstrap}?{CLIENT_SETTINGS}"
+        report: dict[str, Any] = {"profile": prof.name, "seed": self.seed, "folder": str(self.dir),
+                                  "settings": {k: v for k, v in asdict(prof).items() if k != "plan"},
+                                  "fault plan": asdict(prof.plan)}
+        findings = checks.Findings()
+        injector: Injector | None = None
+        stop = threading.Event()
+        try:
+            self.cluster.start()
+            self.mark("cluster up")
+            self.say(f"cluster up on {self.cluster.bootstrap}")
+            self.start_processes()
+            self.mark("processes up")
+            submit_over = prof.inject_s * prof.submit_share if prof.scenario == "random" else 5.0
+            if prof.max_open_jobs:
+                submit_over = 0.0
+            submitter = threading.Thread(target=self.submit_all, args=(plans, submit_over, self.submit_stop),
+                                         daemon=True)
+            submitter.start()
+            injector = Injector(self.rng, prof.plan, self.cluster, self.schedulers, self.scheduler_dirs,
+                                self.workers, [self.api_proc] + ([self.duplicator] if prof.dup_rate else []),
+                                self.logs / "faults.jsonl", self.say)
+            if prof.scenario == "failover":
+                self.failover(injector, submitter)
+            else:
+                self.inject(injector)
+            self.mark("faults stopped")
+            submitter.join(timeout=600)
+            if self.duplicator.alive():
+                self.duplicator.terminate(60)
+            self.say(f"faults: {self.fault_counts(injector)}")
+            done = self.wait_jobs(prof.drain_s, injector)
+            self.mark("jobs drained")
+            self.say("every job is terminal" if done else "some jobs are not terminal")
+            log = open_log(self.url, self.dir)
+            try:
+                report["consolidation"] = self.consolidate(log, injector)
+                self.mark("consolidated")
+                self.say(f"consolidated on s1: {report['consolidation']}")
+                report["replay"] = self.replay_and_compare(findings)
+                self.mark("replayed")
+                self.say(f"replay: {report['replay']}")
+                report.update(self.check(log, findings))
+                self.mark("checked")
+            finally:
+                log.close()
+        finally:
+            stop.set()
+            self.submit_stop.set()
+            for p in reversed(self.procs):
+                p.terminate(20)
+                p.close()
+            with contextlib.suppress(Exception):
+                self.cluster.stop()
+        report["faults"] = self.fault_counts(injector)
+        report["faults total"] = sum(report["faults"].values())
+        report["unexpected exits"] = injector.unexpected if injector else []
+        report["violations by kind"] = findings.by_kind()
+        report["violations total"] = len(findings.violations)
+        report["violations"] = [v.line() for v in findings.violations[:200]]
+        report["timings s"] = self.timings
+        (self.dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+        if not findings.violations and not self.keep:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return report
+
+    def inject(self, injector: Injector) -> None:
+        """Random faults for ``inject_s``, longer if needed to reach ``min_faults`` (up to ``max_inject_s``)."""
+        prof = self.profile
+        start = time.monotonic()
+        hard = start + (prof.max_inject_s or prof.inject_s)
+        last = start
+        while True:
+            now = time.monotonic()
+            if now >= start + prof.inject_s * prof.submit_share:
+                self.submit_stop.set()
+            total = injector.kills + sum(self.duplicates().values())
+            if now >= hard or (now >= start + prof.inject_s and total >= prof.min_faults):
+                break
+            injector.step_until(min(hard, now + 2.0))
+            if time.monotonic() - last > 15:
+                self.say(f"faults so far: {self.fault_counts(injector)}")
+                last = time.monotonic()
+        self.submit_stop.set()
+        injector.recover()
+
+    def failover(self, injector: Injector, submitter: threading.Thread) -> None:
+        """Kill -9 one scheduler instance and one broker mid-run; bring both back only after every job ended."""
+        submitter.join(timeout=300)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            c = self.job_states()
+            if c.get("succeeded", 0) + c.get("failed", 0) + c.get("succeeded_partial", 0) >= len(self.submitted) // 4:
+                break
+            time.sleep(1)
+        victim, node = self.schedulers[1], self.rng.randint(1, 3)
+        victim.kill9()
+        injector.record(SCHEDULER_KILL, victim.name)
+        self.cluster.kill9(node)
+        injector.record(BROKER_KILL, f"broker-{node}")
+        self.say(f"killed {victim.name} and broker-{node}; neither comes back until every job ended")
+        self.mark("failover kill")
+        self.wait_jobs(self.profile.drain_s, injector)
+        self.mark("jobs ended without them")
+        self.cluster.restart_missing()
+        self.cluster.wait_healthy(180)
+        victim.start()
+
+    def fault_counts(self, injector: Injector | None) -> dict[str, int]:
+        c = dict(injector.counts) if injector else dict.fromkeys(KILL_KINDS, 0)
+        c.update(self.duplicates())
+        return c
+
+    def check(self, log: Log, findings: checks.Findings) -> dict[str, Any]:
+        model = checks.scan_events(log, PARTITIONS, findings)
+        dead = checks.scan_dead_letters(log, findings)
+        states = checks.check_read_model(self.api_read(), self.submitted, model, findings)
+        effects = checks.check_side_effects(self.dir / "effects.sqlite", self.dir / "ledger.sqlite", model,
+                                            self.submitted, findings)
+        stores = [self.scheduler_dirs["s1"] / "scheduler" / f"p{p:04d}" for p in range(PARTITIONS)
+                  if (self.scheduler_dirs["s1"] / "scheduler" / f"p{p:04d}").exists()]
+        dangling_checked = checks.check_dangling(stores, findings)
+        c = model.counts
+        return {
+            "jobs": {"submitted": len(self.submitted), **{f"ended {k}": v for k, v in sorted(states.items())}},
+            "tasks": {"in submitted jobs": sum(p.tasks for p in self.submitted),
+                      "succeeded": c["TaskSucceeded"], "failed for good": sum(
+                          1 for j in model.jobs.values() for s in j.state.values() if s == "failed"),
+                      "skipped": c["TaskSkipped"], "cancelled": c["TaskCancelled"],
+                      "attempts leased": c["LeaseGranted"], "retries": c["TaskRetryScheduled"],
+                      "lease expiries": model.lease_expiries, "reports ignored": c["ReportIgnored"],
+                      "leases rejected": c["LeaseRejected"], "events": sum(c.values()),
+                      "tasks checked for dangling leases": dangling_checked},
+            "side effects": effects,
+            "dead letters": dead,
+        }
+
+    def api_read(self) -> str:
+        """The API for the read-model checks (restarted if it died during the end phase)."""
+        if not self.api_proc.alive():
+            self.api_proc.start()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(self.api + "/healthz", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.3)
+        return self.api
+
+
+__all__ = ["ChaosRun", "PROFILES", "Profile", "SCHEDULER_KILL_EMPTY", "replace"]

@@ -1,0 +1,121 @@
+"""The capacity index: up hosts bucketed by free capacity, per GPU type.
+
+Two levels, so a placement looks at buckets, never at every host:
+
+* level 1, per GPU type: ``(whole free GPUs, largest partial free milli)``; a
+  request skips every level-1 bucket that cannot hold it without looking inside;
+* level 2: the exact free-capacity signature ``(cpu free, memory free, free
+  milli of each GPU, sorted)``; hosts with equal signatures are interchangeable
+  for placement, so each signature is scored once and the lowest host ID in it
+  is taken (a SortedList keeps that O(log n) and deterministic).
+
+On 8-GPU hosts without shared GPUs there are at most nine buckets per type;
+on the FGD trace (fractional GPUs, CPU and memory) signatures are more varied
+but only those that can hold the request are looked at.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from sortedcontainers import SortedList
+
+from services.allocator.model import FULL, NodeView
+
+Sig = tuple[int, int, tuple[int, ...]]
+L1 = tuple[int, int]
+
+
+def signature(n: NodeView) -> tuple[L1, Sig]:
+    full = 0
+    part = 0
+    for f in n.free:
+        if f == FULL:
+            full += 1
+        elif f > part:
+            part = f
+    return (full, part), (n.cpu_free, n.mem_free, tuple(sorted(n.free, reverse=True)))
+
+
+def l1_fits(l1: L1, gpus: int, milli: int) -> bool:
+    """Could a host in this level-1 bucket hold one host-part of ``gpus`` x ``milli``?"""
+    if gpus == 0:
+        return True
+    if gpus == 1 and milli < FULL:
+        return l1[0] >= 1 or l1[1] >= milli
+    return l1[0] >= gpus
+
+
+class CapacityIndex:
+    """Up hosts by GPU type, level-1 bucket and signature (see module docstring)."""
+
+    def __init__(self) -> None:
+        self.types: dict[str, dict[L1, dict[Sig, SortedList]]] = {}
+        self.where: dict[str, tuple[str, L1, Sig]] = {}
+        self.free_milli: dict[str, int] = {}  # per type, over up hosts
+
+    def add(self, n: NodeView) -> None:
+        if n.state != "up":
+            return
+        l1, sig = signature(n)
+        self.types.setdefault(n.gpu_type, {}).setdefault(l1, {}).setdefault(sig, SortedList()).add(n.id)
+        self.where[n.id] = (n.gpu_type, l1, sig)
+        self.free_milli[n.gpu_type] = self.free_milli.get(n.gpu_type, 0) + n.free_milli()
+
+    def remove(self, n: NodeView) -> None:
+        loc = self.where.pop(n.id, None)
+        if loc is None:
+            return
+        t, l1, sig = loc
+        by_l1 = self.types[t]
+        sigs = by_l1[l1]
+        lst = sigs[sig]
+        lst.remove(n.id)
+        if not lst:
+            del sigs[sig]
+            if not sigs:
+                del by_l1[l1]
+        self.free_milli[t] -= sum(sig[2])
+
+    def update(self, n: NodeView) -> None:
+        self.remove(n)
+        self.add(n)
+
+    def type_names(self, allowed: tuple[str, ...]) -> list[str]:
+        if not allowed:
+            return sorted(self.types)
+        return [t for t in allowed if t in self.types]
+
+    def candidates(self, allowed: tuple[str, ...], gpus: int, milli: int, cpu: int,
+                   mem: int) -> Iterator[tuple[str, Sig, SortedList]]:
+        """(type, signature, host IDs) of every signature that can hold one host-part."""
+        for t in self.type_names(allowed):
+            for l1, sigs in self.types[t].items():
+                if not l1_fits(l1, gpus, milli):
+                    continue
+                for sig, ids in sigs.items():
+                    if sig[0] >= cpu and sig[1] >= mem:
+                        yield t, sig, ids
+
+    def max_full(self, allowed: tuple[str, ...]) -> int:
+        best = 0
+        for t in self.type_names(allowed):
+            for l1 in self.types[t]:
+                if l1[0] > best:
+                    best = l1[0]
+        return best
+
+    def hosts_with(self, allowed: tuple[str, ...], gpus: int, milli: int, need: int) -> bool:
+        """Are there at least ``need`` up hosts that could hold one part (GPUs only; a necessary condition)?"""
+        n = 0
+        for t in self.type_names(allowed):
+            for l1, sigs in self.types[t].items():
+                if l1_fits(l1, gpus, milli):
+                    for ids in sigs.values():
+                        n += len(ids)
+                        if n >= need:
+                            return True
+        return False
+
+    def any_free(self) -> bool:
+        return any(v > 0 for v in self.free_milli.values())

@@ -1,0 +1,62 @@
+"""The context a processor decides in: state, clock input, and the outputs it collects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dagfold.codec import Record
+from dagfold.config import CONTROL
+from services.allocator.appliers import A, apply_event
+from services.allocator.model import AllocView
+from services.allocator.options import AllocatorOptions
+from services.allocator.state import PoolState
+
+ALLOCATOR_COMMANDS = "allocator.commands"
+ALLOCATOR_EVENTS = "allocator.events"
+
+
+@dataclass(slots=True)
+class Output:
+    """A record to produce: topic, key (the pool on allocator.events, the node on control) and the record."""
+
+    topic: str
+    key: str
+    record: Record
+
+
+@dataclass
+class Ctx:
+    st: PoolState
+    now_ms: int
+    offset: int
+    opts: AllocatorOptions
+    out: list[Output] = field(default_factory=list)
+    attempts: int = 0  # placement attempts in this command (the simulator's decision count)
+    granted: int = 0
+    examine_limit: int = 0
+
+    def event(self, name: str, **fields: Any) -> Record:
+        rec: Record = {"type": A + name, "pool": self.opts.pool, "ts_ms": self.now_ms,
+                       "cause_offset": self.offset, **fields}
+        apply_event(self.st, rec)
+        self.out.append(Output(ALLOCATOR_EVENTS, self.opts.pool, rec))
+        return rec
+
+    def stop(self, a: AllocView, reason: str, *, checkpoint: bool = False, deadline_ms: int | None = None,
+             nodes: list[str] | None = None) -> None:
+        """Tell the agents holding ``a`` (or only ``nodes``) to stop it, checkpointing first if asked."""
+        for p in a.parts:
+            if nodes is not None and p.node not in nodes:
+                continue
+            self.out.append(Output(CONTROL, p.node, {
+                "type": A + "StopAllocation", "pool": self.opts.pool, "node_id": p.node, "alloc_id": a.id,
+                "epoch": a.epoch, "job_id": a.req.job_id, "task_id": a.req.task_id, "attempt": a.req.attempt,
+                "reason": reason, "checkpoint": checkpoint, "deadline_ms": deadline_ms, "ts_ms": self.now_ms}))
+
+    def fence(self, node_id: str, alloc_id: str, epoch: int, reason: str) -> None:
+        """Stop a process the allocator does not know (stale epoch, lost node): no state involved."""
+        self.out.append(Output(CONTROL, node_id, {
+            "type": A + "StopAllocation", "pool": self.opts.pool, "node_id": node_id, "alloc_id": alloc_id,
+            "epoch": epoch, "job_id": "", "task_id": "", "attempt": 0, "reason": reason, "checkpoint": False,
+            "deadline_ms": None, "ts_ms": self.now_ms}))

@@ -1,0 +1,67 @@
+"""The allocator fold: ``(state, command, now) -> events``, and ``apply`` for replay.
+
+One instance per pool, bound to that pool's store: it keeps the in-memory
+indexes of ``PoolState`` (a cache of the store). Contract with the loop that
+drives it (runner, harness, simulator):
+
+* ``process(txn, ...)`` with the transaction of the current batch; a new
+  transaction object means the previous one was committed;
+* after dropping a transaction without committing it (a failed log
+  transaction), call ``reload()`` before the next command;
+* ``apply`` replays one event (catch-up after restart, audit rebuild).
+"""
+
+from __future__ import annotations
+
+from dagfold.codec import Record
+from dagfold.state import PartitionTransaction, Store
+from services.allocator.appliers import apply_event
+from services.allocator.ctx import Ctx, Output
+from services.allocator.exceptions import UnknownCommandError
+from services.allocator.options import AllocatorOptions
+from services.allocator.processors import PROCESSORS
+from services.allocator.state import PoolState
+
+
+class AllocatorFold:
+    """Processes the commands of one pool; all state goes through the transaction."""
+
+    def __init__(self, store: Store, opts: AllocatorOptions | None = None) -> None:
+        self.opts = opts or AllocatorOptions()
+        self.store = store
+        self.state = PoolState(self.opts)
+        self.state.load(store)
+        self.last_attempts = 0
+
+    def reload(self) -> None:
+        """Rebuild the in-memory indexes from the committed store."""
+        self.state.txn = None
+        self.state.load(self.store)
+
+    def process(self, txn: PartitionTransaction, command: Record, now_ms: int, offset: int) -> list[Output]:
+        """Fold one command; returns the events (already applied) and control records to produce.
+
+        On an exception nothing of this command stays in the transaction, and
+        the indexes are rebuilt from the store plus the batch's earlier writes.
+        """
+        proc = PROCESSORS.get(command["type"])
+        if proc is None:
+            raise UnknownCommandError(f"{command['type']} is not an allocator command")
+        st = self.state
+        st.bind(txn)
+        ctx = Ctx(st, now_ms, offset, self.opts)
+        txn.savepoint()
+        try:
+            proc(ctx, command)
+        except BaseException:
+            txn.rollback()
+            st.load(self.store, txn)
+            raise
+        txn.release()
+        self.last_attempts = ctx.attempts
+        return ctx.out
+
+    def apply(self, txn: PartitionTransaction, event: Record) -> None:
+        """Replay one event into this fold's state."""
+        self.state.bind(txn)
+        apply_event(self.state, event)

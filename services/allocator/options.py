@@ -1,0 +1,77 @@
+"""Knobs of the allocator fold, frozen: a process builds them once and passes them down.
+
+Policies are options of one core, not forks of the code: the simulator's
+baselines (FIFO without backfill, best-fit) are the same fold with other values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+PLACEMENTS = ("frag", "bestfit", "firstfit")
+HEALTH_OK = "ok"
+DRAIN_HEALTH = frozenset({"throttled", "ecc_errors", "xid", "slow"})
+STICKY_HEALTH = frozenset({"ecc_errors", "xid"})  # hardware errors: drained until the node re-registers
+
+
+@dataclass(frozen=True)
+class AllocatorOptions:
+    """Everything that changes a decision of the allocator fold."""
+
+    pool: str = "default"
+    # Priority tiers, highest first. strict_tiers=False puts every request in one queue (FIFO baseline).
+    tiers: tuple[str, ...] = ("enterprise", "standard", "free")
+    strict_tiers: bool = True
+    # Weighted DRF within a tier; GPU is the dominant resource. Unknown tenants get default_weight.
+    fair_share: bool = True
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    default_weight: float = 1.0
+    # Optional per-tenant cap on GPUs in use (whole GPUs; shared GPUs count their fraction).
+    tenant_quota_gpus: Mapping[str, float] = field(default_factory=dict)
+    placement: str = "frag"  # frag | bestfit | firstfit
+    frag_pack_weight: float = 0.01  # frag: small best-fit term that breaks near-ties towards packing
+    backfill: bool = True
+    preemption: bool = True
+    # Tiers that may preempt lower tiers, and after how long a wait (seconds). Others never preempt.
+    preempt_after_s: Mapping[str, float] = field(default_factory=lambda: {"enterprise": 0.0, "standard": 600.0})
+    # Leases: allocations live as long as their node's lease, renewed by node heartbeats.
+    lease_s: float = 30.0
+    grace_s: float = 30.0  # preemption and drain: checkpoint request -> forced stop
+    runtime_grace_s: float = 60.0  # an allocation is stopped at max_runtime_s + this
+    reject_unfittable: bool = True  # RequestRejected when no registered node could ever hold it
+    # Bounded work per decision (Slurm's bf_max_job_test idea): p99 decision time stays flat.
+    pass_budget: int = 32  # placement attempts per scheduling pass
+    pass_examine_limit: int = 64  # queued requests a pass looks at (placed, skipped or failed)
+    arrival_examine_limit: int = 16  # the same after an arrival alone (no capacity was freed)
+    tenant_lookahead: int = 8  # queued requests per tenant a pass may look past a blocked one
+    reservation_scan_limit: int = 32  # partly free hosts examined for a reservation (plus the free-at index)
+    preempt_scan_limit: int = 64  # hosts examined to find preemption victims
+    # Learned request-shape distribution (frag placement).
+    profile_refresh: int = 1024  # recompute class weights every N requests (after 16, 64, 256)
+    profile_max_classes: int = 128
+    profile_max_keys: int = 4096
+    # Gray failures.
+    undrain_ok_heartbeats: int = 3  # a throttled/slow node returns after N healthy heartbeats
+    slow_perf_ratio: float = 0.5  # perf below this fraction of the fleet average drains the node
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, not {self.placement!r}")
+        if not self.tiers:
+            raise ValueError("at least one tier is needed")
+
+    def tier_rank(self, tier: str) -> int | None:
+        """0 for the highest tier; None for an unknown tier. All 0 when tiers are not strict."""
+        try:
+            r = self.tiers.index(tier)
+        except ValueError:
+            return None
+        return r if self.strict_tiers else 0
+
+    def weight(self, tenant: str) -> float:
+        return float(self.tenant_weights.get(tenant, self.default_weight))
+
+    def quota_milli(self, tenant: str) -> int | None:
+        q = self.tenant_quota_gpus.get(tenant)
+        return None if q is None else int(q * 1000)

@@ -1,0 +1,235 @@
+"""The scheduling pass: which queued requests get placed now.
+
+Run after every command that may have freed capacity or queued work. Tiers go
+strictly in priority order. Within a tier:
+
+1. reservation owners first (the head-of-line request blocked earlier, and
+   requests waiting for their preemption victims), so capacity freed for them
+   goes to them;
+2. then tenants in weighted-DRF order: the tenant with the smallest GPU usage
+   divided by its weight goes next (GPU is the dominant resource), FIFO within
+   a tenant, and its share is updated after each grant. A tenant that floods
+   the queue only ever gets its turn when its share is the smallest, so a small
+   tenant's next request waits for capacity, not for the flood.
+3. A request that does not fit may preempt lower tiers if its tier is allowed
+   to (``preempt_after_s``: enterprise at once, standard after a wait). The
+   first request of the tier that does not fit is the head of line; if it
+   preempts nothing it gets a reservation (earliest start from
+   running allocations' runtime limits), and later requests are placed only
+   around it (backfill, see ``reservations``). Without backfill (the FIFO
+   baseline) the pass stops at the head of line.
+
+Work per pass is bounded (``pass_budget`` placement attempts, a look-ahead per
+tenant, and request shapes that already failed in this pass are skipped
+without a second attempt); when the budget runs out after progress, a
+``PassDeferred`` timer continues at once in the next command.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from services.allocator.ctx import Ctx
+from services.allocator.model import RequestView
+from services.allocator.placement import feasible_shapes, place
+from services.allocator.preemption import find_victims
+from services.allocator.reservations import Exclusions, earliest_start, excluded_for, is_stale
+
+MAX_PREEMPTIONS_PER_PASS = 2
+
+
+def grant(ctx: Ctx, r: RequestView, excluded: set[str]) -> bool:
+    """Place ``r`` if it fits now, all hosts at once; emit AllocationGranted."""
+    ctx.attempts += 1
+    parts = place(ctx.st, r, excluded)
+    if parts is None:
+        return False
+    st = ctx.st
+    epoch = st.meta["epoch"] + 1
+    lease = min(st.nodes[p.node].lease_until for p in parts)
+    ctx.granted += 1
+    ctx.event("AllocationGranted", alloc_id=f"{ctx.opts.pool}:{epoch}", epoch=epoch, job_id=r.job_id,
+              task_id=r.task_id, attempt=r.attempt, tenant=r.tenant, tier=r.tier,
+              hosts=[p.record() for p in parts], gpus=r.gpus, gpu_milli=r.milli, cpu_milli=r.cpu,
+              memory_mib=r.mem, lease_deadline_ms=lease,
+              max_runtime_s=None if r.max_runtime_ms is None else r.max_runtime_ms / 1000,
+              checkpoint=r.checkpoint, resume_checkpoint=r.resume, waited_ms=ctx.now_ms - r.queued_ms,
+              grants=r.grants + 1)
+    return True
+
+
+def _ident(r: RequestView) -> dict[str, object]:
+    return {"job_id": r.job_id, "task_id": r.task_id, "attempt": r.attempt, "tier": r.tier}
+
+
+def preempt_for(ctx: Ctx, r: RequestView, excluded: set[str]) -> bool:
+    """Ask lower-tier victims to checkpoint and stop so ``r`` fits; claim their hosts for ``r``."""
+    st = ctx.st
+    found = find_victims(st, r, ctx.now_ms, excluded)
+    if found is None:
+        return False
+    hosts, victims = found
+    deadline = ctx.now_ms + int(ctx.opts.grace_s * 1000)
+    for v in victims:
+        ctx.event("PreemptionRequested", alloc_id=v.id, epoch=v.epoch, job_id=v.req.job_id, task_id=v.req.task_id,
+                  attempt=v.req.attempt, tenant=v.req.tenant, tier=v.req.tier, grace_deadline_ms=deadline,
+                  reason=f"preempted by {r.job_id}/{r.task_id} ({r.tier})",
+                  preemptor_job_id=r.job_id, preemptor_task_id=r.task_id, preemptor_tier=r.tier)
+        ctx.stop(v, "preempted", checkpoint=True, deadline_ms=deadline)
+    ctx.event("ReservationMade", **_ident(r), start_ms=deadline, node_ids=hosts, kind="preemption")
+    return True
+
+
+def reserve_for(ctx: Ctx, r: RequestView, excluded: set[str]) -> bool:
+    found = earliest_start(ctx.st, r, ctx.now_ms, excluded)
+    if found is None:
+        return False
+    start, hosts = found
+    ctx.event("ReservationMade", **_ident(r), start_ms=start, node_ids=hosts, kind="backfill")
+    return True
+
+
+def may_preempt(ctx: Ctx, r: RequestView) -> bool:
+    """Tiers listed in ``preempt_after_s`` preempt lower tiers once their request waited that long."""
+    after = ctx.opts.preempt_after_s.get(r.tier)
+    if after is None or not ctx.opts.preemption or not ctx.opts.strict_tiers:
+        return False
+    return ctx.now_ms - r.queued_ms >= after * 1000 and ctx.st.rank(r.tier) < len(ctx.opts.tiers) - 1
+
+
+def _blocked(ctx: Ctx, r: RequestView, rank: int, *, head: bool, preempt: bool) -> bool:
+    """``r`` does not fit: preempt for it if allowed, else reserve for the head of line.
+
+    Returns True when a reservation (backfill or preemption claim) was made.
+    """
+    st = ctx.st
+    excluded = excluded_for(st, r, ctx.now_ms)
+    if preempt and preempt_for(ctx, r, excluded):
+        return True
+    if head and ctx.opts.backfill and not any(v["rank"] == rank and v["kind"] == "backfill"
+                                              for v in st.meta["reservations"].values()):
+        return reserve_for(ctx, r, excluded)
+    return False
+
+
+def _owners_first(ctx: Ctx, rank: int) -> tuple[int, bool]:
+    """Try the tier's reservation owners; returns (attempts used, head of line still blocked)."""
+    st = ctx.st
+    owners = sorted((v["made_ms"], k) for k, v in st.meta["reservations"].items() if v["rank"] == rank)
+    used = 0
+    blocked = False
+    for _, key in owners:
+        r = st.requests.get(key)
+        v = st.meta["reservations"].get(key)
+        if r is None or v is None:
+            continue
+        used += 1
+        if grant(ctx, r, excluded_for(st, r, ctx.now_ms)):
+            continue
+        blocked = True
+        if is_stale(st, v, ctx.now_ms):
+            ctx.event("ReservationCleared", **_ident(r), reason="start passed or a reserved host was lost")
+            _blocked(ctx, r, rank, head=True, preempt=may_preempt(ctx, r))
+    return used, blocked
+
+
+def schedule(ctx: Ctx, *, arrival: bool = False) -> None:
+    """One scheduling pass over all tiers (see module docstring).
+
+    After an arrival alone no capacity was freed, so only a short pass runs
+    (``arrival_examine_limit``): it places the newcomer if its turn comes early,
+    and otherwise leaves it to the next pass that follows a release.
+    """
+    st = ctx.st
+    opts = ctx.opts
+    budget = opts.pass_budget
+    ctx.examine_limit = opts.arrival_examine_limit if arrival else opts.pass_examine_limit
+    before = ctx.granted
+    for rank in sorted(st.queues):
+        if not st.queues.get(rank):
+            continue
+        budget, stop = _tier(ctx, rank, budget)
+        if stop or budget <= 0:
+            break
+    if budget <= 0 and ctx.granted > before and st.requests and ("pass", opts.pool) not in st.timers \
+            and st.capacity.any_free():
+        ctx.event("PassDeferred", due_ms=ctx.now_ms)
+
+
+def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
+    st = ctx.st
+    opts = ctx.opts
+    used, blocked = _owners_first(ctx, rank)
+    budget -= used
+    q = st.queues.get(rank)
+    if not q:
+        return budget, False
+    tier_name = opts.tiers[rank] if rank < len(opts.tiers) else ""
+    heap: list[tuple[float, int, str, int]] = []
+    weights: dict[str, float] = {}
+
+    def share(tenant: str) -> float:
+        if not opts.fair_share:
+            return 0.0
+        w = weights.get(tenant)
+        if w is None:
+            w = weights[tenant] = opts.weight(tenant)
+        used_milli = st.usage.get((tier_name, tenant), 0) if opts.strict_tiers else st.tenant_usage.get(tenant, 0)
+        return used_milli / w
+
+    feasible = feasible_shapes(st, rank)
+    limit = ctx.examine_limit
+    if not feasible:  # nothing queued here fits anywhere now: only the head of line and preemptions matter
+        can = opts.preemption and tier_name in opts.preempt_after_s
+        limit = min(limit, 1 + (MAX_PREEMPTIONS_PER_PASS if can else 0))
+        if blocked and not can:
+            return budget, False
+    for tenant, lst in q.items():
+        heap.append((share(tenant), lst[0][0], tenant, 0))
+    heapq.heapify(heap)
+    failed: set[tuple[object, ...]] = set()
+    excl = Exclusions(st, rank, ctx.now_ms)
+    preemptions = 0
+    examined = 0
+    reserved = st.meta["reservations"]
+    lookahead = opts.tenant_lookahead
+    while heap and budget > 0 and examined < limit:
+        _, _, tenant, i = heapq.heappop(heap)
+        lst = q.get(tenant)
+        if lst is None or i >= len(lst) or i >= lookahead:
+            continue
+        examined += 1
+        key = lst[i][1]
+        nxt = i + 1
+        r = st.requests[key]
+        if key not in reserved:
+            quota = opts.quota_milli(tenant)
+            if quota is None or st.tenant_usage.get(tenant, 0) + r.total_milli() <= quota:
+                pattern, excluded = excl.for_request(r)
+                fkey = (r.shape(), pattern)
+                if fkey not in failed:
+                    if r.gpu_shape() in feasible:
+                        budget -= 1
+                        if grant(ctx, r, excluded):
+                            nxt = i  # the granted entry left the queue
+                            lst = None
+                    if lst is not None:
+                        failed.add(fkey)
+                        head = not blocked
+                        blocked = True
+                        can_preempt = preemptions < MAX_PREEMPTIONS_PER_PASS and may_preempt(ctx, r)
+                        if head or can_preempt:
+                            preemptions += can_preempt
+                            if _blocked(ctx, r, rank, head=head, preempt=can_preempt):
+                                excl = Exclusions(st, rank, ctx.now_ms)  # a reservation was made
+                                failed.clear()
+                        if head and not opts.backfill:
+                            return budget, True
+                        if not st.capacity.any_free():
+                            break
+                    else:
+                        feasible = feasible_shapes(st, rank)  # capacity shrank
+        cur = q.get(tenant)
+        if cur is not None and nxt < len(cur):
+            heapq.heappush(heap, (share(tenant), cur[nxt][0], tenant, nxt))
+    return budget, False

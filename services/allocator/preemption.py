@@ -1,0 +1,93 @@
+"""Victim selection: which lower-tier allocations to checkpoint and stop so a request fits.
+
+Rules that make preemption safe:
+
+* only strictly lower tiers are ever victims, so a requeued victim can never
+  preempt its preemptor (or anyone of its tier): the "preempts" relation goes
+  strictly down the tier order and cannot form a cycle;
+* victims already being preempted are not chosen twice, and hosts already
+  claimed by another reservation of the same or a higher tier are skipped;
+* per host, victims are added in order of least importance (lowest tier,
+  least work lost since their last checkpoint, most over their fair share)
+  until the request's part fits; hosts are then ranked by the work they would
+  lose (GPU-minutes since last checkpoint; since start for jobs that cannot
+  checkpoint), then the highest tier touched, then the fair-share excess.
+
+The scan is bounded by ``preempt_scan_limit`` hosts, lowest tiers first.
+"""
+
+from __future__ import annotations
+
+from services.allocator.model import AllocView, RequestView
+from services.allocator.reservations import part_fits
+from services.allocator.state import PoolState
+
+
+def lost_work_gpu_min(a: AllocView, now_ms: int) -> float:
+    since = a.last_ckpt_ms if (a.req.checkpoint and a.last_ckpt_ms is not None) else a.granted_ms
+    return a.req.total_milli() / 1000 * max(0, now_ms - since) / 60000
+
+
+def find_victims(st: PoolState, r: RequestView, now_ms: int,
+                 excluded: set[str]) -> tuple[list[str], list[AllocView]] | None:
+    """(hosts, victims) that make ``r`` fit once the victims stop, or None."""
+    rank = st.rank(r.tier)
+    ntiers = len(st.opts.tiers) + 1
+    g, milli = r.gpus, r.per_gpu_milli()
+    types = set(r.gpu_types)
+    limit = st.opts.preempt_scan_limit
+    scanned = 0
+    seen: set[str] = set()
+    options: list[tuple[tuple[float, int, float], str, list[AllocView]]] = []
+    for low in range(ntiers, rank, -1):
+        hosts = st.tier_nodes.get(low)
+        if not hosts:
+            continue
+        for nid in sorted(hosts):
+            if nid in seen or nid in excluded:
+                continue
+            seen.add(nid)
+            n = st.nodes[nid]
+            if n.state != "up" or (types and n.gpu_type not in types) or n.gpus < g:
+                continue
+            scanned += 1
+            cands = [st.allocs[x] for x in n.allocs]
+            cands = [a for a in cands if a.state == "running" and st.rank(a.req.tier) > rank]
+            if not cands:
+                continue
+            cands.sort(key=lambda a: (-st.rank(a.req.tier), lost_work_gpu_min(a, now_ms),
+                                      -_excess(st, a), a.id))
+            free = list(n.free)
+            cpu_free, mem_free = n.cpu_free, n.mem_free
+            chosen: list[AllocView] = []
+            for a in cands:
+                for p in a.parts:
+                    if p.node == nid:
+                        for gi in p.gpus:
+                            free[gi] += p.milli
+                cpu_free += a.req.cpu
+                mem_free += a.req.mem
+                chosen.append(a)
+                if part_fits(free, cpu_free, mem_free, g, milli, r.cpu, r.mem):
+                    lost = sum(lost_work_gpu_min(v, now_ms) for v in chosen)
+                    top = min(st.rank(v.req.tier) for v in chosen)
+                    options.append(((round(lost, 1), ntiers - top, -sum(_excess(st, v) for v in chosen)),
+                                    nid, chosen))
+                    break
+            if scanned >= limit:
+                break
+        if scanned >= limit:
+            break
+    if len(options) < r.hosts:
+        return None
+    options.sort(key=lambda o: (o[0], o[1]))
+    best = options[:r.hosts]
+    victims: dict[str, AllocView] = {}
+    for _, _, vs in best:
+        for v in vs:
+            victims[v.id] = v
+    return sorted(nid for _, nid, _ in best), [victims[k] for k in sorted(victims)]
+
+
+def _excess(st: PoolState, a: AllocView) -> float:
+    return st.usage.get((a.req.tier, a.req.tenant), 0) / st.opts.weight(a.req.tenant)

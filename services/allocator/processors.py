@@ -1,0 +1,244 @@
+"""Command processors: one function per allocator command, deciding which events follow.
+
+A processor reads state, emits events through ``Ctx.event`` (each applied at
+once) and control records for node agents (``Ctx.stop``/``Ctx.fence``). It
+never writes state directly, never reads a clock and never does I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dagfold.codec import Record
+from services.allocator import keys
+from services.allocator.ctx import Ctx
+from services.allocator.model import FULL, AllocView, RequestView
+from services.allocator.options import DRAIN_HEALTH, STICKY_HEALTH
+from services.allocator.passes import schedule
+from services.allocator.placement import could_ever_fit
+
+C = "dagfold.allocator."
+
+
+def _requeue(ctx: Ctx, a: AllocView, checkpoint_uri: str | None = None) -> None:
+    """Put an allocation's request back in its queue at its original position, to resume from a checkpoint."""
+    r = a.req
+    ctx.event("RequestQueued", job_id=r.job_id, task_id=r.task_id, attempt=r.attempt, tenant=r.tenant, tier=r.tier,
+              gpus=r.gpus, gpu_type=list(r.gpu_types), hosts=r.hosts, gpu_milli=r.milli, cpu_milli=r.cpu,
+              memory_mib=r.mem, max_runtime_ms=r.max_runtime_ms, checkpoint=r.checkpoint,
+              submitted_ms=r.submitted_ms, seq=r.seq, requeued=True,
+              resume_checkpoint=checkpoint_uri or a.last_ckpt_uri, grants=r.grants)
+
+
+def _end(ctx: Ctx, a: AllocView, name: str, reason: str, *, requeue: bool, stop_nodes: list[str] | None,
+         checkpoint_uri: str | None = None) -> None:
+    """Release or expire ``a``; stop it on ``stop_nodes`` (None: all its hosts); requeue it if asked."""
+    ctx.event(name, alloc_id=a.id, epoch=a.epoch, job_id=a.req.job_id, task_id=a.req.task_id,
+              attempt=a.req.attempt, tenant=a.req.tenant, tier=a.req.tier, reason=reason,
+              node_ids=[p.node for p in a.parts], requeued=requeue, held_ms=ctx.now_ms - a.granted_ms)
+    if stop_nodes is None or stop_nodes:
+        ctx.stop(a, reason, nodes=stop_nodes)
+    if requeue:
+        _requeue(ctx, a, checkpoint_uri)
+
+
+# -- nodes ------------------------------------------------------------------------------------
+
+def register_node(ctx: Ctx, cmd: Record) -> None:
+    st = ctx.st
+    nid = cmd["node_id"]
+    old = st.nodes.get(nid)
+    if old is not None:
+        for aid in list(old.allocs):
+            a = st.allocs[aid]
+            others = [p.node for p in a.parts if p.node != nid]
+            _end(ctx, a, "AllocationExpired", "node re-registered: its processes are gone",
+                 requeue=True, stop_nodes=others)
+    ctx.event("NodeRegistered", node_id=nid, gpu_type=cmd["gpu_type"], gpus=cmd["gpus"],
+              cpu_milli=cmd["cpu_milli"], memory_mib=cmd["memory_mib"], incarnation=cmd["incarnation"],
+              lease_deadline_ms=ctx.now_ms + int(ctx.opts.lease_s * 1000))
+    schedule(ctx)
+
+
+def _drain(ctx: Ctx, nid: str, reason: str) -> None:
+    """Stop placing on a node and move its jobs off from their checkpoints (grace, then stop)."""
+    st = ctx.st
+    ctx.event("NodeDrained", node_id=nid, reason=reason, lost=False)
+    deadline = ctx.now_ms + int(ctx.opts.grace_s * 1000)
+    for aid in list(st.nodes[nid].allocs):
+        a = st.allocs[aid]
+        if a.state == "preempting":
+            continue
+        ctx.event("PreemptionRequested", alloc_id=a.id, epoch=a.epoch, job_id=a.req.job_id,
+                  task_id=a.req.task_id, attempt=a.req.attempt, tenant=a.req.tenant, tier=a.req.tier,
+                  grace_deadline_ms=deadline, reason=f"node {nid} drained: {reason}",
+                  preemptor_job_id=None, preemptor_task_id=None, preemptor_tier=None)
+        ctx.stop(a, f"node drained: {reason}", checkpoint=True, deadline_ms=deadline)
+
+
+def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
+    st = ctx.st
+    nid = cmd["node_id"]
+    n = st.nodes.get(nid)
+    if n is None or n.state == "lost" or n.incarnation != cmd["incarnation"]:
+        why = "node unknown" if n is None else ("node lease expired" if n.state == "lost"
+                                                 else f"stale incarnation {cmd['incarnation']}")
+        for s in cmd["allocations"]:
+            ctx.fence(nid, s["alloc_id"], s["epoch"], f"fenced: {why}; re-register")
+        if not cmd["allocations"]:
+            ctx.fence(nid, "", 0, f"fenced: {why}; re-register")
+        return
+    ckpts = []
+    for s in cmd["allocations"]:
+        a = st.allocs.get(s["alloc_id"])
+        if a is None or a.epoch != s["epoch"] or nid not in (p.node for p in a.parts):
+            ctx.fence(nid, s["alloc_id"], s["epoch"], "fenced: allocation is not current")
+            continue
+        if s["last_checkpoint_ms"] is not None and s["last_checkpoint_ms"] != a.last_ckpt_ms:
+            ckpts.append({"alloc_id": a.id, "last_checkpoint_ms": s["last_checkpoint_ms"],
+                          "checkpoint_uri": s["checkpoint_uri"]})
+    health = cmd["health"]
+    perf = cmd["perf"]
+    avg = st.meta["perf"].get(n.gpu_type)
+    if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
+        health = "slow"
+    ctx.event("NodeHeartbeatRecorded", node_id=nid, lease_deadline_ms=ctx.now_ms + int(ctx.opts.lease_s * 1000),
+              health=health, perf=perf, checkpoints=ckpts)
+    if n.state == "up" and health in DRAIN_HEALTH:
+        detail = cmd["detail"] or health
+        _drain(ctx, nid, f"{health}: {detail}")
+        schedule(ctx)
+    elif n.state == "draining" and health == "ok" and n.draining_reason is not None \
+            and n.draining_reason.split(":", 1)[0] not in STICKY_HEALTH \
+            and n.ok_streak >= ctx.opts.undrain_ok_heartbeats:
+        ctx.event("NodeRestored", node_id=nid, reason=f"healthy for {n.ok_streak} heartbeats")
+        schedule(ctx)
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+def _validate(ctx: Ctx, cmd: Record) -> str | None:
+    g, milli, hosts = cmd["gpus"], cmd["gpu_milli"], cmd["hosts"]
+    if g < 0 or hosts < 1:
+        return f"gpus must be >= 0 and hosts >= 1 (got gpus={g}, hosts={hosts})"
+    if not 0 < milli <= FULL:
+        return f"gpu_milli must be in 1..1000 (got {milli})"
+    if milli < FULL and (g != 1 or hosts != 1):
+        return "a GPU share (gpu_milli < 1000) needs gpus == 1 and hosts == 1"
+    if g == 0 and not (cmd["cpu_milli"] or cmd["memory_mib"]):
+        return "the request asks for nothing (gpus == 0, no CPU, no memory)"
+    if ctx.opts.tier_rank(cmd["tier"]) is None:
+        return f"unknown tier {cmd['tier']!r}; known: {', '.join(ctx.opts.tiers)}"
+    mrt = cmd["max_runtime_s"]
+    if mrt is not None and mrt <= 0:
+        return "max_runtime_s must be positive"
+    return None
+
+
+def request_allocation(ctx: Ctx, cmd: Record) -> None:
+    st = ctx.st
+    key = keys.request_key(cmd["job_id"], cmd["task_id"], cmd["attempt"])
+    if key in st.requests or key in st.alloc_of_req:
+        return  # a duplicate of a request in flight: idempotent
+    ident = {"job_id": cmd["job_id"], "task_id": cmd["task_id"], "attempt": cmd["attempt"],
+             "tenant": cmd["tenant"], "tier": cmd["tier"]}
+    why = _validate(ctx, cmd)
+    mrt = cmd["max_runtime_s"]
+    fields = {"gpus": cmd["gpus"], "gpu_type": sorted(cmd["gpu_type"]), "hosts": cmd["hosts"],
+              "gpu_milli": cmd["gpu_milli"], "cpu_milli": cmd["cpu_milli"], "memory_mib": cmd["memory_mib"],
+              "max_runtime_ms": None if mrt is None else int(mrt * 1000), "checkpoint": cmd["checkpoint"],
+              "submitted_ms": cmd["submitted_ms"]}
+    probe = RequestView(key, {**ident, **fields, "seq": 0, "queued_ms": ctx.now_ms, "resume": None, "grants": 0})
+    if why is None:
+        quota = ctx.opts.quota_milli(cmd["tenant"])
+        if quota is not None and probe.total_milli() > quota:
+            why = f"asks for {probe.total_milli() / 1000:g} GPUs; tenant quota is {quota / 1000:g}"
+    if why is None and ctx.opts.reject_unfittable:
+        why = could_ever_fit(st, probe)
+    if why is not None:
+        ctx.event("RequestRejected", **ident, reason=why)
+        return
+    ctx.event("RequestQueued", **ident, **fields, seq=st.meta["seq"] + 1, requeued=False,
+              resume_checkpoint=cmd["resume_checkpoint"], grants=0)
+    schedule(ctx, arrival=True)
+    if not cmd["wait"] and key in st.requests:
+        ctx.event("RequestCancelled", job_id=cmd["job_id"], task_id=cmd["task_id"], attempt=cmd["attempt"],
+                  reason="fits nowhere now and the request does not wait")
+
+
+def release_allocation(ctx: Ctx, cmd: Record) -> None:
+    st = ctx.st
+    a = st.allocs.get(cmd["alloc_id"])
+    if a is None or a.epoch != cmd["epoch"]:
+        return  # stale or duplicate: the allocation already ended
+    others = [p.node for p in a.parts if p.node != cmd["node_id"]]
+    if a.state == "preempting" or cmd["reason"] == "preempted":
+        _end(ctx, a, "AllocationReleased", "preempted" if a.preempt_reason is None else a.preempt_reason,
+             requeue=True, stop_nodes=others, checkpoint_uri=cmd["checkpoint_uri"])
+    else:
+        _end(ctx, a, "AllocationReleased", cmd["reason"], requeue=False, stop_nodes=others)
+    schedule(ctx)
+
+
+def cancel_request(ctx: Ctx, cmd: Record) -> None:
+    st = ctx.st
+    job, task = cmd["job_id"], cmd["task_id"]
+    freed = False
+    for key in sorted(st.by_job.get(job, ())):
+        r = st.requests.get(key)
+        aid = st.alloc_of_req.get(key)
+        target = r if r is not None else (st.allocs[aid].req if aid else None)
+        if target is None or (task is not None and target.task_id != task):
+            continue
+        if r is not None:
+            ctx.event("RequestCancelled", job_id=r.job_id, task_id=r.task_id, attempt=r.attempt,
+                      reason=cmd["reason"])
+        elif aid is not None:
+            _end(ctx, st.allocs[aid], "AllocationReleased", f"cancelled: {cmd['reason']}", requeue=False,
+                 stop_nodes=None)
+            freed = True
+    if freed:
+        schedule(ctx)
+
+
+# -- timers -------------------------------------------------------------------------------------
+
+def timer_fired(ctx: Ctx, cmd: Record) -> None:
+    """Decide what a due timer means now; a timer made stale by later events does nothing."""
+    st = ctx.st
+    kind, target = cmd["timer"], cmd["target"]
+    if st.timers.get((kind, target)) != cmd["due_ms"] or cmd["due_ms"] > ctx.now_ms:
+        return
+    if kind == "lease":
+        n = st.nodes.get(target)
+        if n is None or n.state == "lost" or n.lease_until > ctx.now_ms:
+            return
+        for aid in list(n.allocs):
+            a = st.allocs[aid]
+            others = [p.node for p in a.parts if p.node != target]
+            _end(ctx, a, "AllocationExpired", f"node {target} lease expired", requeue=True, stop_nodes=others)
+        ctx.event("NodeDrained", node_id=target, reason="lease expired: no heartbeat", lost=True)
+    elif kind == "grace":
+        a = st.allocs.get(target)
+        if a is None or a.state != "preempting":
+            return
+        _end(ctx, a, "AllocationReleased", f"{a.preempt_reason} (grace expired, stopped)", requeue=True,
+             stop_nodes=None)
+    elif kind == "runtime":
+        a = st.allocs.get(target)
+        if a is None:
+            return
+        _end(ctx, a, "AllocationExpired", "max_runtime_s exceeded", requeue=False, stop_nodes=None)
+    elif kind == "pass":
+        ctx.event("PassDeferred", due_ms=None)
+    schedule(ctx)
+
+
+PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
+    C + "RegisterNode": register_node,
+    C + "NodeHeartbeat": node_heartbeat,
+    C + "RequestAllocation": request_allocation,
+    C + "ReleaseAllocation": release_allocation,
+    C + "CancelRequest": cancel_request,
+    C + "AllocatorTimerFired": timer_fired,
+}

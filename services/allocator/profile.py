@@ -1,0 +1,116 @@
+"""The learned request-shape distribution that frag placement scores against.
+
+Placement wants to leave hosts in states that future requests can use. What
+"future requests" look like is learned online from the requests this pool has
+seen (no trace is consulted): a count per shape ``(gpus, milli, cpu, memory,
+allowed GPU types)``, and every ``profile_refresh`` requests the most frequent
+``profile_max_classes`` shapes become the active classes with weights
+proportional to their counts. The counts live in the store, one key per shape
+(updated by the RequestQueued applier), so the profile, and hence every
+placement decision, is part of the replayable state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.allocator.model import FULL
+
+Class = tuple[int, int, int, int, tuple[str, ...], float]  # gpus, per-GPU milli, cpu, mem, types, weight
+
+
+def shape_key(gpus: int, milli: int, cpu: int, mem: int, types: tuple[str, ...]) -> str:
+    return f"{gpus}|{milli}|{cpu}|{mem}|{','.join(types)}"
+
+
+def parse_key(k: str) -> tuple[int, int, int, int, tuple[str, ...]]:
+    g, m, c, mem, t = k.split("|", 4)
+    return int(g), int(m), int(c), int(mem), tuple(x for x in t.split(",") if x)
+
+
+def empty_profile() -> dict[str, Any]:
+    return {"n": 0, "active": []}
+
+
+def should_refresh(n: int, every: int) -> bool:
+    """Early refreshes while the profile is young, then every ``every`` requests."""
+    return n in (16, 64, 256) or (n > 0 and n % every == 0)
+
+
+def active_classes(counts: dict[str, int], max_classes: int) -> list[list[Any]]:
+    """Top GPU shapes by count (ties by key), as stored records ``[g, milli, cpu, mem, types, weight]``."""
+    gpu_shapes = [kv for kv in counts.items() if not kv[0].startswith("0|")]  # CPU-only shapes use no GPU
+    top = sorted(gpu_shapes, key=lambda kv: (-kv[1], kv[0]))[:max_classes]
+    total = sum(c for _, c in top) or 1
+    out: list[list[Any]] = []
+    for k, c in top:
+        g, m, cpu, mem, types = parse_key(k)
+        out.append([g, m, cpu, mem, list(types), c / total])
+    return out
+
+
+def to_classes(active: list[list[Any]]) -> list[Class]:
+    return [(a[0], a[1], a[2], a[3], tuple(a[4]), a[5]) for a in active]
+
+
+def fit_count(gpu_type: str, cpu_free: int, mem_free: int, free: tuple[int, ...], c: Class) -> int:
+    """How many requests of class ``c`` a host in this state could hold at once, if only they came."""
+    g, milli, cpu, mem, types, _ = c
+    if g == 0 or (types and gpu_type not in types):
+        return 0
+    if g == 1 and milli < FULL:
+        n = 0
+        for f in free:
+            n += f // milli
+    else:
+        n = sum(1 for f in free if f == FULL) // g
+    if cpu and n:
+        n = min(n, cpu_free // cpu)
+    if mem and n:
+        n = min(n, mem_free // mem)
+    return n
+
+
+Groups = list[tuple[int, int, frozenset[str], list[tuple[int, int, float]]]]
+
+
+def group_classes(classes: list[Class]) -> Groups:
+    """Classes grouped by their GPU part ``(gpus, milli, types)``: the GPU fit count is computed once per
+    group, and only the CPU/memory limits per class (``(cpu, mem, weight x size)``)."""
+    groups: dict[tuple[int, int, tuple[str, ...]], list[tuple[int, int, float]]] = {}
+    for g, milli, cpu, mem, types, w in classes:
+        if g == 0:
+            continue
+        size = g * (milli if g == 1 else FULL)
+        groups.setdefault((g, milli, types), []).append((cpu, mem, w * size))
+    return [(g, m, frozenset(t), members) for (g, m, t), members in groups.items()]
+
+
+def usable(gpu_type: str, sig: tuple[int, int, tuple[int, ...]], groups: Groups) -> float:
+    """Expected GPU milli of this host state that the learned request mix could still use."""
+    cpu_free, mem_free, free = sig
+    full = 0
+    for f in free:
+        if f == FULL:
+            full += 1
+    u = 0.0
+    for g, milli, types, members in groups:
+        if types and gpu_type not in types:
+            continue
+        if g == 1 and milli < FULL:
+            n0 = 0
+            for f in free:
+                n0 += f // milli
+        else:
+            n0 = full // g
+        if not n0:
+            continue
+        for cpu, mem, wsize in members:
+            n = n0
+            if cpu and cpu_free < cpu * n:
+                n = cpu_free // cpu
+            if mem and mem_free < mem * n:
+                n = mem_free // mem
+            if n:
+                u += wsize * n
+    return u

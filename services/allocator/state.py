@@ -1,0 +1,295 @@
+"""PoolState: one pool's state as the fold sees it.
+
+The store (through a PartitionTransaction) is the truth. For speed the fold
+also keeps decoded views and derived indexes in memory: the capacity index,
+per-tier tenant queues, tenant usage, the tier->hosts map used to find
+preemption victims, and the due-timer heap. They are a cache with two rules:
+
+* appliers are the only writers, and each applier changes the store record and
+  its cached view together (``put_*`` below);
+* the cache is rebuilt from the store whenever it may disagree with it: when a
+  store is opened, after a command's writes were rolled back, and after the
+  runner dropped an uncommitted transaction (``AllocatorFold.reload``).
+
+Reads never go to the store in the hot path, and nothing here scans all hosts.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from typing import Any
+
+from sortedcontainers import SortedList
+
+from dagfold.state import PartitionTransaction, Store
+from services.allocator import keys
+from services.allocator.capacity import CapacityIndex
+from services.allocator.model import AllocView, NodeView, RequestView
+from services.allocator.options import AllocatorOptions
+from services.allocator.profile import Class, Groups, empty_profile, group_classes, to_classes
+
+NEVER = 1 << 62
+
+
+def empty_meta() -> dict[str, Any]:
+    return {"epoch": 0, "seq": 0, "reservations": {}, "perf": {}}
+
+
+class PoolState:
+    """Transaction-backed state of one pool plus its in-memory indexes (see module docstring)."""
+
+    def __init__(self, opts: AllocatorOptions) -> None:
+        self.opts = opts
+        self.txn: PartitionTransaction | None = None
+        self.written: set[bytes] = set()
+        self._clear()
+
+    def _clear(self) -> None:
+        self.meta: dict[str, Any] = empty_meta()
+        self.profile: dict[str, Any] = empty_profile()
+        self.classes: list[Class] = []
+        self.groups: Groups = []
+        self.shape_counts: dict[str, int] = {}
+        self.usable_memo: dict[tuple[str, Any], float] = {}
+        self.nodes: dict[str, NodeView] = {}
+        self.allocs: dict[str, AllocView] = {}
+        self.requests: dict[str, RequestView] = {}
+        self.alloc_of_req: dict[str, str] = {}
+        self.by_job: dict[str, set[str]] = {}  # job -> request keys (queued or allocated)
+        self.capacity = CapacityIndex()
+        self.queues: dict[int, dict[str, SortedList]] = {}  # tier rank -> tenant -> (seq, req key)
+        self.queued_shapes: dict[int, dict[tuple[Any, ...], int]] = {}  # rank -> GPU shape -> queued requests
+        self.usage: dict[tuple[str, str], int] = {}  # (tier, tenant) -> milli
+        self.tenant_usage: dict[str, int] = {}  # tenant -> milli, all tiers (quotas)
+        self.tier_nodes: dict[int, dict[str, int]] = {}  # rank -> host -> allocations of that rank
+        self.timers: dict[tuple[str, str], int] = {}
+        self.timer_heap: list[tuple[int, str, str]] = []
+        self.gpu_types: dict[str, int] = {}  # registered type -> max GPUs on one host
+        self.type_hosts: dict[str, int] = {}  # registered type -> hosts (any state)
+        self.max_cpu = 0
+        self.max_mem = 0
+        # up hosts by the time all their allocations will have ended (runtime limits): reservations of whole hosts
+        self.free_at: SortedList = SortedList()
+        self.free_at_of: dict[str, int] = {}
+
+    # -- transaction ------------------------------------------------------------
+    def bind(self, txn: PartitionTransaction) -> None:
+        if txn is not self.txn:
+            self.txn = txn
+            self.written = set()
+
+    def _put(self, key: bytes, value: Any) -> None:
+        assert self.txn is not None, "PoolState used outside a transaction"
+        self.txn.put(key, value)
+        self.written.add(key)
+
+    # -- records ----------------------------------------------------------------
+    def put_meta(self) -> None:
+        """Write a fresh copy: a value handed to the transaction is never mutated afterwards
+        (its rollback keeps references to old values)."""
+        m = self.meta
+        self._put(keys.META, {"epoch": m["epoch"], "seq": m["seq"],
+                              "reservations": {t: dict(v) for t, v in m["reservations"].items()},
+                              "perf": dict(m["perf"])})
+
+    def count_shape(self, key: str, n: int, active: list[Any] | None) -> None:
+        """One more request of shape ``key`` (None: not counted); a new ``active`` list replaces the classes."""
+        if key:
+            c = self.shape_counts.get(key, 0) + 1
+            self.shape_counts[key] = c
+            self._put(keys.shape(key), c)
+        if active is not None:
+            self.profile = {"n": n, "active": active}
+            self.classes = to_classes(active)
+            self.groups = group_classes(self.classes)
+            self.usable_memo.clear()
+        else:
+            self.profile = {"n": n, "active": self.profile["active"]}
+        self._put(keys.PROFILE, self.profile)
+
+    def put_node(self, n: NodeView) -> None:
+        """Write a node and re-bucket it in the capacity index."""
+        self.nodes[n.id] = n
+        self._put(keys.node(n.id), n.record())
+        self.capacity.update(n)
+        self.refresh_free_at(n)
+
+    def refresh_free_at(self, n: NodeView) -> None:
+        old = self.free_at_of.pop(n.id, None)
+        if old is not None:
+            self.free_at.remove((old, n.id))
+        if n.state != "up":
+            return
+        grace = int(self.opts.runtime_grace_s * 1000)
+        t = 0
+        for aid in n.allocs:
+            end = self.allocs[aid].end_by_ms(grace)
+            if end is None:
+                t = NEVER
+                break
+            t = max(t, end)
+        self.free_at_of[n.id] = t
+        self.free_at.add((t, n.id))
+
+    def put_alloc(self, a: AllocView) -> None:
+        self.allocs[a.id] = a
+        self._put(keys.alloc(a.id), a.record())
+
+    def drop_alloc(self, a: AllocView) -> None:
+        self.allocs.pop(a.id, None)
+        self.alloc_of_req.pop(a.req.key, None)
+        self._unlink_job(a.req.job_id, a.req.key)
+        self._put(keys.alloc(a.id), None)
+
+    def put_request(self, r: RequestView) -> None:
+        """Queue (or re-queue) a request."""
+        self.requests[r.key] = r
+        self._put(keys.request(r.key), r.record())
+        self._enqueue(r)
+        self.by_job.setdefault(r.job_id, set()).add(r.key)
+
+    def drop_request(self, r: RequestView, *, keep_job_link: bool = False) -> None:
+        self.requests.pop(r.key, None)
+        self._put(keys.request(r.key), None)
+        rank = self.rank(r.tier)
+        q = self.queues.get(rank, {}).get(r.tenant)
+        if q is not None and (r.seq, r.key) in q:
+            q.remove((r.seq, r.key))
+            if not q:
+                del self.queues[rank][r.tenant]
+            shapes = self.queued_shapes[rank]
+            gs = r.gpu_shape()
+            c = shapes[gs] - 1
+            if c:
+                shapes[gs] = c
+            else:
+                del shapes[gs]
+        if not keep_job_link:
+            self._unlink_job(r.job_id, r.key)
+
+    def add_usage(self, tier: str, tenant: str, milli: int) -> None:
+        k = (tier, tenant)
+        v = self.usage.get(k, 0) + milli
+        self.usage[k] = v
+        self.tenant_usage[tenant] = self.tenant_usage.get(tenant, 0) + milli
+        self._put(keys.usage(tier, tenant), v if v else None)
+        if not v:
+            del self.usage[k]
+
+    def set_timer(self, kind: str, target: str, due: int | None) -> None:
+        """Replace the (kind, target) timer; None clears it. The heap is cleaned lazily."""
+        old = self.timers.pop((kind, target), None)
+        if old is not None:
+            self._put(keys.timer(old, kind, target), None)
+        if due is not None:
+            self.timers[(kind, target)] = due
+            self._put(keys.timer(due, kind, target), 1)
+            heapq.heappush(self.timer_heap, (due, kind, target))
+
+    # -- derived indexes ----------------------------------------------------------
+    def rank(self, tier: str) -> int:
+        r = self.opts.tier_rank(tier)
+        return len(self.opts.tiers) if r is None else r
+
+    def _enqueue(self, r: RequestView) -> None:
+        rank = self.rank(r.tier)
+        self.queues.setdefault(rank, {}).setdefault(r.tenant, SortedList()).add((r.seq, r.key))
+        shapes = self.queued_shapes.setdefault(rank, {})
+        gs = r.gpu_shape()
+        shapes[gs] = shapes.get(gs, 0) + 1
+
+    def _unlink_job(self, job_id: str, key: str) -> None:
+        s = self.by_job.get(job_id)
+        if s is not None:
+            s.discard(key)
+            if not s:
+                del self.by_job[job_id]
+
+    def link_alloc(self, a: AllocView) -> None:
+        self.alloc_of_req[a.req.key] = a.id
+        self.by_job.setdefault(a.req.job_id, set()).add(a.req.key)
+        tn = self.tier_nodes.setdefault(self.rank(a.req.tier), {})
+        for p in a.parts:
+            tn[p.node] = tn.get(p.node, 0) + 1
+
+    def unlink_alloc_nodes(self, a: AllocView) -> None:
+        tn = self.tier_nodes.get(self.rank(a.req.tier), {})
+        for p in a.parts:
+            c = tn.get(p.node, 0) - 1
+            if c > 0:
+                tn[p.node] = c
+            else:
+                tn.pop(p.node, None)
+
+    def register_type(self, n: NodeView, new: bool) -> None:
+        self.gpu_types[n.gpu_type] = max(self.gpu_types.get(n.gpu_type, 0), n.gpus)
+        self.max_cpu = max(self.max_cpu, n.cpu)
+        self.max_mem = max(self.max_mem, n.mem)
+        if new:
+            self.type_hosts[n.gpu_type] = self.type_hosts.get(n.gpu_type, 0) + 1
+
+    def due_timers(self, now_ms: int) -> Iterator[tuple[int, str, str]]:
+        """Pop every live timer due at or before ``now_ms`` (the caller folds a TimerFired for each)."""
+        h = self.timer_heap
+        while h and h[0][0] <= now_ms:
+            due, kind, target = heapq.heappop(h)
+            if self.timers.get((kind, target)) == due:
+                yield due, kind, target
+
+    def next_timer_ms(self) -> int | None:
+        h = self.timer_heap
+        while h and self.timers.get((h[0][1], h[0][2])) != h[0][0]:
+            heapq.heappop(h)
+        return h[0][0] if h else None
+
+    # -- loading ------------------------------------------------------------------
+    def load(self, store: Store, txn: PartitionTransaction | None = None) -> None:
+        """Rebuild every view and index from the store (plus this transaction's writes, if given)."""
+        self._clear()
+        written = self.written if txn is not None else set()
+
+        def scan(prefix: bytes) -> Iterator[tuple[bytes, Any]]:
+            end = keys.prefix_end(prefix)
+            seen = set()
+            for k, _ in store.range(prefix, end):
+                seen.add(k)
+            seen.update(k for k in written if prefix <= k < end)
+            getter = txn if txn is not None else PartitionTransaction(store)
+            for k in sorted(seen):
+                v = getter.get(k)
+                if v is not None:
+                    yield k, v
+
+        getter = txn if txn is not None else PartitionTransaction(store)
+        self.meta = getter.get(keys.META) or empty_meta()
+        self.profile = getter.get(keys.PROFILE) or empty_profile()
+        self.classes = to_classes(self.profile["active"])
+        self.groups = group_classes(self.classes)
+        for k, v in scan(keys.SHAPE_PREFIX):
+            self.shape_counts[k[len(keys.SHAPE_PREFIX):].decode()] = v
+        for k, v in scan(keys.NODE_PREFIX):
+            n = NodeView.from_record(k[len(keys.NODE_PREFIX):].decode(), v)
+            self.nodes[n.id] = n
+            self.capacity.add(n)
+            self.register_type(n, True)
+        for k, v in scan(keys.ALLOC_PREFIX):
+            a = AllocView.from_record(k[len(keys.ALLOC_PREFIX):].decode(), v)
+            self.allocs[a.id] = a
+            self.link_alloc(a)
+        for n in self.nodes.values():
+            self.refresh_free_at(n)
+        for k, v in scan(keys.REQ_PREFIX):
+            r = RequestView(k[len(keys.REQ_PREFIX):].decode(), v)
+            self.requests[r.key] = r
+            self._enqueue(r)
+            self.by_job.setdefault(r.job_id, set()).add(r.key)
+        for k, v in scan(keys.USAGE_PREFIX):
+            _, tier, tenant = k.decode().split(keys.S, 2)
+            self.usage[(tier, tenant)] = v
+            self.tenant_usage[tenant] = self.tenant_usage.get(tenant, 0) + v
+        for k, _ in scan(keys.TIMER_PREFIX):
+            due, kind, target = keys.parse_timer(k)
+            self.timers[(kind, target)] = due
+            self.timer_heap.append((due, kind, target))
+        heapq.heapify(self.timer_heap)

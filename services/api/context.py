@@ -1,0 +1,116 @@
+"""What every route needs: the read models, the command sender, auth and admission.
+
+One object built by ``create_app`` and passed to the route modules, so routes
+are plain closures over it (typed, no globals, several apps per process in
+tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from dagfold.codec import default_codec
+from dagfold.config import COMMANDS, Config
+from dagfold.exceptions import CodecError, LogError
+from dagfold.log.base import Log, Producer
+from projections.cluster import ClusterModel
+from projections.jobs import ReadModel
+from projections.operator import OperatorModel
+from services.api.admission import Admission
+from services.api.auth import AuthConfig, Principal
+from services.api.errors import ApiError, not_found
+from services.api.graph import LayoutCache
+
+logger = logging.getLogger("dagfold.api")
+
+
+class CommandSender:
+    """The API's producer, shared by request threads; ``send`` returns once the record is durable."""
+
+    def __init__(self, log: Log) -> None:
+        self._log = log
+        self._producer: Producer | None = None
+        self._lock = threading.Lock()
+
+    def send(self, record: dict[str, Any], key: str) -> None:
+        try:
+            value = default_codec().encode(record)
+        except CodecError as exc:
+            raise ApiError(400, "invalid_spec", str(exc)) from None
+        with self._lock:
+            try:
+                if self._producer is None:
+                    self._producer = self._log.producer("api")
+                self._producer.send(COMMANDS, key.encode(), value)
+                self._producer.flush()
+            except LogError as exc:
+                logger.warning("api: cannot write %s: %s", record["type"], exc)
+                raise ApiError(503, "log_unavailable", f"the command log is unavailable: {exc}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._producer is not None:
+                try:
+                    self._producer.close()
+                except LogError as exc:
+                    logger.warning("api: producer close failed: %s", exc)
+                self._producer = None
+
+
+@dataclass
+class ApiContext:
+    log: Log
+    rm: ReadModel
+    config: Config
+    sender: CommandSender
+    auth: AuthConfig
+    admission: Admission
+    body_limit: int
+    sse_poll_s: float = 0.25
+    layouts: LayoutCache = field(default_factory=LayoutCache)
+
+    @property
+    def ops(self) -> OperatorModel:
+        return OperatorModel(self.rm.store)
+
+    @property
+    def cluster(self) -> ClusterModel:
+        return ClusterModel(self.rm.store)
+
+    def job_for(self, job_id: str, principal: Principal) -> dict[str, Any]:
+        """The job if it exists and the caller may see it; else the same 404 either way."""
+        job = self.rm.get_job(job_id)
+        if job is None or not principal.can_see(job["tenant"]):
+            raise not_found(job_id)
+        return job
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def parse_time_ms(value: str | None, name: str) -> int | None:
+    """A time given as ms since the epoch or as ISO 8601 (``2024-05-01T12:00:00Z``)."""
+    if value is None or value == "":
+        return None
+    v = value.strip()
+    if v.lstrip("-").isdigit():
+        n = int(v)
+        if n < 0 or n > 10**16 - 1:
+            raise ApiError(400, "invalid_request", f"{name}: ms since the epoch must be in [0, 1e16)")
+        return n
+    try:
+        dt = datetime.fromisoformat(v.replace("Z", "+00:00"))
+    except ValueError:
+        raise ApiError(400, "invalid_request", f"{name}: give ms since the epoch or ISO 8601, not {value!r}") from None
+    if dt.tzinfo is None:
+        raise ApiError(400, "invalid_request", f"{name}: an ISO 8601 time needs a zone (Z or +hh:mm)")
+    try:
+        return max(int(dt.timestamp() * 1000), 0)
+    except (OverflowError, OSError, ValueError):
+        raise ApiError(400, "invalid_request", f"{name}: time out of range") from None

@@ -1,0 +1,270 @@
+"""Routes of jobs: submit, list, read, follow (SSE), cancel, redrive.
+
+Writes are commands on the log (the scheduler decides); reads come from the
+read model. Every job-scoped route answers a job of another tenant exactly as
+a job that does not exist (same status, same body), so a tenant cannot probe
+for other tenants' jobs.
+"""
+
+# No "from __future__ import annotations": FastAPI must see the route signatures'
+# Annotated[..., Depends(local)] objects, which string annotations would hide.
+
+import json
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from dagfold.codec import make
+from projections.jobs import TERMINAL_JOB_STATES, Page, history_prefix
+from projections.keys import decode_cursor
+from services.api.auth import Principal
+from services.api.context import ApiContext, now_ms, parse_time_ms
+from services.api.errors import ApiError
+from services.api.graph import graph_json, layout
+from services.api.sse import job_stream
+from services.scheduler.processors import spec_hash
+from services.scheduler.spec import JobSpecIn, SpecError, load_spec_text, parse_spec, to_job_spec
+from services.scheduler.validation import validate_job_spec
+
+JobState = Literal["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]
+TaskState = Literal["pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled"]
+Limit = Annotated[int, Query(ge=1, le=1000, description="page size (at most 1000)")]
+
+JSON_TYPES = ("application/json",)
+REDRIVABLE_STATES = frozenset({"failed", "succeeded_partial", "cancelled"})
+
+
+class CancelIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field("cancelled by user", max_length=2000)
+
+
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def _parse_body(body: bytes, media_type: str) -> JobSpecIn:
+    """A checked spec from a JSON or YAML body; anything else is read as YAML (a superset of JSON)."""
+    if not body.strip():
+        raise SpecError("request body is empty: send a job spec as JSON or YAML")
+    if media_type in JSON_TYPES or media_type.endswith("+json"):
+        try:
+            data = json.loads(body)
+        except ValueError as exc:
+            raise SpecError(f"job spec is not valid JSON: {exc}") from None
+        return parse_spec(data)
+    return load_spec_text(body)
+
+
+def _page(page: Page, name: str) -> dict[str, Any]:
+    return {name: page.items, "next_cursor": page.next_cursor}
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "payload_too_large", f"body is {declared} bytes, limit {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "payload_too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def router(ctx: ApiContext, auth: Any) -> APIRouter:
+    r = APIRouter(tags=["jobs"])
+    Caller = Annotated[Principal, Depends(auth)]
+    limits = ctx.config.scheduler.limits
+
+    # -- submit ----------------------------------------------------------------
+    def prepare(body: bytes, media_type: str, principal: Principal) -> JSONResponse:
+        try:
+            spec_in = _parse_body(body, media_type)
+        except SpecError as exc:
+            raise ApiError(400, "invalid_spec", str(exc)) from None
+        if principal.tenant is not None:  # "default" (or no tenant) means the key's tenant; another one is refused
+            if "tenant" in spec_in.model_fields_set and spec_in.tenant not in (principal.tenant, "default"):
+                raise ApiError(403, "tenant_mismatch", f"this API key belongs to tenant {principal.tenant!r}; "
+                               f"the spec names tenant {spec_in.tenant!r}")
+            spec_in = spec_in.model_copy(update={"tenant": principal.tenant})
+        spec = to_job_spec(spec_in)
+        rejection = validate_job_spec(spec, limits)
+        if rejection is not None:
+            raise ApiError(422, rejection.code, rejection.reason)
+        try:
+            digest = spec_hash(spec)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise ApiError(400, "invalid_spec", f"spec cannot be encoded: {exc}") from None
+        job_id, tenant = spec["job_id"], spec["tenant"]
+        existing = ctx.rm.get_job(job_id)
+        if (existing is not None and existing["state"] != "rejected" and existing.get("spec_hash")
+                and principal.can_see(existing["tenant"])):
+            if existing["spec_hash"] == digest:  # the same submission again: the first job stands
+                return JSONResponse(existing, status_code=200, headers={"Location": f"/v1/jobs/{job_id}"})
+            key = spec["idempotency_key"]
+            if key:
+                raise ApiError(409, "idempotency_conflict",
+                               f"idempotency key {key!r} was already used by job {job_id} with a different spec "
+                               f"(spec hash {existing['spec_hash'][:12]}, this one {digest[:12]})")
+            raise ApiError(409, "job_exists", f"job {job_id} already exists with a different spec")
+        if principal.tenant is None:
+            ctx.admission.check_rate(tenant)
+        ctx.admission.check_open_jobs(tenant)
+        ctx.sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="api"), job_id)
+        ctx.admission.submitted(tenant, job_id)
+        return JSONResponse({"job_id": job_id, "state": "submitted", "tasks": len(spec["tasks"]),
+                             "tenant": tenant, "idempotency_key": spec["idempotency_key"]},
+                            status_code=202, headers={"Location": f"/v1/jobs/{job_id}"})
+
+    @r.post(
+        "/v1/jobs",
+        status_code=202,
+        summary="Submit a job (JSON or YAML body)",
+        description="202: queued for the scheduler; poll GET /v1/jobs/{job_id}. 200: the same spec was submitted "
+        "before (same job ID or idempotency key): the existing job. 409: same job ID or idempotency key, "
+        "different spec. 429: the tenant's rate or open-jobs limit (see Retry-After).",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    t: {"schema": {"$ref": "#/components/schemas/JobSpecIn"}}
+                    for t in ("application/json", "application/yaml")
+                },
+            },
+            "responses": {
+                "200": {"description": "Repeated submission: the existing job"},
+                "400": {"description": "Malformed spec (the reason names the field)"},
+                "403": {"description": "The spec names a tenant other than the API key's ('default' is the key's)"},
+                "409": {"description": "Job ID or idempotency key already used with a different spec"},
+                "413": {"description": "Body larger than the limit"},
+                "422": {"description": "Spec refused (cycle, unknown dependency, limits)"},
+                "429": {"description": "Tenant rate limit or open-jobs cap; Retry-After says when to retry"},
+            },
+        },
+    )
+    async def submit_job(request: Request, principal: Caller) -> JSONResponse:
+        if principal.tenant is not None:  # refuse a flood before reading its bodies
+            ctx.admission.check_rate(principal.tenant)
+        body = await _read_body(request, ctx.body_limit)
+        return await run_in_threadpool(prepare, body, _media_type(request), principal)
+
+    # -- reads -------------------------------------------------------------------
+    @r.get("/v1/jobs", summary="List jobs, newest first")
+    def list_jobs(
+        principal: Caller,
+        tenant: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
+        state: JobState | None = None,
+        created_after: Annotated[str | None, Query(description="ms since epoch or ISO 8601, inclusive")] = None,
+        created_before: Annotated[str | None, Query(description="ms since epoch or ISO 8601, exclusive")] = None,
+        limit: Limit = 100,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
+        page = ctx.rm.list_jobs(tenant=principal.scope(tenant), state=state, limit=limit, cursor=cursor,
+                                created_after=parse_time_ms(created_after, "created_after"),
+                                created_before=parse_time_ms(created_before, "created_before"))
+        return _page(page, "jobs")
+
+    @r.get("/v1/jobs/{job_id}", summary="Job summary")
+    def get_job(job_id: str, principal: Caller) -> dict[str, Any]:
+        return ctx.job_for(job_id, principal)
+
+    @r.get("/v1/jobs/{job_id}/tasks", summary="Tasks of a job, by task ID")
+    def get_tasks(job_id: str, principal: Caller, state: TaskState | None = None, limit: Limit = 100,
+                  cursor: str | None = None) -> dict[str, Any]:
+        ctx.job_for(job_id, principal)
+        return _page(ctx.rm.get_tasks(job_id, limit=limit, cursor=cursor, state=state), "tasks")
+
+    def _task_or_404(job_id: str, task_id: str, principal: Principal) -> dict[str, Any]:
+        ctx.job_for(job_id, principal)
+        task = ctx.rm.get_task(job_id, task_id)
+        if task is None:
+            raise ApiError(404, "not_found", f"job {job_id!r} has no task {task_id!r}")
+        return task
+
+    @r.get("/v1/jobs/{job_id}/tasks/{task_id}", summary="One task")
+    def get_task(job_id: str, task_id: str, principal: Caller) -> dict[str, Any]:
+        return _task_or_404(job_id, task_id, principal)
+
+    @r.get("/v1/jobs/{job_id}/tasks/{task_id}/attempts", summary="Attempts of a task, with reasons and output tails")
+    def get_attempts(job_id: str, task_id: str, principal: Caller) -> dict[str, Any]:
+        _task_or_404(job_id, task_id, principal)
+        return {"attempts": ctx.rm.get_attempts(job_id, task_id)}
+
+    @r.get("/v1/jobs/{job_id}/attempts", summary="Every attempt of a job (the timeline), by task")
+    def get_job_attempts(job_id: str, principal: Caller, limit: Limit = 1000,
+                         cursor: str | None = None) -> dict[str, Any]:
+        ctx.job_for(job_id, principal)
+        return _page(ctx.rm.get_job_attempts(job_id, limit=limit, cursor=cursor), "attempts")
+
+    @r.get("/v1/jobs/{job_id}/history", summary="Every event of a job, in order")
+    def get_history(job_id: str, principal: Caller, limit: Limit = 100, cursor: str | None = None) -> dict[str, Any]:
+        ctx.job_for(job_id, principal)
+        return _page(ctx.rm.get_history(job_id, limit=limit, cursor=cursor), "events")
+
+    @r.get("/v1/jobs/{job_id}/graph", summary="The job's DAG with a layered layout and task states")
+    def get_graph(job_id: str, principal: Caller) -> JSONResponse:
+        job = ctx.job_for(job_id, principal)
+        cache_key = f"{job_id}\x00{job['created_ms']}"
+        lay = ctx.layouts.get(cache_key)
+        states: dict[str, str] = {}
+        deps: list[tuple[str, list[str]]] = []
+        for t in ctx.rm.iter_tasks(job_id):
+            states[t["task_id"]] = t["state"]
+            if lay is None:
+                deps.append((t["task_id"], t.get("depends_on") or []))
+        if lay is None:
+            lay = layout(deps)
+            ctx.layouts.put(cache_key, lay)
+        return JSONResponse({"job_id": job_id, "state": job["state"], **graph_json(lay, states)})
+
+    @r.get(
+        "/v1/jobs/{job_id}/events",
+        summary="Follow a job: server-sent events (job summary changes, new history entries, end)",
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}, "description": "event stream"}},
+    )
+    async def job_events(
+        job_id: str,
+        request: Request,
+        principal: Caller,
+        after: Annotated[str | None, Query(description="resume after this history cursor")] = None,
+        timeout_s: Annotated[float | None, Query(gt=0, le=86400, description="close after this long")] = None,
+        last_event_id: Annotated[str | None, Header()] = None,
+    ) -> StreamingResponse:
+        await run_in_threadpool(ctx.job_for, job_id, principal)
+        cursor = last_event_id or after
+        if cursor:
+            decode_cursor(cursor, history_prefix(job_id))  # 400 before the stream starts
+        stream = job_stream(ctx.rm, job_id, cursor, request.is_disconnected, poll_s=ctx.sse_poll_s,
+                            max_s=timeout_s)
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    # -- control -----------------------------------------------------------------
+    @r.post("/v1/jobs/{job_id}/cancel", status_code=202, summary="Cancel a job")
+    def cancel_job(job_id: str, principal: Caller, body: Annotated[CancelIn | None, Body()] = None) -> dict[str, Any]:
+        job = ctx.job_for(job_id, principal)
+        if job["state"] in TERMINAL_JOB_STATES:
+            raise ApiError(409, "job_finished", f"job {job_id!r} is already {job['state']}")
+        reason = body.reason if body is not None else "cancelled by user"
+        ctx.sender.send(make("dagfold.command.CancelJob", job_id=job_id, reason=reason,
+                             requested_at_ms=now_ms()), job_id)
+        return {"job_id": job_id, "state": "cancel_requested"}
+
+    @r.post("/v1/jobs/{job_id}/redrive", status_code=202,
+            summary="Re-run a finished job's failed, skipped and cancelled tasks")
+    def redrive_job(job_id: str, principal: Caller) -> dict[str, Any]:
+        job = ctx.job_for(job_id, principal)
+        if job["state"] not in REDRIVABLE_STATES:
+            raise ApiError(409, "not_redrivable", f"job {job_id!r} is {job['state']}; only "
+                           f"{', '.join(sorted(REDRIVABLE_STATES))} jobs can be redriven")
+        ctx.sender.send(make("dagfold.command.RedriveJob", job_id=job_id, requested_at_ms=now_ms()), job_id)
+        return {"job_id": job_id, "state": "redrive_requested"}
+
+    return r

@@ -1,0 +1,71 @@
+"""Server-sent events of one job's progress: summary changes and new history entries.
+
+Why polling the read model rather than a push from the projector: the read
+model is the only state the API owns, point reads cost microseconds, and a
+stream then works the same whether the projector runs in this process or not.
+Each stream reads the job summary and the history after its cursor every
+``poll_s``; the event ``id`` is the history cursor, so a client that
+reconnects with ``Last-Event-ID`` resumes without gaps or repeats.
+
+Events: ``job`` (the summary, when it changed), ``history`` (one entry per
+event of the job, in log order), ``end`` (the job is finished and every entry
+was sent; the stream closes). A comment line every ``heartbeat_s`` keeps
+proxies from closing an idle stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from dagfold import metrics
+from projections.jobs import TERMINAL_JOB_STATES, ReadModel
+
+PAGE = 500
+
+
+def _frame(event: str, data: Any, event_id: str | None = None) -> str:
+    head = f"id: {event_id}\n" if event_id else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def job_stream(rm: ReadModel, job_id: str, cursor: str | None, is_disconnected: Callable[[], Any], *,
+                     poll_s: float = 0.25, heartbeat_s: float = 15.0, max_s: float | None = None) -> AsyncIterator[str]:
+    """The frames of the stream (``cursor``: resume after this history entry)."""
+    metrics.SSE_STREAMS.inc()
+    try:
+        yield "retry: 2000\n\n"
+        last_summary: tuple[Any, ...] | None = None
+        last_beat = started = time.monotonic()
+        while True:
+            job = rm.get_job(job_id)
+            if job is None:
+                yield _frame("end", {"job_id": job_id, "state": None})
+                return
+            page = rm.get_history(job_id, limit=PAGE, cursor=cursor)
+            for entry in page.items:
+                cursor = rm.history_cursor(job_id, entry["partition"], entry["offset"])
+                yield _frame("history", entry, cursor)
+            summary_key = (job["state"], job["last_offset"], job["updated_ms"])
+            if summary_key != last_summary:
+                last_summary = summary_key
+                yield _frame("job", job)
+            if page.next_cursor:
+                continue  # more history waiting: no pause
+            if job["state"] in TERMINAL_JOB_STATES:
+                yield _frame("end", {"job_id": job_id, "state": job["state"]})
+                return
+            now = time.monotonic()
+            if max_s is not None and now - started >= max_s:
+                return
+            if now - last_beat >= heartbeat_s:
+                last_beat = now
+                yield ": keep-alive\n\n"
+            if await is_disconnected():
+                return
+            await asyncio.sleep(poll_s)
+    finally:
+        metrics.SSE_STREAMS.dec()

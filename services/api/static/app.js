@@ -1,0 +1,792 @@
+/* dagfold dashboard: plain JavaScript, canvas for the DAG and the timeline, no build step, no CDN.
+ *
+ * Pages (hash routes): #/jobs, #/jobs/<id>, #/ops, #/cluster. Data comes from the REST API under /v1;
+ * a job page follows GET /v1/jobs/<id>/events (server-sent events, read with fetch so the API key can
+ * travel in a header) and recolours graph nodes from each history entry's task_state.
+ * window.__dagfold exposes a few read-only hooks for the end-to-end browser test.
+ */
+"use strict";
+
+const STATE_COLORS = {
+  pending: "#c8ccd2", runnable: "#e9b949", running: "#3b82f6", retrying: "#f08c2e",
+  succeeded: "#2e9e5b", failed: "#d64545", skipped: "#9aa3ad", cancelled: "#6b7280",
+};
+const TASK_STATES = Object.keys(STATE_COLORS);
+const OUTCOME_COLORS = { running: "#3b82f6", succeeded: "#2e9e5b", failed: "#d64545", cancelled: "#6b7280" };
+const TERMINAL = new Set(["succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]);
+const JOB_STATES = ["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"];
+
+const $ = (sel, root = document) => root.querySelector(sel);
+const view = $("#view");
+const tooltip = $("#tooltip");
+const hooks = (window.__dagfold = { page: null, graph: null, ready: false });
+
+// -- helpers -------------------------------------------------------------------------------
+function esc(s) {
+  return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+const enc = encodeURIComponent;
+function fmtTime(ms) {
+  if (ms == null) return "";
+  const d = new Date(ms);
+  return d.toLocaleDateString(undefined, { month: "short", day: "numeric" }) + " " + d.toTimeString().slice(0, 8);
+}
+function fmtDur(ms) {
+  if (ms == null) return "";
+  if (ms < 1000) return `${ms} ms`;
+  const s = ms / 1000;
+  if (s < 60) return `${s.toFixed(s < 10 ? 2 : 1)} s`;
+  const m = Math.floor(s / 60);
+  if (m < 60) return `${m} m ${Math.round(s % 60)} s`;
+  return `${Math.floor(m / 60)} h ${m % 60} m`;
+}
+function exitNote(reason, code) {
+  return code != null && !String(reason || "").includes(`exit code ${code}`) ? ` (exit code ${code})` : "";
+}
+function badge(state) { return `<span class="badge ${esc(state)}">${esc(state)}</span>`; }
+function bar(pct) { return `<div class="bar" title="${(+pct || 0).toFixed(1)}%"><span style="width:${Math.min(100, +pct || 0)}%"></span></div>`; }
+/* A job's tasks as one bar: finished states in their colours, in flight after them, pending left grey. */
+function stackBar(job) {
+  const total = job.total_tasks || 0;
+  if (!total) return bar(0);
+  const order = ["succeeded", "failed", "skipped", "cancelled", "running", "retrying", "runnable"];
+  const parts = order.filter((s) => job.counts && job.counts[s]).map((s) =>
+    `<span style="width:${(100 * job.counts[s]) / total}%;background:${STATE_COLORS[s]}" title="${s} ${job.counts[s]}"></span>`);
+  return `<div class="bar stack">${parts.join("")}</div>`;
+}
+function hueColor(name) {
+  let h = 0;
+  for (const c of String(name)) h = (h * 31 + c.charCodeAt(0)) >>> 0;
+  return `hsl(${h % 360}, 62%, 50%)`;
+}
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// -- API access (API key in localStorage, sent as a bearer token) --------------------------
+function apiKey() { return localStorage.getItem("dagfold.apiKey") || ""; }
+function authHeaders() { const k = apiKey(); return k ? { Authorization: `Bearer ${k}` } : {}; }
+class ApiError extends Error {
+  constructor(status, code, reason) { super(`${code}: ${reason}`); this.status = status; this.code = code; this.reason = reason; }
+}
+async function api(path, opts = {}) {
+  const res = await fetch(path, { ...opts, headers: { ...authHeaders(), ...(opts.headers || {}) } });
+  let body = null;
+  try { body = await res.json(); } catch (e) { body = null; }
+  if (!res.ok) {
+    const e = (body && body.error) || { code: `http_${res.status}`, reason: res.statusText };
+    if (res.status === 401) showKeyForm(true);
+    throw new ApiError(res.status, e.code, e.reason);
+  }
+  return body;
+}
+function showKeyForm(show) { $("#keyform").hidden = !show; if (show) $("#apikey").focus(); }
+$("#keybtn").addEventListener("click", () => showKeyForm($("#keyform").hidden));
+$("#keyform").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const v = $("#apikey").value.trim();
+  if (v) localStorage.setItem("dagfold.apiKey", v); else localStorage.removeItem("dagfold.apiKey");
+  $("#apikey").value = "";
+  showKeyForm(false);
+  route();
+});
+function errorBox(e) { return `<div class="error-box">${esc(e.message || e)}</div>`; }
+function setLive(on) { $("#live").classList.toggle("on", !!on); }
+
+/* Server-sent events over fetch (EventSource cannot send an Authorization header). Resumes after the
+   last event id; stops on "end" or when the signal aborts. */
+async function followJob(jobId, onEvent, signal) {
+  let lastId = null;
+  while (!signal.aborted) {
+    try {
+      const q = lastId ? `?after=${enc(lastId)}` : "";
+      const res = await fetch(`/v1/jobs/${enc(jobId)}/events${q}`, { headers: authHeaders(), signal });
+      if (!res.ok) throw new Error(`events: HTTP ${res.status}`);
+      setLive(true);
+      const reader = res.body.getReader();
+      const dec = new TextDecoder();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += dec.decode(value, { stream: true });
+        let idx;
+        while ((idx = buf.indexOf("\n\n")) >= 0) {
+          const frame = buf.slice(0, idx);
+          buf = buf.slice(idx + 2);
+          let event = "message", data = "", id = null;
+          for (const line of frame.split("\n")) {
+            if (line.startsWith("event: ")) event = line.slice(7);
+            else if (line.startsWith("data: ")) data += line.slice(6);
+            else if (line.startsWith("id: ")) id = line.slice(4);
+          }
+          if (!data) continue;
+          if (id) lastId = id;
+          const payload = JSON.parse(data);
+          onEvent(event, payload);
+          if (event === "end") { setLive(false); return; }
+        }
+      }
+    } catch (e) {
+      if (signal.aborted) return;
+    }
+    setLive(false);
+    await sleep(2000);
+  }
+}
+
+// -- pan/zoom canvas base -----------------------------------------------------------------
+class PanZoom {
+  constructor(canvas, { zoomY = true } = {}) {
+    this.canvas = canvas;
+    this.ctx = canvas.getContext("2d");
+    this.sx = 1; this.sy = 1; this.tx = 0; this.ty = 0;
+    this.zoomY = zoomY;
+    this.pending = false;
+    this.drag = null;
+    canvas.addEventListener("wheel", (e) => {
+      e.preventDefault();
+      const r = canvas.getBoundingClientRect();
+      const mx = e.clientX - r.left, my = e.clientY - r.top;
+      const f = Math.exp(-e.deltaY * 0.0015);
+      let fx = f, fy = f;
+      if (!this.zoomY) { if (e.shiftKey) fx = 1; else fy = 1; }
+      this.touched = true;
+      this.tx = mx - (mx - this.tx) * fx; this.sx *= fx;
+      this.ty = my - (my - this.ty) * fy; this.sy *= fy;
+      this.redraw();
+    }, { passive: false });
+    canvas.addEventListener("mousedown", (e) => { this.drag = { x: e.clientX, y: e.clientY, moved: false }; });
+    window.addEventListener("mousemove", this._move = (e) => {
+      if (!this.drag) return;
+      const dx = e.clientX - this.drag.x, dy = e.clientY - this.drag.y;
+      if (Math.abs(dx) + Math.abs(dy) > 2) this.drag.moved = this.touched = true;
+      this.tx += dx; this.ty += dy; this.drag.x = e.clientX; this.drag.y = e.clientY;
+      this.redraw();
+    });
+    window.addEventListener("mouseup", this._up = (e) => {
+      const d = this.drag; this.drag = null;
+      if (d && !d.moved && e.target === canvas) {
+        const r = canvas.getBoundingClientRect();
+        this.onClick(e.clientX - r.left, e.clientY - r.top);
+      }
+    });
+    canvas.addEventListener("mousemove", (e) => {
+      if (this.drag) return;
+      const r = canvas.getBoundingClientRect();
+      const text = this.hoverText(e.clientX - r.left, e.clientY - r.top);
+      if (text) { tooltip.hidden = false; tooltip.textContent = text; tooltip.style.left = `${e.clientX + 12}px`; tooltip.style.top = `${e.clientY + 12}px`; }
+      else tooltip.hidden = true;
+    });
+    canvas.addEventListener("mouseleave", () => { tooltip.hidden = true; });
+    this.resize();
+  }
+  resize() {
+    const dpr = window.devicePixelRatio || 1;
+    const w = this.canvas.clientWidth, h = this.canvas.clientHeight;
+    this.canvas.width = Math.max(1, Math.round(w * dpr)); this.canvas.height = Math.max(1, Math.round(h * dpr));
+    this.dpr = dpr; this.w = w; this.h = h;
+  }
+  toWorld(x, y) { return [(x - this.tx) / this.sx, (y - this.ty) / this.sy]; }
+  toScreen(x, y) { return [x * this.sx + this.tx, y * this.sy + this.ty]; }
+  redraw() {
+    if (this.pending) return;
+    this.pending = true;
+    requestAnimationFrame(() => { this.pending = false; this.draw(); });
+  }
+  destroy() { window.removeEventListener("mousemove", this._move); window.removeEventListener("mouseup", this._up); }
+  onClick() {}
+  hoverText() { return null; }
+  draw() {}
+}
+
+// -- the DAG -------------------------------------------------------------------------------
+const NODE_W = 150, NODE_H = 22, GAP_X = 200, GAP_Y = 30, COL_W = NODE_W + 16;
+
+class DagView extends PanZoom {
+  constructor(canvas, data, onSelect) {
+    super(canvas);
+    this.onSelect = onSelect;
+    this.selected = null;
+    this.load(data);
+    this.fit();
+  }
+  load(data) {
+    this.data = data;
+    this.index = new Map(data.ids.map((id, i) => [id, i]));
+    this.states = data.states.slice();
+    this.grid = data.layers.map((n) => new Array(n));
+    data.ids.forEach((_, i) => { this.grid[data.layer[i]][data.pos[i]] = i; });
+    // Wide layers wrap into sub-columns of at most R rows, so a 1000-task fan-out stays readable.
+    const R = (this.rowsPerCol = Math.max(64, Math.ceil(Math.sqrt(data.ids.length * 3))));
+    this.layerX = [];
+    let x = 0;
+    for (const n of data.layers) { this.layerX.push(x); x += Math.ceil(Math.max(n, 1) / R) * COL_W + (GAP_X - NODE_W); }
+    this.width = x - (GAP_X - NODE_W);
+    this.X = new Float64Array(data.ids.length);
+    this.Y = new Float64Array(data.ids.length);
+    for (let i = 0; i < data.ids.length; i++) {
+      const l = data.layer[i], p = data.pos[i], rows = Math.min(data.layers[l], R);
+      this.X[i] = this.layerX[l] + Math.floor(p / R) * COL_W;
+      this.Y[i] = ((p % R) - rows / 2) * GAP_Y;
+    }
+    this.redraw();
+  }
+  nodeXY(i) { return [this.X[i], this.Y[i]]; }
+  fit() {
+    const tall = Math.min(Math.max(1, ...this.data.layers), this.rowsPerCol);
+    const bw = Math.max(this.width, NODE_W), bh = tall * GAP_Y;
+    const s = Math.min((this.w - 40) / bw, (this.h - 40) / bh, 1.5);
+    this.sx = this.sy = s;
+    this.tx = (this.w - bw * s) / 2;
+    this.ty = this.h / 2;
+    this.redraw();
+  }
+  setState(id, state) {
+    const i = this.index.get(id);
+    if (i === undefined || !state || this.states[i] === state) return;
+    this.states[i] = state;
+    this.redraw();
+  }
+  hit(x, y) {
+    const [wx, wy] = this.toWorld(x, y);
+    let l = -1;
+    for (let lo = 0, hi = this.layerX.length - 1; lo <= hi;) {  // last layer starting left of wx
+      const mid = (lo + hi) >> 1;
+      if (this.layerX[mid] <= wx) { l = mid; lo = mid + 1; } else hi = mid - 1;
+    }
+    if (l < 0) return null;
+    const col = Math.floor((wx - this.layerX[l]) / COL_W);
+    if (wx - this.layerX[l] - col * COL_W > NODE_W) return null;
+    const R = this.rowsPerCol, rows = Math.min(this.data.layers[l], R);
+    const row = Math.round(wy / GAP_Y + rows / 2);
+    for (const r of [row - 1, row, row + 1]) {
+      if (r < 0 || r >= R) continue;
+      const i = this.grid[l][col * R + r];
+      if (i === undefined) continue;
+      if (wy >= this.Y[i] - NODE_H / 2 && wy <= this.Y[i] + NODE_H / 2) return i;
+    }
+    return null;
+  }
+  onClick(x, y) {
+    const i = this.hit(x, y);
+    if (i === null) return;
+    this.selected = i;
+    this.redraw();
+    this.onSelect(this.data.ids[i]);
+  }
+  hoverText(x, y) {
+    const i = this.hit(x, y);
+    return i === null ? null : `${this.data.ids[i]}\n${this.states[i]}`;
+  }
+  screenPos(id) {
+    const i = this.index.get(id);
+    if (i === undefined) return null;
+    const [x, y] = this.nodeXY(i);
+    const [sx, sy] = this.toScreen(x + NODE_W / 2, y);
+    const r = this.canvas.getBoundingClientRect();
+    return { x: r.left + sx, y: r.top + sy };
+  }
+  focus(id) {
+    const i = this.index.get(id);
+    if (i === undefined) return;
+    const [x, y] = this.nodeXY(i);
+    this.sx = this.sy = Math.max(this.sx, 1);
+    this.tx = this.w / 2 - (x + NODE_W / 2) * this.sx;
+    this.ty = this.h / 2 - y * this.sy;
+    this.redraw();
+  }
+  draw() {
+    const { ctx, data } = this;
+    ctx.setTransform(this.dpr, 0, 0, this.dpr, 0, 0);
+    ctx.clearRect(0, 0, this.w, this.h);
+    ctx.setTransform(this.sx * this.dpr, 0, 0, this.sy * this.dpr, this.tx * this.dpr, this.ty * this.dpr);
+    const [x0, y0] = this.toWorld(0, 0), [x1, y1] = this.toWorld(this.w, this.h);
+    const visible = (x, y) => x + NODE_W >= x0 && x <= x1 && y + NODE_H >= y0 && y - NODE_H <= y1;
+    // edges: one path, thin; skipped when both ends are off screen on the same side
+    const e = data.edges;
+    ctx.beginPath();
+    let drawn = 0;
+    for (let k = 0; k < e.length && drawn < 200000; k += 2) {
+      const [ax, ay] = this.nodeXY(e[k]), [bx, by] = this.nodeXY(e[k + 1]);
+      if ((ax + NODE_W < x0 && bx < x0) || (ax > x1 && bx > x1) || (ay < y0 && by < y0) || (ay > y1 && by > y1)) continue;
+      ctx.moveTo(ax + NODE_W, ay);
+      const mx = (ax + NODE_W + bx) / 2;
+      ctx.bezierCurveTo(mx, ay, mx, by, bx, by);
+      drawn++;
+    }
+    ctx.strokeStyle = "rgba(100,116,139,0.45)";
+    ctx.lineWidth = 1 / this.sx;
+    ctx.stroke();
+    // nodes grouped by state: one fill per colour
+    const byState = new Map();
+    const shown = [];
+    for (let i = 0; i < data.ids.length; i++) {
+      const [x, y] = this.nodeXY(i);
+      if (!visible(x, y)) continue;
+      shown.push(i);
+      const s = this.states[i];
+      if (!byState.has(s)) byState.set(s, []);
+      byState.get(s).push(i);
+    }
+    for (const [s, nodes] of byState) {
+      ctx.beginPath();
+      for (const i of nodes) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
+      ctx.fillStyle = STATE_COLORS[s] || "#999";
+      ctx.fill();
+    }
+    if (this.selected !== null) {
+      const [x, y] = this.nodeXY(this.selected);
+      ctx.lineWidth = 3 / this.sx; ctx.strokeStyle = "#111827";
+      ctx.strokeRect(x - 2 / this.sx, y - NODE_H / 2 - 2 / this.sx, NODE_W + 4 / this.sx, NODE_H + 4 / this.sx);
+    }
+    if (NODE_H * this.sy >= 11 && shown.length <= 3000) {
+      ctx.font = "12px system-ui, sans-serif";
+      ctx.textBaseline = "middle";
+      for (const i of shown) {
+        const [x, y] = this.nodeXY(i);
+        const s = this.states[i];
+        ctx.fillStyle = s === "pending" || s === "runnable" ? "#1f2933" : "#fff";
+        let label = data.ids[i];
+        if (label.length > 22) label = label.slice(0, 21) + "\u2026";
+        ctx.fillText(label, x + 6, y + 0.5, NODE_W - 10);
+      }
+    }
+  }
+}
+
+// -- the timeline (Gantt of attempts) --------------------------------------------------------
+const ROW_H = 16;
+
+class Timeline extends PanZoom {
+  constructor(canvas, onSelect) {
+    super(canvas, { zoomY: false });
+    this.onSelect = onSelect;
+    this.rows = []; this.t0 = 0; this.t1 = 1;
+  }
+  load(attempts, nowMs) {
+    const first = new Map();
+    for (const a of attempts) {
+      if (a.started_ms == null) continue;
+      const f = first.get(a.task_id);
+      if (f === undefined || a.started_ms < f) first.set(a.task_id, a.started_ms);
+    }
+    const tasks = [...first.keys()].sort((a, b) => first.get(a) - first.get(b) || (a < b ? -1 : 1));
+    const row = new Map(tasks.map((t, i) => [t, i]));
+    this.rows = tasks;
+    this.bars = attempts.filter((a) => a.started_ms != null).map((a) => ({
+      row: row.get(a.task_id), task: a.task_id, attempt: a.attempt, s: a.started_ms,
+      e: a.ended_ms ?? nowMs, outcome: a.outcome, worker: a.worker_id, reason: a.reason,
+    }));
+    this.t0 = Math.min(...this.bars.map((b) => b.s), nowMs);
+    this.t1 = Math.max(...this.bars.map((b) => b.e), this.t0 + 1);
+    if (!this.touched && this.bars.length) this.fit();  // follow the job until the user zooms or pans
+    this.redraw();
+  }
+  fit() {
+    const span = Math.max(this.t1 - this.t0, 1);
+    this.sx = (this.w - 60) / span; this.tx = 40 - this.t0 * this.sx;
+    this.sy = Math.min(1, (this.h - 30) / Math.max(1, this.rows.length * ROW_H)); this.ty = 24;
+    this.redraw();
+  }
+  barAt(x, y) {
+    const [t] = this.toWorld(x, 0);
+    const r = Math.floor((y - this.ty) / (ROW_H * this.sy));
+    const tol = 3 / this.sx;
+    return (this.bars || []).find((b) => b.row === r && t >= b.s - tol && t <= b.e + tol) || null;
+  }
+  onClick(x, y) { const b = this.barAt(x, y); if (b) this.onSelect(b.task); }
+  hoverText(x, y) {
+    const b = this.barAt(x, y);
+    if (!b) return null;
+    return `${b.task} #${b.attempt} ${b.outcome}\n${fmtDur(b.e - b.s)} on ${b.worker || "?"}${b.reason ? "\n" + b.reason : ""}`;
+  }
+  draw() {
+    const { ctx } = this;
+    ctx.setTransform(this.dpr, 0, 0, this.dpr, 0, 0);
+    ctx.clearRect(0, 0, this.w, this.h);
+    if (!this.bars || !this.bars.length) {
+      ctx.fillStyle = "#6b7785"; ctx.font = "13px system-ui"; ctx.fillText("no attempt started yet", 16, 30);
+      return;
+    }
+    // time axis
+    const [ta] = this.toWorld(0, 0), [tb] = this.toWorld(this.w, 0);
+    const span = tb - ta;
+    const steps = [10, 50, 100, 500, 1000, 5000, 10000, 30000, 60000, 300000, 600000, 1800000, 3600000];
+    const step = steps.find((s) => span / s <= 10) || 7200000;
+    ctx.fillStyle = "#6b7785"; ctx.font = "11px system-ui"; ctx.strokeStyle = "#e5e7eb"; ctx.lineWidth = 1;
+    for (let t = this.t0 + Math.max(0, Math.ceil((ta - this.t0) / step)) * step; t <= tb; t += step) {
+      const x = t * this.sx + this.tx;
+      ctx.beginPath(); ctx.moveTo(x, 16); ctx.lineTo(x, this.h); ctx.stroke();
+      ctx.fillText(`+${fmtDur(t - this.t0)}`, x + 3, 12);
+    }
+    const rh = ROW_H * this.sy;
+    const firstRow = Math.max(0, Math.floor((16 - this.ty) / rh));
+    const lastRow = Math.min(this.rows.length, Math.ceil((this.h - this.ty) / rh));
+    for (const b of this.bars) {
+      if (b.row < firstRow || b.row > lastRow) continue;
+      const x = b.s * this.sx + this.tx, w = Math.max((b.e - b.s) * this.sx, 2);
+      if (x > this.w || x + w < 0) continue;
+      const y = b.row * rh + this.ty;
+      ctx.fillStyle = OUTCOME_COLORS[b.outcome] || "#999";
+      ctx.fillRect(x, y + rh * 0.12, w, Math.max(rh * 0.76, 1));
+      if (w > 60 && rh >= 12) { ctx.fillStyle = "#fff"; ctx.fillText(`${b.task} #${b.attempt}`, x + 4, y + rh - 5, w - 8); }
+    }
+  }
+}
+
+// -- pages ---------------------------------------------------------------------------------
+function jobRow(j) {
+  return `<tr data-job="${esc(j.job_id)}">
+    <td class="mono"><a href="#/jobs/${enc(j.job_id)}">${esc(j.job_id)}</a>${j.labels && j.labels.workflow ? `<div class="muted small">${esc(j.labels.workflow)}</div>` : ""}</td>
+    <td>${esc(j.tenant)}</td><td>${badge(j.state)}</td>
+    <td style="min-width:120px">${stackBar(j)}<span class="small muted">${(j.progress || 0).toFixed(0)}% of ${j.total_tasks}</span></td>
+    <td class="small">${fmtTime(j.created_ms)}</td><td class="small num">${fmtDur(j.duration_ms)}</td>
+    <td class="small">${esc(j.code ? `${j.code}: ` : "")}${esc(j.reason || "")}</td></tr>`;
+}
+
+async function pageJobs(params, signal) {
+  const state = params.get("state") || "", tenant = params.get("tenant") || "";
+  view.innerHTML = `<h1>Jobs</h1>
+    <div class="filters">
+      <label>state <select id="f-state"><option value="">any</option>${JOB_STATES.map((s) => `<option ${s === state ? "selected" : ""}>${s}</option>`).join("")}</select></label>
+      <label>tenant <input id="f-tenant" value="${esc(tenant)}" placeholder="any" size="12"></label>
+      <span class="muted small" id="jobs-count"></span>
+    </div>
+    <div id="jobs-body"></div>`;
+  const apply = () => {
+    const q = new URLSearchParams();
+    if ($("#f-state").value) q.set("state", $("#f-state").value);
+    if ($("#f-tenant").value.trim()) q.set("tenant", $("#f-tenant").value.trim());
+    location.hash = `#/jobs${q.toString() ? "?" + q : ""}`;
+  };
+  $("#f-state").addEventListener("change", apply);
+  $("#f-tenant").addEventListener("change", apply);
+  let limit = 100;
+  const load = async () => {
+    const q = new URLSearchParams({ limit: String(limit) });
+    if (state) q.set("state", state);
+    if (tenant) q.set("tenant", tenant);
+    try {
+      const page = await api(`/v1/jobs?${q}`);
+      if (signal.aborted) return;
+      $("#jobs-count").textContent = `${page.jobs.length}${page.next_cursor ? "+" : ""} jobs`;
+      $("#jobs-body").innerHTML = page.jobs.length
+        ? `<table id="jobs-table"><thead><tr><th>job</th><th>tenant</th><th>state</th><th>progress</th><th>created</th><th class="num">duration</th><th>reason</th></tr></thead><tbody>${page.jobs.map(jobRow).join("")}</tbody></table>
+           ${page.next_cursor ? `<p><button id="more">show more</button></p>` : ""}`
+        : `<div class="empty">No jobs yet. Submit one: <code>dagfold submit examples/diamond.yaml</code></div>`;
+      const more = $("#more");
+      if (more) more.addEventListener("click", () => { limit = Math.min(limit * 2, 1000); load(); });
+      hooks.ready = true;
+    } catch (e) { $("#jobs-body").innerHTML = errorBox(e); }
+  };
+  await load();
+  const timer = setInterval(load, 2000);
+  signal.addEventListener("abort", () => clearInterval(timer));
+}
+
+function countsChips(job) {
+  return TASK_STATES.map((s) => `<span class="chip" data-state="${s}"><i style="background:${STATE_COLORS[s]}"></i>${s} <b>${job.counts[s] || 0}</b></span>`).join("");
+}
+
+function jobHeader(job) {
+  const canCancel = !TERMINAL.has(job.state);
+  const canRedrive = ["failed", "succeeded_partial", "cancelled"].includes(job.state);
+  return `<div class="row" style="align-items:center">
+      <h1 class="grow mono" style="margin:0">${esc(job.job_id)} <span id="job-state">${badge(job.state)}</span></h1>
+      ${canCancel ? `<button class="danger" id="btn-cancel">Cancel</button>` : ""}
+      ${canRedrive ? `<button id="btn-redrive">Redrive</button>` : ""}
+    </div>
+    <div class="muted small">tenant <b>${esc(job.tenant)}</b> · tier ${esc(job.tier)} · policy ${esc(job.failure_policy)} ·
+      created ${fmtTime(job.created_ms)}${job.duration_ms != null ? ` · took ${fmtDur(job.duration_ms)}` : ""} · retries ${job.retries || 0}
+      ${job.redrives ? ` · redriven ${job.redrives}×` : ""}</div>
+    <div class="row" style="align-items:center;margin-top:6px"><div class="grow">${stackBar(job)}</div><span class="small">${(job.progress || 0).toFixed(1)}% of ${job.total_tasks} tasks</span></div>
+    <div class="chips" id="counts">${countsChips(job)}</div>
+    ${job.reason ? `<div class="${job.state === "failed" || job.state === "rejected" ? "error-box" : "muted"}" id="job-reason">${esc(job.code ? job.code + ": " : "")}${esc(job.reason)}</div>` : ""}`;
+}
+
+async function showTask(jobId, taskId) {
+  const box = $("#task-panel");
+  if (!box) return;
+  box.innerHTML = `<p class="muted">loading ${esc(taskId)}…</p>`;
+  try {
+    const [t, a] = await Promise.all([
+      api(`/v1/jobs/${enc(jobId)}/tasks/${enc(taskId)}`),
+      api(`/v1/jobs/${enc(jobId)}/tasks/${enc(taskId)}/attempts`),
+    ]);
+    const attempts = a.attempts.slice().reverse();
+    box.innerHTML = `<h2 style="margin-top:0" class="mono" id="task-title">${esc(t.task_id)}</h2>
+      <dl class="kv">
+        <dt>state</dt><dd id="task-state">${badge(t.state)}</dd>
+        <dt>attempt</dt><dd>${t.attempt}${t.retries ? ` (${t.retries} retries)` : ""}</dd>
+        <dt>handler</dt><dd class="mono">${esc(t.handler)}</dd>
+        <dt>queue</dt><dd>${esc(t.queue)}</dd>
+        <dt>worker</dt><dd class="mono">${esc(t.worker_id || "")}</dd>
+        <dt>depends on</dt><dd class="mono small">${t.depends_on.map(esc).join(", ") || "—"}</dd>
+        ${t.reason ? `<dt>reason</dt><dd class="reason" id="task-reason">${esc(t.reason)}${exitNote(t.reason, t.exit_code)}${t.error_type ? ` [${esc(t.error_type)}]` : ""}</dd>` : ""}
+        ${t.lease_deadline_ms ? `<dt>lease until</dt><dd>${fmtTime(t.lease_deadline_ms)}</dd>` : ""}
+        ${t.progress != null ? `<dt>progress</dt><dd>${(t.progress * 100).toFixed(0)}%</dd>` : ""}
+      </dl>
+      <h2>Attempts</h2>
+      ${attempts.length ? attempts.map((x) => `<div class="panel" style="margin-bottom:8px" data-attempt="${x.attempt}">
+        <div>#${x.attempt} ${badge(x.outcome)} <span class="small muted mono">${esc(x.worker_id || "")}</span>
+          <span class="small muted">${fmtTime(x.started_ms)}${x.duration_ms != null ? ` · ${fmtDur(x.duration_ms)}` : ""}</span></div>
+        ${x.reason ? `<div class="reason small">${esc(x.reason)}${exitNote(x.reason, x.exit_code)}</div>` : ""}
+        ${x.stderr_tail ? `<div class="small muted">stderr</div><pre class="tail">${esc(x.stderr_tail)}</pre>` : ""}
+        ${x.stdout_tail ? `<div class="small muted">stdout</div><pre class="tail">${esc(x.stdout_tail)}</pre>` : ""}
+        ${x.result_json ? `<div class="small muted">result</div><pre class="tail">${esc(x.result_json)}</pre>` : ""}
+      </div>`).join("") : `<p class="muted">not started</p>`}`;
+  } catch (e) { box.innerHTML = errorBox(e); }
+}
+
+async function pageJob(jobId, signal) {
+  view.innerHTML = `<p class="muted">loading job ${esc(jobId)}…</p>`;
+  let job;
+  try { job = await api(`/v1/jobs/${enc(jobId)}`); } catch (e) {
+    view.innerHTML = `<p><a href="#/jobs">← jobs</a></p>${errorBox(e)}`;
+    return;
+  }
+  view.innerHTML = `<p class="small"><a href="#/jobs">← jobs</a></p>
+    <div id="job-head">${jobHeader(job)}</div>
+    <div class="row" style="margin-top:10px">
+      <div class="grow">
+        <div class="canvas-wrap"><canvas id="dag" style="height:560px"></canvas>
+          <div class="canvas-tools"><button id="dag-fit" type="button">fit</button></div>
+          <div class="hint">scroll to zoom · drag to pan · click a task</div></div>
+      </div>
+      <div class="side panel" id="task-panel"><p class="muted">Click a task in the graph or the timeline to see its attempts and failure reasons.</p></div>
+    </div>
+    <h2>Timeline</h2>
+    <div class="canvas-wrap"><canvas id="gantt" style="height:300px"></canvas>
+      <div class="canvas-tools"><button id="gantt-fit" type="button">fit</button></div>
+      <div class="hint">scroll to zoom time · shift+scroll to zoom rows · drag to pan · click an attempt</div></div>
+    <h2>History <span class="muted small" id="hist-count"></span></h2>
+    <div class="panel" style="max-height:360px;overflow:auto;padding:0"><table id="history"><thead><tr><th>time</th><th>event</th><th>task</th><th class="num">attempt</th><th>detail</th></tr></thead><tbody></tbody></table></div>`;
+  const select = (tid) => { showTask(jobId, tid); const g = hooks.graph; if (g && g.index.has(tid)) { g.selected = g.index.get(tid); g.redraw(); } };
+  const bindButtons = () => {
+    const c = $("#btn-cancel"), r = $("#btn-redrive");
+    if (c) c.addEventListener("click", async () => { if (confirm(`Cancel job ${jobId}?`)) { try { await api(`/v1/jobs/${enc(jobId)}/cancel`, { method: "POST" }); } catch (e) { alert(e.message); } } });
+    if (r) r.addEventListener("click", async () => { try { await api(`/v1/jobs/${enc(jobId)}/redrive`, { method: "POST" }); restart(); } catch (e) { alert(e.message); } });
+  };
+  bindButtons();
+  let graph = null, timeline = null;
+  try {
+    const g = await api(`/v1/jobs/${enc(jobId)}/graph`);
+    if (signal.aborted) return;
+    graph = new DagView($("#dag"), g, select);
+    hooks.graph = graph;
+    $("#dag-fit").addEventListener("click", () => graph.fit());
+  } catch (e) { $("#dag").parentElement.outerHTML = errorBox(e); }
+  timeline = new Timeline($("#gantt"), select);
+  $("#gantt-fit").addEventListener("click", () => { timeline.touched = false; timeline.fit(); });
+  const onResize = () => { for (const v of [graph, timeline]) if (v) { v.resize(); v.redraw(); } };
+  window.addEventListener("resize", onResize);
+
+  let attemptsTimer = null;
+  const loadAttempts = async () => {
+    attemptsTimer = null;
+    try {
+      const all = [];
+      let cursor = null;
+      do {
+        const page = await api(`/v1/jobs/${enc(jobId)}/attempts?limit=1000${cursor ? "&cursor=" + enc(cursor) : ""}`);
+        all.push(...page.attempts);
+        cursor = page.next_cursor;
+      } while (cursor && all.length < 20000 && !signal.aborted);
+      if (!signal.aborted) timeline.load(all, Date.now());
+    } catch (e) { /* the next event retries */ }
+  };
+  const refreshAttempts = () => { if (!attemptsTimer) attemptsTimer = setTimeout(loadAttempts, 700); };
+  loadAttempts();
+  const tick = setInterval(() => { if (!TERMINAL.has(job.state)) refreshAttempts(); }, 3000);
+
+  const tbody = $("#history tbody");
+  let histCount = 0;
+  const onEvent = (kind, data) => {
+    if (kind === "history") {
+      histCount++;
+      if (graph && data.task_id && data.task_state) graph.setState(data.task_id, data.task_state);
+      if (data.type === "JobRedriven" || data.type === "JobAccepted") restartGraph();
+      const tr = document.createElement("tr");
+      tr.innerHTML = `<td class="small">${fmtTime(data.ts_ms)}</td><td>${esc(data.type)}</td>
+        <td class="mono small">${data.task_id ? `<a href="javascript:void 0" data-task="${esc(data.task_id)}">${esc(data.task_id)}</a>` : ""}</td>
+        <td class="num">${data.attempt ?? ""}</td><td class="small">${esc(data.detail)}</td>`;
+      tbody.insertBefore(tr, tbody.firstChild);
+      while (tbody.rows.length > 500) tbody.deleteRow(tbody.rows.length - 1);
+      $("#hist-count").textContent = `${histCount} events`;
+      if (data.task_id) refreshAttempts();
+    } else if (kind === "job") {
+      const was = job.state;
+      job = data;
+      $("#job-head").innerHTML = jobHeader(job);
+      bindButtons();
+      if (was !== job.state) refreshAttempts();
+    } else if (kind === "end") {
+      loadAttempts();
+    }
+  };
+  tbody.addEventListener("click", (e) => { const a = e.target.closest("a[data-task]"); if (a) { select(a.dataset.task); if (graph) graph.focus(a.dataset.task); } });
+  const restartGraph = async () => {
+    try { const g = await api(`/v1/jobs/${enc(jobId)}/graph`); if (graph && !signal.aborted) graph.load(g); } catch (e) { /* keep the old one */ }
+  };
+  let streamAbort = new AbortController();
+  const restart = () => { streamAbort.abort(); streamAbort = new AbortController(); tbody.innerHTML = ""; histCount = 0; followJob(jobId, onEvent, streamAbort.signal); restartGraph(); };
+  followJob(jobId, onEvent, streamAbort.signal);
+  hooks.ready = true;
+  signal.addEventListener("abort", () => {
+    streamAbort.abort(); clearInterval(tick); if (attemptsTimer) clearTimeout(attemptsTimer);
+    window.removeEventListener("resize", onResize);
+    if (graph) graph.destroy(); if (timeline) timeline.destroy();
+    hooks.graph = null; setLive(false);
+  });
+}
+
+async function pageOps(signal) {
+  view.innerHTML = `<h1>Operations</h1>
+    <div class="grid2"><div><h2>Queues</h2><div id="ops-queues"></div></div><div><h2>Tenants</h2><div id="ops-tenants"></div></div></div>
+    <h2>Stuck tasks <span class="muted small">past a lease, start-to-close, schedule-to-start or backoff deadline, or queued over 10 min</span></h2><div id="ops-stuck"></div>
+    <div class="grid2"><div><h2>Failure reasons</h2><div id="ops-reasons"></div></div><div><h2>Recent failures</h2><div id="ops-recent"></div></div></div>`;
+  const load = async () => {
+    try {
+      const [q, t, s, f] = await Promise.all([api("/v1/queues"), api("/v1/tenants"), api("/v1/stuck?queued_longer_than_s=600"), api("/v1/failures?limit=20")]);
+      if (signal.aborted) return;
+      $("#ops-queues").innerHTML = q.queues.length ? `<table id="queues"><thead><tr><th>queue</th><th class="num">runnable</th><th class="num">running</th><th class="num">retrying</th><th class="num">oldest wait</th></tr></thead><tbody>
+        ${q.queues.map((x) => `<tr><td>${esc(x.queue)}</td><td class="num">${x.runnable}</td><td class="num">${x.running}</td><td class="num">${x.retrying}</td><td class="num">${x.oldest_runnable_age_s != null ? fmtDur(Math.round(x.oldest_runnable_age_s * 1000)) : ""}</td></tr>`).join("")}</tbody></table>`
+        : `<div class="empty">No open tasks in any queue.</div>`;
+      $("#ops-tenants").innerHTML = tenantsTable(t);
+      $("#ops-stuck").innerHTML = s.tasks.length ? `<table id="stuck"><thead><tr><th>job</th><th>task</th><th>kind</th><th class="num">overdue</th><th>state</th><th>worker</th><th>queue</th></tr></thead><tbody>
+        ${s.tasks.map((x) => `<tr><td class="mono small"><a href="#/jobs/${enc(x.job_id)}">${esc(x.job_id)}</a></td><td class="mono small">${esc(x.task_id)}</td><td>${esc(x.kind)}</td><td class="num">${fmtDur(Math.round(x.overdue_s * 1000))}</td><td>${badge(x.state)}</td><td class="mono small">${esc(x.worker_id || "")}</td><td>${esc(x.queue)}</td></tr>`).join("")}</tbody></table>`
+        : `<div class="empty">Nothing stuck.</div>`;
+      $("#ops-reasons").innerHTML = f.reasons.length ? `<table><thead><tr><th>reason</th><th class="num">count</th><th class="num">final</th><th>last</th></tr></thead><tbody>
+        ${f.reasons.map((x) => `<tr><td title="${esc(x.sample_reason)}">${esc(x.class)}</td><td class="num">${x.count}</td><td class="num">${x.final}</td><td class="small"><a href="#/jobs/${enc(x.last_job_id)}">${esc(x.last_task_id)}</a> ${fmtTime(x.last_ms)}</td></tr>`).join("")}</tbody></table>`
+        : `<div class="empty">No failures.</div>`;
+      $("#ops-recent").innerHTML = f.recent.length ? `<table><thead><tr><th>time</th><th>task</th><th>reason</th></tr></thead><tbody>
+        ${f.recent.map((x) => `<tr><td class="small">${fmtTime(x.ts_ms)}</td><td class="mono small"><a href="#/jobs/${enc(x.job_id)}">${esc(x.task_id)}</a> #${x.attempt}</td><td class="small">${x.final ? "" : "(retried) "}${esc(x.reason)}</td></tr>`).join("")}</tbody></table>`
+        : `<div class="empty">No failures.</div>`;
+      hooks.ready = true;
+    } catch (e) { view.insertAdjacentHTML("afterbegin", errorBox(e)); }
+  };
+  await load();
+  const timer = setInterval(load, 3000);
+  signal.addEventListener("abort", () => clearInterval(timer));
+}
+
+function tenantsTable(t) {
+  if (!t.tenants.length) return `<div class="empty">No tenant has submitted a job yet.</div>`;
+  return `<table id="tenants"><thead><tr><th>tenant</th><th class="num">open jobs</th><th class="num">running tasks</th><th class="num">task share</th>${t.cluster ? `<th class="num">GPUs</th><th class="num">GPU share</th><th class="num">GPUs queued</th>` : ""}<th class="num">failures</th></tr></thead><tbody>
+    ${t.tenants.map((x) => `<tr><td><i style="display:inline-block;width:10px;height:10px;border-radius:2px;background:${hueColor(x.tenant)}"></i> ${esc(x.tenant)}</td>
+      <td class="num">${x.open_jobs}</td><td class="num">${x.running_tasks}</td><td class="num">${(x.share.running_tasks * 100).toFixed(1)}%</td>
+      ${t.cluster ? `<td class="num">${x.gpus ?? 0}</td><td class="num">${((x.share.gpus || 0) * 100).toFixed(1)}%</td><td class="num">${x.gpus_queued ?? 0}</td>` : ""}
+      <td class="num">${x.failures}</td></tr>`).join("")}</tbody></table>`;
+}
+
+class NodeMap extends PanZoom {
+  constructor(canvas, nodes) {
+    super(canvas);
+    this.nodes = nodes;
+    this.cols = Math.max(1, Math.floor((this.w - 20) / 118));
+    const rows = Math.ceil(nodes.length / this.cols);
+    canvas.style.height = `${Math.min(460, Math.max(120, rows * 46 + 20))}px`;  // no empty band under few nodes
+    this.resize();
+    this.redraw();
+  }
+  cell(i) { return [10 + (i % this.cols) * 118, 10 + Math.floor(i / this.cols) * 46]; }
+  nodeAt(x, y) {
+    const [wx, wy] = this.toWorld(x, y);
+    const c = Math.floor((wx - 10) / 118), r = Math.floor((wy - 10) / 46);
+    if (c < 0 || c >= this.cols || r < 0) return null;
+    const i = r * this.cols + c;
+    return this.nodes[i] || null;
+  }
+  hoverText(x, y) {
+    const n = this.nodeAt(x, y);
+    if (!n) return null;
+    const per = Object.entries(n.tenants || {}).map(([t, g]) => `${t}: ${g}`).join(", ");
+    return `${n.node_id} (${n.gpu_type || "?"}, ${n.pool || "default"})\n${n.health} · ${n.allocated}/${n.gpus} GPUs${per ? "\n" + per : ""}${n.utilization != null ? `\nutil ${(n.utilization * 100).toFixed(0)}%` : ""}`;
+  }
+  draw() {
+    const { ctx } = this;
+    ctx.setTransform(this.dpr, 0, 0, this.dpr, 0, 0);
+    ctx.clearRect(0, 0, this.w, this.h);
+    ctx.setTransform(this.sx * this.dpr, 0, 0, this.sy * this.dpr, this.tx * this.dpr, this.ty * this.dpr);
+    this.nodes.forEach((n, i) => {
+      const [x, y] = this.cell(i);
+      const healthy = ["healthy", "ok", "up", "ready", "active", "available"].includes(String(n.health));
+      ctx.fillStyle = healthy ? "#f3f4f6" : "#fee2e2";
+      ctx.fillRect(x, y, 112, 40);
+      const cells = [];
+      for (const [t, g] of Object.entries(n.tenants || {})) for (let k = 0; k < g; k++) cells.push(t === "other" ? "#94a3b8" : hueColor(t));
+      const gpus = Math.max(n.gpus, cells.length);
+      const per = Math.min(gpus, 8) || 1, cw = 104 / per;
+      for (let k = 0; k < gpus; k++) {
+        const cx = x + 4 + (k % per) * cw, cy = y + 16 + Math.floor(k / per) * 10;
+        ctx.fillStyle = cells[k] || (healthy ? "#d1d5db" : "#fca5a5");
+        ctx.fillRect(cx, cy, cw - 2, 8);
+      }
+      ctx.fillStyle = "#374151"; ctx.font = "10px system-ui";
+      ctx.fillText(String(n.node_id).slice(0, 18), x + 4, y + 11);
+    });
+  }
+}
+
+async function pageCluster(signal) {
+  view.innerHTML = `<h1>GPU cluster</h1><div id="cl-body"><p class="muted">loading…</p></div><h2>Tenant shares</h2><div id="cl-tenants"></div>`;
+  let map = null;
+  const load = async () => {
+    try {
+      const [c, t] = await Promise.all([api("/v1/cluster"), api("/v1/tenants")]);
+      if (signal.aborted) return;
+      $("#cl-tenants").innerHTML = tenantsTable(t);
+      if (!c.available) {
+        $("#cl-body").innerHTML = `<div class="empty" id="cluster-empty">No GPU nodes yet: this page fills in when the GPU allocator reports node inventory and allocations (events <code>dagfold.allocator.*</code>).<br>CPU work is on the Jobs and Operations pages.</div>`;
+        hooks.ready = true;
+        return;
+      }
+      const n = await api("/v1/cluster/nodes?limit=1000");
+      const tot = c.totals;
+      const first = !$("#nodemap");
+      if (first) {
+        $("#cl-body").innerHTML = `<div class="panel"><div class="row" style="align-items:center"><div class="grow" id="cl-totals"></div></div></div>
+          <h2>Nodes <span class="muted small">(first 1000; hover for details)</span></h2>
+          <div class="nodes-legend" id="cl-legend"></div>
+          <div class="canvas-wrap"><canvas id="nodemap" style="height:460px"></canvas><div class="canvas-tools"><button id="nm-reset">reset</button></div></div>
+          <h2>Pools</h2><div id="cl-pools"></div>`;
+      }
+      $("#cl-totals").innerHTML = `<b>${tot.allocated}</b> of <b>${tot.healthy_gpus}</b> healthy GPUs allocated (${(tot.allocation_ratio * 100).toFixed(1)}%) · ${tot.gpus} GPUs on ${tot.nodes} nodes · ${tot.free} free · ${tot.gpus - tot.healthy_gpus} unhealthy · ${tot.queued || 0} requests queued (${tot.queued_gpus || 0} GPUs)
+        <div style="margin-top:6px">${bar(tot.allocation_ratio * 100)}</div>`;
+      $("#cl-legend").innerHTML = c.tenants.map((x) => `<span><i style="background:${hueColor(x.tenant)}"></i>${esc(x.tenant)} ${x.gpus}</span>`).join("") + `<span><i style="background:#d1d5db"></i>free</span><span><i style="background:#fca5a5"></i>unhealthy</span>`;
+      $("#cl-pools").innerHTML = `<table><thead><tr><th>pool</th><th class="num">nodes</th><th class="num">GPUs</th><th class="num">allocated</th><th class="num">unhealthy nodes</th></tr></thead><tbody>${c.pools.map((p) => `<tr><td>${esc(p.pool)}</td><td class="num">${p.nodes}</td><td class="num">${p.gpus}</td><td class="num">${p.allocated}</td><td class="num">${p.unhealthy_nodes}</td></tr>`).join("")}</tbody></table>`;
+      if (first) {
+        map = new NodeMap($("#nodemap"), n.nodes);
+        $("#nm-reset").addEventListener("click", () => { map.sx = map.sy = 1; map.tx = map.ty = 0; map.redraw(); });
+      } else if (map) { map.nodes = n.nodes; map.redraw(); }
+      hooks.ready = true;
+    } catch (e) { $("#cl-body").innerHTML = errorBox(e); }
+  };
+  await load();
+  const timer = setInterval(load, 3000);
+  signal.addEventListener("abort", () => { clearInterval(timer); if (map) map.destroy(); });
+}
+
+// -- router ----------------------------------------------------------------------------------
+let current = null;
+function route() {
+  if (current) current.abort();
+  current = new AbortController();
+  hooks.ready = false;
+  tooltip.hidden = true;
+  const hash = location.hash.replace(/^#/, "") || "/jobs";
+  const [path, query] = hash.split("?");
+  const params = new URLSearchParams(query || "");
+  const parts = path.split("/").filter(Boolean).map(decodeURIComponent);
+  const name = parts[0] || "jobs";
+  for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("active", a.dataset.nav === name);
+  hooks.page = name === "jobs" && parts[1] ? "job" : name;
+  if (name === "jobs" && parts[1]) pageJob(parts.slice(1).join("/"), current.signal);
+  else if (name === "ops") pageOps(current.signal);
+  else if (name === "cluster") pageCluster(current.signal);
+  else pageJobs(params, current.signal);
+}
+hooks.stateOf = (id) => (hooks.graph ? hooks.graph.states[hooks.graph.index.get(id)] ?? null : null);
+hooks.nodeScreenPos = (id) => (hooks.graph ? hooks.graph.screenPos(id) : null);
+hooks.focus = (id) => { if (hooks.graph) hooks.graph.focus(id); };
+window.addEventListener("hashchange", route);
+route();
