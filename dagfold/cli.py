@@ -267,7 +267,9 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
     lg = open_log(cfg.log_url, cfg.data_dir)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    host = f"{socket.gethostname()}-{int(time.time() * 1000) % 100000}"
+    import os
+
+    host = f"{socket.gethostname()}-{os.getpid()}"  # a new process is a new worker: its leases are its own
     threads = []
     workers = []
     for i in range(concurrency):

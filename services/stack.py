@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -75,7 +76,7 @@ class Stack:
         self.projector = Projector(self.log, cfg.data_dir / "projections")
         self.read_model = self.projector.read_model
         self._spawn("projector", lambda: self.projector.run(self.stop_event))
-        host = socket.gethostname()
+        host = f"{socket.gethostname()}-{os.getpid()}"  # unique per process: a restart is a new worker
         self.workers: list[Worker] = []
         for q in self.options.queues:
             for i in range(self.options.workers):

@@ -71,7 +71,8 @@ def test_up_submit_wait_history_and_client_commands(tmp_path: Path) -> None:
 
 def test_kill9_mid_job_and_restart_finishes_the_job(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    spec = "tasks:\n" + "".join(
+    # a crash reclaims running attempts by lease expiry, and the retry policy decides what follows
+    spec = "retry: {max_attempts: 3, initial_interval_s: 0.2}\ntimeouts: {heartbeat_s: 3}\ntasks:\n" + "".join(
         f"  - {{id: t{i}, handler: sleep, args: {{seconds: 0.3}}"
         f"{', depends_on: [t' + str(i - 1) + ']' if i else ''}}}\n" for i in range(12))
     up = UpProcess(data).start()

@@ -55,7 +55,7 @@ def test_up_on_kafka_submit_wait_upstream_producer_and_kill9(kafka_bootstrap: st
         assert up.wait(upstream_job, timeout=120)["state"] == "succeeded"
 
         # kill -9 in the middle of a chain, restart on the same data folder: the job finishes
-        chain = "tasks:\n" + "".join(
+        chain = "retry: {max_attempts: 3, initial_interval_s: 0.2}\ntimeouts: {heartbeat_s: 3}\ntasks:\n" + "".join(
             f"  - {{id: t{i}, handler: sleep, args: {{seconds: 0.3}}"
             f"{', depends_on: [t' + str(i - 1) + ']' if i else ''}}}\n" for i in range(10))
         chain_job = up.submit(chain)
