@@ -26,7 +26,11 @@ def test_three_scheduler_instances_share_partitions_and_survive_a_kill(kafka_boo
     up = UpProcess(tmp_path / "up", log=url, workers=3).start()
     extra = [start_scheduler(url, tmp_path / f"s{i}", f"scale-{i}") for i in (1, 2)]
     try:
-        time.sleep(3)  # let the group settle on three members
+        # wait until the group has settled on three members: both extra instances own partitions
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(
+                list((tmp_path / f"s{i}" / "scheduler").glob("p*")) for i in (1, 2)):
+            time.sleep(0.2)
         chain = "tasks:\n" + "".join(
             f"  - {{id: t{i}, handler: sleep, args: {{seconds: 0.2}}"
             f"{', depends_on: [t' + str(i - 1) + ']' if i else ''}}}\n" for i in range(8))
