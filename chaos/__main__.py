@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.jobs is not None:
         prof = replace(prof, generated_jobs=a.jobs)
     print(f"chaos: seed {seed} (reproduce with --seed {seed})", flush=True)
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # the run stops its processes and the cluster on the way out
+
+    signal.signal(signal.SIGTERM, interrupted)
     report = ChaosRun(prof, seed, a.workdir).run()
     print(format_report(report), flush=True)
     print(f"report: {report['folder']}/report.json" if a.workdir else "", flush=True)

@@ -73,20 +73,27 @@ def main() -> None:
         tmp.replace(a.stats)
 
     def send_due(now: float, everything: bool = False) -> None:
+        """Send every copy that is due, with one flush (a copy whose flush failed goes again)."""
+        due = []
         while pending and (everything or pending[0][0] <= now):
-            due, _, part, key, value, kind, what = pending[0]
-            try:
+            due.append(heapq.heappop(pending))
+        if not due:
+            return
+        try:
+            for _, _, part, key, value, _, _ in due:
                 producer.send(COMMANDS, key, value, partition=part)
-                producer.flush(10)
-            except LogError:
-                if everything:
-                    raise
-                return  # a broker is down: try again on the next round
-            heapq.heappop(pending)
+            producer.flush(10)
+        except LogError:
+            for item in due:
+                heapq.heappush(pending, item)
+            if everything:
+                raise
+            return  # a broker is down: try again on the next round
+        for _, _, part, key, _, kind, what in due:
             counts[f"report {kind}"] = counts.get(f"report {kind}", 0) + 1
             journal.write(json.dumps({"t": time.time(), "kind": kind, "report": what,
                                       "key": key.decode(), "partition": part}) + "\n")
-            journal.flush()
+        journal.flush()
 
     try:
         while not stop.is_set():
@@ -95,7 +102,7 @@ def main() -> None:
             except LogError:
                 recs = []
             now = time.monotonic()
-            tokens = min(max(1.0, a.max_per_s), tokens + (now - last_refill) * a.max_per_s)
+            tokens = min(max(1.0, 5 * a.max_per_s), tokens + (now - last_refill) * a.max_per_s)
             last_refill = now
             for r in recs:
                 if r.value is None or r.key is None or rng.random() >= a.rate or tokens < 1:

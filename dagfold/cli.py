@@ -669,6 +669,9 @@ def main() -> None:
 
 
 from dagfold import cli_admin as _cli_admin  # noqa: E402,F401  (registers scheduler, replay, audit)
+from services.allocator.cli import sim_app  # noqa: E402  (the allocator core in virtual time)
+
+app.add_typer(sim_app, name="sim", help="Simulate the GPU allocator in virtual time (fgd, openb, day).")
 
 if __name__ == "__main__":  # `python -m dagfold.cli`: run the imported module's app, on which cli_admin registered
     from dagfold.cli import main as _main

@@ -254,7 +254,8 @@ def test_end_offsets_never_returns_an_invalid_offset() -> None:
     assert max(admin.timeouts) <= 5.0  # short rounds: a dead leader does not eat the whole deadline
 
 
-@pytest.mark.parametrize("code", [KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.FENCED_LEADER_EPOCH])
+@pytest.mark.parametrize("code", [KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.FENCED_LEADER_EPOCH,
+                                  KafkaError._NOENT])
 def test_end_offsets_retries_errors_of_a_leader_change_or_a_new_topic(code: int) -> None:
     def err() -> int:
         raise KafkaException(KafkaError(code))

@@ -115,16 +115,18 @@ def cell_status(r: dict[str, Any]) -> str:
     if r["status"] == "timeout":
         done = r.get("done")
         return f"timeout {r['limit_s']:.0f}s" + (f" ({done:,} done)" if done is not None else "")
-    return r["status"][:40]
+    return r["status"][:60]
 
 
 def ratio(a: dict[str, Any] | None, b: dict[str, Any]) -> str:
     """dagfold ÷ peer on tasks/s; a timed-out peer's rate is an upper bound, so the ratio is a lower bound."""
     if a is None or a.get("status") != "ok" or not a.get("tasks_per_s"):
         return "–"
+    if str(b.get("status", "")).startswith("error"):
+        return "–"
     rb = b.get("tasks_per_s")
     if not rb:
-        return "∞" if b.get("status") != "ok" else "–"
+        return "∞" if b.get("status") == "timeout" else "–"
     x = a["tasks_per_s"] / rb
     return ("≥" if b.get("status") != "ok" else "") + (f"{x:,.1f}×" if x < 100 else f"{x:,.0f}×")
 
@@ -137,9 +139,8 @@ def rows(results: list[dict[str, Any]], workloads: list[str], systems: list[str]
             r = by.get((w, s))
             if r is None:
                 continue
-            ok = r["status"] == "ok"
             rate = report.fmt(r.get("tasks_per_s"), 0 if (r.get("tasks_per_s") or 0) >= 100 else 1)
-            out.append([w, s, cell_status(r), ("" if ok or rate == "–" else "≤") + rate,
+            out.append([w, s, cell_status(r), ("≤" if r["status"] == "timeout" and rate != "–" else "") + rate,
                         report.fmt(r.get("sched_cpu_us_per_task")), report.fmt(r.get("total_cpu_us_per_task")),
                         report.fmt(r.get("lat_p50_ms"), 1), report.fmt(r.get("lat_p99_ms"), 1),
                         report.fmt(r.get("peak_rss_mib")),

@@ -180,14 +180,14 @@ def result(system: str, workload: str, dag: Sequence[tuple[str, list[str]]], *, 
            limit_s: float, workers: int, notes: str = "", **extra: Any) -> dict[str, Any]:
     n = len(dag)
     total_cpu = meter["own_cpu_s"] + meter["infra_cpu_s"]
-    per = max(done, 1)
+    per = done if done > 0 else float("nan")  # per-task figures of a run that did nothing are undefined
     return {
         "system": system, "workload": workload, "tasks": n, "edges": sum(len(p) for _, p in dag),
         "workers": workers, "status": status, "limit_s": limit_s, "done": done,
-        "seconds": round(seconds, 3), "tasks_per_s": round(done / seconds, 1) if seconds > 0 else None,
+        "seconds": round(seconds, 3), "tasks_per_s": round(done / seconds, 1) if seconds > 0 and done else None,
         "sched_cpu_s": None if sched_cpu_s is None else round(sched_cpu_s, 3),
-        "sched_cpu_us_per_task": None if sched_cpu_s is None else round(sched_cpu_s / per * 1e6, 1),
-        "total_cpu_s": round(total_cpu, 3), "total_cpu_us_per_task": round(total_cpu / per * 1e6, 1),
+        "sched_cpu_us_per_task": None if sched_cpu_s is None or not done else round(sched_cpu_s / per * 1e6, 1),
+        "total_cpu_s": round(total_cpu, 3), "total_cpu_us_per_task": round(total_cpu / per * 1e6, 1) if done else None,
         "lat_p50_ms": _r(percentile(lat_ms, 50)), "lat_p99_ms": _r(percentile(lat_ms, 99)),
         "lat_samples": len(lat_ms), **meter, "notes": notes, **extra,
     }

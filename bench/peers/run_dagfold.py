@@ -33,6 +33,7 @@ from bench.peers.workloads import Dag, load
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, Config, dispatch_topic
+from dagfold.exceptions import LogError
 from dagfold.log import TopicPartition
 from services.scheduler.spec import parse_spec, to_job_spec
 from services.stack import Stack, StackOptions
@@ -133,7 +134,18 @@ def main() -> None:
             time.sleep(1.0)
         meter = probe.Meter(infra=args.infra_pid).start()
         t0 = time.perf_counter()
-        stack.sender.send(submit_job(spec, source="bench"))
+        try:
+            stack.sender.send(submit_job(spec, source="bench"))
+        except LogError as exc:  # e.g. a spec over Kafka's record size limit
+            meter.stop()
+            if spy is not None:
+                spy.send_signal(2)
+            size = len(default_codec().encode(submit_job(spec, source="bench")))
+            probe.emit({"system": system, "workload": args.workload, "tasks": len(dag), "status":
+                        f"error: SubmitJob of {size / 2**20:.1f} MiB not accepted by the log ({exc})"[:300],
+                        "limit_s": args.limit, "done": 0, "tasks_per_s": None, "workers": args.workers,
+                        "notes": "the job spec travels in one record (SubmitJob, then JobAccepted)"}, args.out)
+            return
         job = stack.wait_job(job_id, timeout_s=args.limit, poll_s=0.01)
         dt = time.perf_counter() - t0
         m = meter.stop()

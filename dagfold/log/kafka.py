@@ -51,6 +51,7 @@ _SETTLING_CODES = frozenset(
         KafkaError.UNKNOWN_LEADER_EPOCH,
         KafkaError.FENCED_LEADER_EPOCH,
         KafkaError.UNKNOWN_TOPIC_OR_PART,  # a broker that has not yet heard of a new topic
+        KafkaError._NOENT,  # "No leaders found": a partition between two leaders (a broker died)
     }
 )
 

@@ -38,19 +38,18 @@ def _heartbeat(st: PoolState, e: Record) -> None:
     n.lease_until = e["lease_deadline_ms"]
     n.health = e["health"]
     n.ok_streak = n.ok_streak + 1 if e["health"] == "ok" else 0
-    st.put_node(n)
+    st.put_node(n, capacity_changed=False)
     st.set_timer("lease", n.id, n.lease_until)
     for c in e["checkpoints"]:
         a = st.allocs.get(c["alloc_id"])
         if a is not None:
             a.last_ckpt_ms = c["last_checkpoint_ms"]
             a.last_ckpt_uri = c["checkpoint_uri"]
-            st.put_alloc(a)
+            st.put_ckpt(a)
     perf = e["perf"]
     if perf is not None and e["health"] == "ok":
-        avg = st.meta["perf"].get(n.gpu_type)
-        st.meta["perf"][n.gpu_type] = perf if avg is None else 0.98 * avg + 0.02 * perf
-        st.put_meta()
+        avg = st.perf.get(n.gpu_type)
+        st.put_perf(n.gpu_type, perf if avg is None else 0.98 * avg + 0.02 * perf)
 
 
 def _node_drained(st: PoolState, e: Record) -> None:

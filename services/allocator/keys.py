@@ -12,6 +12,8 @@ Separator 0x1F cannot appear in IDs (the scheduler's validation forbids control 
 | requests     | ``r|job|task|attempt``              | a queued request (tier, tenant, shape, sequence) |
 | usage        | ``u|tier|tenant``                   | GPU milli in use by the tenant in the tier   |
 | timers       | ``T|due(16)|kind|id``               | due-time index: node lease, grace, runtime, pass |
+| checkpoints  | ``c|alloc``                         | [time, URI] of an allocation's last checkpoint |
+| perf         | ``f|gpu type``                      | fleet average relative throughput (slow-node detection) |
 
 Queues, the capacity index and the tier/host maps are not stored: they are
 rebuilt from these records when a store is opened (see ``state``).
@@ -29,6 +31,16 @@ REQ_PREFIX = f"r{S}".encode()
 USAGE_PREFIX = f"u{S}".encode()
 TIMER_PREFIX = f"T{S}".encode()
 SHAPE_PREFIX = f"s{S}".encode()
+CKPT_PREFIX = f"c{S}".encode()
+PERF_PREFIX = f"f{S}".encode()
+
+
+def ckpt(alloc_id: str) -> bytes:
+    return CKPT_PREFIX + alloc_id.encode()
+
+
+def perf(gpu_type: str) -> bytes:
+    return PERF_PREFIX + gpu_type.encode()
 
 
 def shape(key: str) -> bytes:

@@ -143,7 +143,7 @@ class AllocView:
         self.state = "running"  # running | preempting
         self.preempt_deadline: int | None = None
         self.preempt_reason: str | None = None
-        self.last_ckpt_ms: int | None = None
+        self.last_ckpt_ms: int | None = None  # stored apart, under keys.ckpt (heartbeats update it often)
         self.last_ckpt_uri: str | None = req.resume
 
     def end_by_ms(self, runtime_grace_ms: int) -> int | None:
@@ -157,8 +157,7 @@ class AllocView:
     def record(self) -> dict[str, Any]:
         return {"req_key": self.req.key, "req": self.req.record(), "parts": [p.record() for p in self.parts],
                 "epoch": self.epoch, "granted_ms": self.granted_ms, "state": self.state,
-                "preempt_deadline": self.preempt_deadline, "preempt_reason": self.preempt_reason,
-                "last_ckpt_ms": self.last_ckpt_ms, "last_ckpt_uri": self.last_ckpt_uri}
+                "preempt_deadline": self.preempt_deadline, "preempt_reason": self.preempt_reason}
 
     @classmethod
     def from_record(cls, alloc_id: str, r: dict[str, Any]) -> AllocView:
@@ -166,5 +165,4 @@ class AllocView:
         parts = [Part(p["node_id"], list(p["gpu_indices"]), p["gpu_milli"]) for p in r["parts"]]
         a = cls(alloc_id, req, parts, r["epoch"], r["granted_ms"])
         a.state, a.preempt_deadline, a.preempt_reason = r["state"], r["preempt_deadline"], r["preempt_reason"]
-        a.last_ckpt_ms, a.last_ckpt_uri = r["last_ckpt_ms"], r["last_ckpt_uri"]
         return a

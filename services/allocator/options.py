@@ -42,7 +42,7 @@ class AllocatorOptions:
     reject_unfittable: bool = True  # RequestRejected when no registered node could ever hold it
     # Bounded work per decision (Slurm's bf_max_job_test idea): p99 decision time stays flat.
     pass_budget: int = 32  # placement attempts per scheduling pass
-    pass_examine_limit: int = 64  # queued requests a pass looks at (placed, skipped or failed)
+    pass_examine_limit: int = 40  # queued requests a pass looks at (placed, skipped or failed)
     arrival_examine_limit: int = 16  # the same after an arrival alone (no capacity was freed)
     tenant_lookahead: int = 8  # queued requests per tenant a pass may look past a blocked one
     reservation_scan_limit: int = 32  # partly free hosts examined for a reservation (plus the free-at index)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 
 from services.allocator.ctx import Ctx
-from services.allocator.model import RequestView
+from services.allocator.model import FULL, RequestView
 from services.allocator.placement import feasible_shapes, place
 from services.allocator.preemption import find_victims
 from services.allocator.reservations import Exclusions, earliest_start, excluded_for, is_stale
@@ -112,17 +112,40 @@ def _blocked(ctx: Ctx, r: RequestView, rank: int, *, head: bool, preempt: bool) 
     return False
 
 
+def _tenant_share(ctx: Ctx, tier_name: str, tenant: str) -> float:
+    st = ctx.st
+    if not ctx.opts.fair_share:
+        return 0.0
+    used = st.usage.get((tier_name, tenant), 0) if ctx.opts.strict_tiers else st.tenant_usage.get(tenant, 0)
+    return used / ctx.opts.weight(tenant)
+
+
 def _owners_first(ctx: Ctx, rank: int) -> tuple[int, bool]:
-    """Try the tier's reservation owners; returns (attempts used, head of line still blocked)."""
+    """Try the tier's reservation owners; returns (attempts used, head of line still blocked).
+
+    A backfill reservation follows the head of line: when weighted fair share
+    has moved another tenant ahead of its owner by more than the owner's own
+    request, it is cleared (the pass then reserves for the new head if that
+    one is blocked too).
+    """
     st = ctx.st
     owners = sorted((v["made_ms"], k) for k, v in st.meta["reservations"].items() if v["rank"] == rank)
     used = 0
     blocked = False
+    q = st.queues.get(rank, {})
+    tier_name = ctx.opts.tiers[rank] if rank < len(ctx.opts.tiers) else ""
     for _, key in owners:
         r = st.requests.get(key)
         v = st.meta["reservations"].get(key)
         if r is None or v is None:
             continue
+        if v["kind"] == "backfill" and ctx.opts.fair_share and len(q) > 1:
+            # hysteresis for gangs: only when the owner is ahead by more than its own request
+            size = r.total_milli() if r.total_milli() > FULL else 0
+            mine = _tenant_share(ctx, tier_name, r.tenant) - size / ctx.opts.weight(r.tenant)
+            if any(_tenant_share(ctx, tier_name, t) < mine - 1e-9 for t in q if t != r.tenant):
+                ctx.event("ReservationCleared", **_ident(r), reason="fair share moved another tenant ahead")
+                continue
         used += 1
         if grant(ctx, r, excluded_for(st, r, ctx.now_ms)):
             continue

@@ -99,7 +99,7 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
                           "checkpoint_uri": s["checkpoint_uri"]})
     health = cmd["health"]
     perf = cmd["perf"]
-    avg = st.meta["perf"].get(n.gpu_type)
+    avg = st.perf.get(n.gpu_type)
     if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
         health = "slow"
     ctx.event("NodeHeartbeatRecorded", node_id=nid, lease_deadline_ms=ctx.now_ms + int(ctx.opts.lease_s * 1000),
@@ -187,7 +187,7 @@ def cancel_request(ctx: Ctx, cmd: Record) -> None:
     for key in sorted(st.by_job.get(job, ())):
         r = st.requests.get(key)
         aid = st.alloc_of_req.get(key)
-        target = r if r is not None else (st.allocs[aid].req if aid else None)
+        target: RequestView | None = r if r is not None else (st.allocs[aid].req if aid else None)
         if target is None or (task is not None and target.task_id != task):
             continue
         if r is not None:
@@ -219,16 +219,16 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
             _end(ctx, a, "AllocationExpired", f"node {target} lease expired", requeue=True, stop_nodes=others)
         ctx.event("NodeDrained", node_id=target, reason="lease expired: no heartbeat", lost=True)
     elif kind == "grace":
-        a = st.allocs.get(target)
-        if a is None or a.state != "preempting":
+        g = st.allocs.get(target)
+        if g is None or g.state != "preempting":
             return
-        _end(ctx, a, "AllocationReleased", f"{a.preempt_reason} (grace expired, stopped)", requeue=True,
+        _end(ctx, g, "AllocationReleased", f"{g.preempt_reason} (grace expired, stopped)", requeue=True,
              stop_nodes=None)
     elif kind == "runtime":
-        a = st.allocs.get(target)
-        if a is None:
+        x = st.allocs.get(target)
+        if x is None:
             return
-        _end(ctx, a, "AllocationExpired", "max_runtime_s exceeded", requeue=False, stop_nodes=None)
+        _end(ctx, x, "AllocationExpired", "max_runtime_s exceeded", requeue=False, stop_nodes=None)
     elif kind == "pass":
         ctx.event("PassDeferred", due_ms=None)
     schedule(ctx)

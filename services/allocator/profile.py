@@ -74,15 +74,24 @@ def fit_count(gpu_type: str, cpu_free: int, mem_free: int, free: tuple[int, ...]
 Groups = list[tuple[int, int, frozenset[str], list[tuple[int, int, float]]]]
 
 
-def group_classes(classes: list[Class]) -> Groups:
+def group_classes(classes: list[Class], type_gpus: dict[str, int] | None = None) -> Groups:
     """Classes grouped by their GPU part ``(gpus, milli, types)``: the GPU fit count is computed once per
-    group, and only the CPU/memory limits per class (``(cpu, mem, weight x size)``)."""
+    group, and only the CPU/memory limits per class (``(cpu, mem, weight x size x scarcity)``).
+
+    Scarcity: a class that may only use some GPU types weighs more, by the
+    pool's GPUs over the GPUs of its types, so capacity that only few
+    requests can use is kept for them and the others go elsewhere."""
+    total = sum((type_gpus or {}).values())
     groups: dict[tuple[int, int, tuple[str, ...]], list[tuple[int, int, float]]] = {}
     for g, milli, cpu, mem, types, w in classes:
         if g == 0:
             continue
         size = g * (milli if g == 1 else FULL)
-        groups.setdefault((g, milli, types), []).append((cpu, mem, w * size))
+        scarcity = 1.0
+        if types and total and type_gpus is not None:
+            eligible = sum(type_gpus.get(t, 0) for t in types)
+            scarcity = total / eligible if eligible else 0.0
+        groups.setdefault((g, milli, types), []).append((cpu, mem, w * size * scarcity))
     return [(g, m, frozenset(t), members) for (g, m, t), members in groups.items()]
 
 

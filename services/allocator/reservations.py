@@ -125,36 +125,42 @@ def earliest_start(st: PoolState, r: RequestView, now_ms: int,
     types = set(r.gpu_types)
     cands: dict[str, int] = {}
 
-    def consider(nid: str) -> None:
+    def consider(nid: str, full_free_at: int | None = None) -> None:
         if nid in excluded or nid in cands:
             return
         n = st.nodes[nid]
         if (types and n.gpu_type not in types) or n.cpu < r.cpu or n.mem < r.mem or n.gpus < r.gpus:
             return
+        if full_free_at is not None and n.gpus == r.gpus:
+            cands[nid] = max(full_free_at, now_ms)  # a whole-host part fits exactly when the host is empty
+            return
         tw = time_when_fits(st, n, r, now_ms)
         if tw < NEVER:
             cands[nid] = tw
 
-    looked = 0
-    for t, nid in st.free_at:
-        if t >= NEVER or looked >= 4 * limit or len(cands) >= r.hosts + limit:
+    exact = 0
+    for looked, (t, nid) in enumerate(st.free_at):
+        if t >= NEVER or looked >= 4 * limit or exact >= r.hosts or len(cands) >= r.hosts + limit:
             break
-        looked += 1
-        consider(nid)
-    scanned = 0
-    for t in st.capacity.type_names(r.gpu_types):
-        by_l1 = st.capacity.types[t]
-        for l1 in sorted(by_l1, reverse=True):
-            for ids in by_l1[l1].values():
-                for nid in ids:
-                    consider(nid)
-                    scanned += 1
+        before = len(cands)
+        consider(nid, t)
+        if len(cands) > before and st.nodes[nid].gpus == r.gpus:
+            exact += 1
+    if exact < r.hosts:  # partial parts may fit on busy hosts earlier: look at the freest ones too
+        scanned = 0
+        for t in st.capacity.type_names(r.gpu_types):
+            by_l1 = st.capacity.types[t]
+            for l1 in sorted(by_l1, reverse=True):
+                for ids in by_l1[l1].values():
+                    for nid in ids:
+                        consider(nid)
+                        scanned += 1
+                        if scanned >= limit:
+                            break
                     if scanned >= limit:
                         break
                 if scanned >= limit:
                     break
-            if scanned >= limit:
-                break
     if len(cands) < r.hosts:
         return None
     chosen = sorted((tw, nid) for nid, tw in cands.items())[:r.hosts]

@@ -141,10 +141,10 @@ class World:
         next_sample = self.start_ms
         h = self.harness
         while True:
-            t_world = self.heap[0][0] if self.heap else INF
-            t_timer = h.fold.state.next_timer_ms()
-            t_timer = INF if t_timer is None else t_timer
-            t = min(t_world, t_timer, next_sample)
+            t_world: float = self.heap[0][0] if self.heap else INF
+            nt = h.fold.state.next_timer_ms()
+            t_timer: float = INF if nt is None else nt
+            t = min(t_world, t_timer, float(next_sample))
             if t > end_ms or t == INF:
                 break
             self._advance_clock(int(t))
@@ -187,9 +187,10 @@ class World:
             if key in self.res_first:
                 self.res_wait.append((now - self.res_first.pop(key)) / 1000)
         elif name in ("AllocationReleased", "AllocationExpired"):
-            j = self.alloc_job.pop(e["alloc_id"], None)
-            if j is None:
+            ended = self.alloc_job.pop(e["alloc_id"], None)
+            if ended is None:
                 return
+            j = ended
             for n in e["node_ids"]:
                 self.node_allocs.get(n, set()).discard(e["alloc_id"])
             self.busy_gpu_milli -= j.hosts * j.gpus * (j.milli if j.gpus == 1 else 1000)
@@ -206,9 +207,10 @@ class World:
                 j.end_ms = now  # failed / cancelled / runtime exceeded
                 j.alloc = None
         elif name == "PreemptionRequested":
-            j = self.alloc_job.get(e["alloc_id"])
-            if j is None or j.releasing:
+            victim = self.alloc_job.get(e["alloc_id"])
+            if victim is None or victim.releasing:
                 return
+            j = victim
             if e["preemptor_job_id"] is not None:
                 j.preempted += 1
             j.releasing = True
@@ -223,9 +225,9 @@ class World:
         elif name == "ReservationMade" and e["kind"] == "backfill":
             self.res_first.setdefault(f"{e['job_id']}\x1f{e['task_id']}\x1f{e['attempt']}", now)
         elif name == "RequestRejected":
-            j = self.jobs.get(e["job_id"])
-            if j is not None:
-                j.end_ms = now
+            rj = self.jobs.get(e["job_id"])
+            if rj is not None:
+                rj.end_ms = now
 
     def periodic_ckpt(self, j: Job, prog: float) -> float:
         if not j.checkpoint:
@@ -316,7 +318,10 @@ class World:
             if len(backlogged) < 2 or rank >= len(self.opts.tiers):
                 continue
             tier = self.opts.tiers[rank]
-            xs = [st.usage.get((tier, t), 0) / self.opts.weight(t) for t in backlogged]
+            if self.opts.strict_tiers:
+                xs = [st.usage.get((tier, t), 0) / self.opts.weight(t) for t in backlogged]
+            else:  # one queue for all tiers: all-tier usage
+                xs = [st.tenant_usage.get(t, 0) / self.opts.weight(t) for t in backlogged]
             s2 = sum(x * x for x in xs)
             if s2 > 0:
                 self.jain.append(sum(xs) ** 2 / (len(xs) * s2))

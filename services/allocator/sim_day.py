@@ -55,8 +55,7 @@ def make_jobs(seed: int, n_jobs: int, gpus: int, flood: bool) -> list[Job]:
 
     def one(i: int, t: int, tier: str, tenant: str, small: bool = False) -> Job:
         if small:
-            g, h = rng.choice(((1, 1), (2, 1))), 1
-            g, h = g[0], g[1]
+            g, h = rng.choice(((1, 1), (2, 1)))
         else:
             x = rng.random()
             acc = 0.0
@@ -189,8 +188,8 @@ def summarize(w: World, workload: list[Job], gpus: int, policy: str, flood: bool
         "policy": policy, "flood": flood, "gpus": gpus, "hosts": gpus // 8, "jobs_measured": len(meas),
         "jobs_warmup": len(workload) - len(meas), "jobs_completed": len(done),
         "jobs_never_started": sum(1 for j in meas if j.first_grant_ms < 0),
-        "utilization": round(w.busy_integral / (gpus * 1000 * (end - 0)) if False else
-                             sum(util) / max(1, len(util)), 4),
+        "utilization": round(sum(util) / max(1, len(util)), 4),
+        "utilization_over_time": [[round(t / H - 1, 3), round(u, 4)] for t, u in w.samples if t >= H],
         "wait_p50_s": {t: pct(v, 50) for t, v in sorted(waits.items())},
         "wait_p99_s": {t: pct(v, 99) for t, v in sorted(waits.items())},
         "small_tenant_wait_p99_s": pct(by_tenant.get("small", []), 99),

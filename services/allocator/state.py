@@ -33,7 +33,7 @@ NEVER = 1 << 62
 
 
 def empty_meta() -> dict[str, Any]:
-    return {"epoch": 0, "seq": 0, "reservations": {}, "perf": {}}
+    return {"epoch": 0, "seq": 0, "reservations": {}}
 
 
 class PoolState:
@@ -51,6 +51,7 @@ class PoolState:
         self.classes: list[Class] = []
         self.groups: Groups = []
         self.shape_counts: dict[str, int] = {}
+        self.perf: dict[str, float] = {}
         self.usable_memo: dict[tuple[str, Any], float] = {}
         self.nodes: dict[str, NodeView] = {}
         self.allocs: dict[str, AllocView] = {}
@@ -67,6 +68,7 @@ class PoolState:
         self.timer_heap: list[tuple[int, str, str]] = []
         self.gpu_types: dict[str, int] = {}  # registered type -> max GPUs on one host
         self.type_hosts: dict[str, int] = {}  # registered type -> hosts (any state)
+        self.type_gpus: dict[str, int] = {}  # registered type -> GPUs (any state)
         self.max_cpu = 0
         self.max_mem = 0
         # up hosts by the time all their allocations will have ended (runtime limits): reservations of whole hosts
@@ -90,8 +92,7 @@ class PoolState:
         (its rollback keeps references to old values)."""
         m = self.meta
         self._put(keys.META, {"epoch": m["epoch"], "seq": m["seq"],
-                              "reservations": {t: dict(v) for t, v in m["reservations"].items()},
-                              "perf": dict(m["perf"])})
+                              "reservations": {t: dict(v) for t, v in m["reservations"].items()}})
 
     def count_shape(self, key: str, n: int, active: list[Any] | None) -> None:
         """One more request of shape ``key`` (None: not counted); a new ``active`` list replaces the classes."""
@@ -102,18 +103,25 @@ class PoolState:
         if active is not None:
             self.profile = {"n": n, "active": active}
             self.classes = to_classes(active)
-            self.groups = group_classes(self.classes)
-            self.usable_memo.clear()
+            self.regroup()
         else:
             self.profile = {"n": n, "active": self.profile["active"]}
         self._put(keys.PROFILE, self.profile)
 
-    def put_node(self, n: NodeView) -> None:
-        """Write a node and re-bucket it in the capacity index."""
+    def put_node(self, n: NodeView, *, capacity_changed: bool = True) -> None:
+        """Write a node and re-bucket it in the capacity index (unless only its lease or health changed)."""
         self.nodes[n.id] = n
         self._put(keys.node(n.id), n.record())
-        self.capacity.update(n)
-        self.refresh_free_at(n)
+        if capacity_changed:
+            self.capacity.update(n)
+            self.refresh_free_at(n)
+
+    def put_ckpt(self, a: AllocView) -> None:
+        self._put(keys.ckpt(a.id), [a.last_ckpt_ms, a.last_ckpt_uri])
+
+    def put_perf(self, gpu_type: str, value: float) -> None:
+        self.perf[gpu_type] = value
+        self._put(keys.perf(gpu_type), value)
 
     def refresh_free_at(self, n: NodeView) -> None:
         old = self.free_at_of.pop(n.id, None)
@@ -137,6 +145,8 @@ class PoolState:
         self._put(keys.alloc(a.id), a.record())
 
     def drop_alloc(self, a: AllocView) -> None:
+        if a.last_ckpt_ms is not None:
+            self._put(keys.ckpt(a.id), None)
         self.allocs.pop(a.id, None)
         self.alloc_of_req.pop(a.req.key, None)
         self._unlink_job(a.req.job_id, a.req.key)
@@ -222,8 +232,17 @@ class PoolState:
             else:
                 tn.pop(p.node, None)
 
+    def regroup(self) -> None:
+        """Recompute the scoring groups (new profile or new inventory); scores are recomputed lazily."""
+        self.groups = group_classes(self.classes, self.type_gpus)
+        self.usable_memo.clear()
+
     def register_type(self, n: NodeView, new: bool) -> None:
         self.gpu_types[n.gpu_type] = max(self.gpu_types.get(n.gpu_type, 0), n.gpus)
+        if new:
+            self.type_gpus[n.gpu_type] = self.type_gpus.get(n.gpu_type, 0) + n.gpus
+            if self.classes:
+                self.regroup()
         self.max_cpu = max(self.max_cpu, n.cpu)
         self.max_mem = max(self.max_mem, n.mem)
         if new:
@@ -265,7 +284,6 @@ class PoolState:
         self.meta = getter.get(keys.META) or empty_meta()
         self.profile = getter.get(keys.PROFILE) or empty_profile()
         self.classes = to_classes(self.profile["active"])
-        self.groups = group_classes(self.classes)
         for k, v in scan(keys.SHAPE_PREFIX):
             self.shape_counts[k[len(keys.SHAPE_PREFIX):].decode()] = v
         for k, v in scan(keys.NODE_PREFIX):
@@ -277,8 +295,15 @@ class PoolState:
             a = AllocView.from_record(k[len(keys.ALLOC_PREFIX):].decode(), v)
             self.allocs[a.id] = a
             self.link_alloc(a)
+        for k, v in scan(keys.CKPT_PREFIX):
+            ca = self.allocs.get(k[len(keys.CKPT_PREFIX):].decode())
+            if ca is not None:
+                ca.last_ckpt_ms, ca.last_ckpt_uri = v[0], v[1]
+        for k, v in scan(keys.PERF_PREFIX):
+            self.perf[k[len(keys.PERF_PREFIX):].decode()] = v
         for n in self.nodes.values():
             self.refresh_free_at(n)
+        self.regroup()
         for k, v in scan(keys.REQ_PREFIX):
             r = RequestView(k[len(keys.REQ_PREFIX):].decode(), v)
             self.requests[r.key] = r

@@ -1,0 +1,238 @@
+"""NodeAgent: the loop of one GPU host against the log contract.
+
+Reads: the pool's partition of ``allocator.events`` (grants, preemption
+requests, releases and expiries of its allocations; its own loss) and its
+partition of ``control`` (StopAllocation keyed by node). Writes, to
+``allocator.commands`` keyed by pool: RegisterNode, NodeHeartbeat (health and
+the processes it runs, with their latest checkpoints), ReleaseAllocation when
+a process exits. With ``report_to_scheduler`` the first host of a gang also
+reports the attempt to the scheduler's ``commands`` topic (TaskStarted,
+TaskHeartbeat with progress, TaskSucceeded/TaskFailed); a checkpointed stop
+is not a failure: the allocator requeues the task.
+
+Fencing: every process carries its allocation's epoch. A process whose
+allocation was released, expired or is unknown to the allocator (a heartbeat
+answered by a fence) is stopped; after a partition or an expired lease the
+agent re-registers with a new incarnation, so heartbeats of the old one are
+ignored by the allocator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from dagfold.codec import Record, default_codec, make
+from dagfold.config import COMMANDS, CONTROL
+from dagfold.exceptions import CodecError
+from dagfold.log import Log, TopicPartition, partition_for
+from services.agent.devices import Devices, SimulatedDevices
+from services.agent.launcher import JobProcess, Launcher
+from services.allocator import commands as cmds
+from services.allocator.ctx import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS
+
+log = logging.getLogger("dagfold.agent")
+A = "dagfold.allocator."
+
+
+class NodeAgent:
+    """One host's agent (see module docstring). Drive it with ``step()`` or ``run()``."""
+
+    def __init__(self, log_: Log, pool: str, node_id: str, devices: Devices, launcher: Launcher, *,
+                 hb_interval_s: float = 1.0, grace_s: float = 30.0, report_to_scheduler: bool = True,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.log = log_
+        self.pool = pool
+        self.node_id = node_id
+        self.devices = devices
+        self.launcher = launcher
+        self.hb_interval_s = hb_interval_s
+        self.grace_s = grace_s
+        self.report_to_scheduler = report_to_scheduler
+        self.clock = clock
+        self.codec = default_codec()
+        self.incarnation = int(clock() * 1000)
+        self.procs: dict[str, JobProcess] = {}
+        self.leader_of: set[str] = set()  # allocations whose scheduler reports this host makes
+        self.partitioned = False
+        self.crashed = False
+        self._next_hb = 0.0
+        self._last_progress: dict[str, float] = {}
+        self.producer = log_.producer(f"agent-{node_id}")
+        self.events = log_.consumer(None, client_id=f"agent-{node_id}-events")
+        self.control = log_.consumer(None, client_id=f"agent-{node_id}-control")
+        ev = TopicPartition(ALLOCATOR_EVENTS, partition_for(pool.encode(), log_.partitions(ALLOCATOR_EVENTS)))
+        ct = TopicPartition(CONTROL, partition_for(node_id.encode(), log_.partitions(CONTROL)))
+        ends = log_.end_offsets([ev, ct])
+        self.events.assign({ev: ends[ev]})
+        self.control.assign({ct: ends[ct]})
+
+    # -- output -------------------------------------------------------------------------------
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def _send(self, topic: str, key: str, rec: Record) -> None:
+        self.producer.send(topic, key.encode(), self.codec.encode(rec))
+
+    def _alloc_cmd(self, rec: Record) -> None:
+        self._send(ALLOCATOR_COMMANDS, self.pool, rec)
+
+    def _sched(self, kind: str, jp: JobProcess, **fields: Any) -> None:
+        if not self.report_to_scheduler or jp.alloc_id not in self.leader_of:
+            return
+        rec = make(f"dagfold.command.Task{kind}", job_id=jp.job_id, task_id=jp.task_id, attempt=jp.attempt,
+                   worker_id=self.node_id, ts_ms=self._now_ms(), **fields)
+        self._send(COMMANDS, jp.job_id, rec)
+
+    def register(self) -> None:
+        self.incarnation = max(self.incarnation + 1, self._now_ms())
+        self._alloc_cmd(cmds.register_node(self.pool, self.node_id, self.devices.gpu_type, self.devices.count,
+                                           incarnation=self.incarnation, ts_ms=self._now_ms()))
+        self.producer.flush()
+        self._next_hb = self.clock() + self.hb_interval_s
+
+    def heartbeat(self) -> None:
+        h = self.devices.health()
+        statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress,
+                                      last_checkpoint_ms=jp.last_checkpoint_ms, checkpoint_uri=jp.checkpoint_uri)
+                    for jp in self.procs.values() if jp.exited() is None]
+        self._alloc_cmd(cmds.node_heartbeat(
+            self.pool, self.node_id, incarnation=self.incarnation, ts_ms=self._now_ms(), health=h.health,
+            detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
+            xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses))
+        for jp in self.procs.values():
+            if jp.progress is not None and self._last_progress.get(jp.alloc_id) != jp.progress:
+                self._last_progress[jp.alloc_id] = jp.progress
+                self._sched("Heartbeat", jp, progress=jp.progress, message=jp.checkpoint_uri)
+
+    # -- faults (tests and demos) ----------------------------------------------------------------
+    def crash(self) -> None:
+        """The host dies: its processes with it, and it goes silent."""
+        self.crashed = True
+        for jp in self.procs.values():
+            if jp.exited() is None:
+                jp.proc.kill()
+        self.procs.clear()
+
+    def set_partitioned(self, cut: bool) -> None:
+        """A network partition: processes keep running, nothing is sent or received."""
+        self.partitioned = cut
+
+    # -- input ------------------------------------------------------------------------------------
+    def _mine(self, e: Record) -> bool:
+        return any(h["node_id"] == self.node_id for h in e.get("hosts") or ()) or \
+            self.node_id in (e.get("node_ids") or ()) or e.get("alloc_id") in self.procs
+
+    def on_event(self, e: Record) -> None:
+        t = e["type"][len(A):] if e["type"].startswith(A) else ""
+        if t == "AllocationGranted" and self._mine(e):
+            part = next(h for h in e["hosts"] if h["node_id"] == self.node_id)
+            if e["alloc_id"] in self.procs:
+                return
+            jp = self.launcher.start(e["alloc_id"], e["epoch"], e["job_id"], e["task_id"], e["attempt"],
+                                     list(part["gpu_indices"]), e["resume_checkpoint"])
+            self.procs[jp.alloc_id] = jp
+            if e["hosts"][0]["node_id"] == self.node_id:
+                self.leader_of.add(jp.alloc_id)
+                self._sched("Started", jp)
+        elif t == "PreemptionRequested" and e["alloc_id"] in self.procs:
+            self._stop(self.procs[e["alloc_id"]], "preempted", e["grace_deadline_ms"])
+        elif t in ("AllocationReleased", "AllocationExpired") and e["alloc_id"] in self.procs:
+            jp = self.procs[e["alloc_id"]]
+            if jp.exited() is None:
+                self._stop(jp, f"fenced: {e['reason']}", None)
+        elif t == "NodeDrained" and e["node_id"] == self.node_id and e["lost"]:
+            log.warning("%s: the allocator lost this node (%s); re-registering", self.node_id, e["reason"])
+            self._fence_all("fenced: node lease expired")
+            self.register()
+
+    def on_control(self, c: Record) -> None:
+        if c.get("node_id") != self.node_id:
+            return
+        aid = c["alloc_id"]
+        if not aid:
+            self._fence_all(c["reason"])
+            self.register()
+            return
+        jp = self.procs.get(aid)
+        if jp is not None and jp.epoch <= c["epoch"]:
+            self._stop(jp, "preempted" if c["checkpoint"] else f"fenced: {c['reason']}", c["deadline_ms"])
+
+    def _stop(self, jp: JobProcess, reason: str, deadline_ms: int | None) -> None:
+        grace = self.grace_s if deadline_ms is None else max(0.0, deadline_ms / 1000 - self.clock())
+        self.launcher.stop(jp, reason, time.monotonic() + (grace if reason == "preempted" else min(grace, 5.0)))
+
+    def _fence_all(self, reason: str) -> None:
+        for jp in self.procs.values():
+            if jp.exited() is None:
+                self._stop(jp, reason, None)
+
+    def _reap(self) -> None:
+        for aid, jp in list(self.procs.items()):
+            self.launcher.enforce(jp)
+            code = jp.exited()
+            if code is None:
+                continue
+            self.launcher.finish(jp)
+            del self.procs[aid]
+            self._last_progress.pop(aid, None)
+            tail = "\n".join(jp.lines[-20:])
+            if jp.stop_reason == "preempted":
+                self._alloc_cmd(cmds.release_allocation(self.pool, aid, jp.epoch, self.node_id, "preempted",
+                                                        exit_code=code, checkpoint_uri=jp.checkpoint_uri,
+                                                        ts_ms=self._now_ms()))
+            elif jp.stop_reason is None:
+                reason = "completed" if code == 0 else "failed"
+                self._alloc_cmd(cmds.release_allocation(self.pool, aid, jp.epoch, self.node_id, reason,
+                                                        exit_code=code, checkpoint_uri=jp.checkpoint_uri,
+                                                        ts_ms=self._now_ms()))
+                if code == 0:
+                    self._sched("Succeeded", jp, stdout_tail=tail)
+                else:
+                    self._sched("Failed", jp, reason=f"exit code {code}", exit_code=code, stdout_tail=tail)
+            self.leader_of.discard(aid)  # fenced processes report nothing: their allocation is gone
+
+    def step(self) -> None:
+        """One round: read events and control, reap processes, heartbeat when due."""
+        if self.crashed or getattr(self.devices, "crashed", False):
+            return
+        if not self.partitioned:
+            for consumer, handler in ((self.events, self.on_event), (self.control, self.on_control)):
+                for r in consumer.poll(500, 0.0):
+                    try:
+                        rec = self.codec.decode(r.value)
+                    except CodecError:
+                        continue
+                    handler(rec)
+        self._reap()
+        if self.partitioned:
+            return
+        if self.clock() >= self._next_hb:
+            self.heartbeat()
+            self._next_hb = self.clock() + self.hb_interval_s
+        self.producer.flush()
+
+    def run(self, should_stop: Callable[[], bool], tick_s: float = 0.05) -> None:
+        self.register()
+        while not should_stop():
+            self.step()
+            time.sleep(tick_s)
+
+    def close(self) -> None:
+        for jp in self.procs.values():
+            if jp.exited() is None:
+                jp.proc.kill()
+        self.events.close()
+        self.control.close()
+        self.producer.close()
+
+
+def simulated(log_: Log, pool: str, node_id: str, command: list[str], artifact_dir: Any, *, gpus: int = 8,
+              gpu_type: str = "H100", **kw: Any) -> tuple[NodeAgent, SimulatedDevices]:
+    """An agent over the simulated device model (tests, demos)."""
+    dev = SimulatedDevices(gpus, gpu_type)
+    launcher = Launcher(command, artifact_dir, speed=1.0)
+    agent = NodeAgent(log_, pool, node_id, dev, launcher, **kw)
+    return agent, dev

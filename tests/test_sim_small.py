@@ -1,0 +1,63 @@
+"""Small runs of the three ``dagfold sim`` commands (the full-size runs are in bench/results/gpu-*.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from services.allocator.cli import parse_seeds, sim_app
+from services.allocator.traces import DEFAULT_DATA
+
+needs_data = pytest.mark.skipif(not (DEFAULT_DATA / "openb").is_dir(), reason="shared/data/openb not present")
+runner = CliRunner()
+
+
+def test_parse_seeds() -> None:
+    assert parse_seeds("42-44,50") == [42, 43, 44, 50]
+
+
+@needs_data
+def test_sim_fgd_one_seed(tmp_path: Path) -> None:
+    out = tmp_path / "fgd.json"
+    r = runner.invoke(sim_app, ["fgd", "--trace", "default", "--seeds", "42", "--policies", "frag,firstfit",
+                                "--out", str(out), "--img", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())["traces"]["default"]
+    for pol in ("frag", "firstfit"):
+        seed = res["policies"][pol]["per_seed"][0]
+        assert len(seed["alloc_ratio"]) == 131 and 0 < seed["unallocated_pct_at_100"] < 30
+        assert seed["alloc_ratio"] == sorted(seed["alloc_ratio"])  # nothing is ever released
+    assert set(res["paper"]) == {"01-Random", "02-DotProd", "03-GpuClustering", "04-GpuPacking", "05-BestFit",
+                                 "06-FGD"}
+    assert abs(res["paper"]["06-FGD"]["unallocated_pct_at_100"] - 4.77) < 0.05
+    assert (tmp_path / "gpu-fgd-default.png").stat().st_size > 10_000
+    assert "06-FGD" in r.output  # the comparison table
+
+
+@needs_data
+def test_sim_openb_small(tmp_path: Path) -> None:
+    out = tmp_path / "openb.json"
+    r = runner.invoke(sim_app, ["openb", "--limit", "600", "--policies", "ours,fifo", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())["policies"]
+    for pol in ("ours", "fifo"):
+        assert res[pol]["pods"] == 600 and res[pol]["queue_delay_p99_s"] is not None
+        assert res[pol]["jct_p50_s"] > 0
+
+
+def test_sim_day_small(tmp_path: Path) -> None:
+    out = tmp_path / "day.json"
+    r = runner.invoke(sim_app, ["day", "--gpus", "160", "--jobs", "1500", "--out", str(out), "--img", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    for key in ("utilization", "wait_p50_s", "wait_p99_s", "jain_fairness", "preemptions", "reservation_wait_p99_s",
+                "decisions_per_s", "decision_p99_ms", "wall_s"):
+        assert key in res
+    assert set(res["wait_p99_s"]) == {"enterprise", "standard", "free"}
+    assert set(res["baselines"]) == {"fifo", "bestfit"}
+    assert res["small_tenant"]["wait_p99_s_without_flood"] is not None
+    assert 0 < res["utilization"] <= 1
+    assert (tmp_path / "gpu-day.png").exists()
