@@ -11,7 +11,7 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch browser bench lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch browser bench bench-peers chaos lint clean
 
 install: $(STAMP)
 
@@ -43,6 +43,16 @@ kafka-down:
 
 bench: install kafka-fetch
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.recovery
+
+# Dask, Celery and Prefect side by side (installed into .cache/peers-venv, never into .venv)
+bench-peers: install kafka-fetch
+	bench/peers/setup.sh
+	$(BIN)/python -m bench.peers
+
+# The long chaos run: >= 1,000 faults on a 3-broker cluster; the short run is part of `make test`
+chaos: install kafka-fetch
+	$(BIN)/python -m chaos --profile long
 
 lint: install
 	$(BIN)/ruff check dagfold services projections tests bench examples

@@ -132,7 +132,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.4))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
     xs = [r["tasks"] for r in rows if r.get("tasks_per_s")]
     ax.plot(xs, [r["tasks_per_s"] for r in rows if r.get("tasks_per_s")], "o-", label="end to end (embedded stack)")
     xr = [r["tasks"] for r in rows if r.get("run_tasks_per_s")]
@@ -145,9 +145,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("tasks in the DAG (100 wide, fan-in 2)")
     ax.set_ylabel("tasks/s")
-    ax.set_title("dagfold tasks/s by DAG size (flat = no per-event cost growth)", fontsize=10)
+    ax.set_title("tasks/s by DAG size (flat = no per-event cost growth)", fontsize=10)
     ax.grid(which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    for key, label in (("sched_cpu_us_per_task", "scheduler thread"), ("total_cpu_us_per_task", "whole process")):
+        pts = [(r["tasks"], r[key]) for r in rows if r.get(key)]
+        ax2.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    ax2.set_xscale("log")
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("tasks in the DAG")
+    ax2.set_ylabel("CPU µs per task")
+    ax2.set_title("CPU per task by DAG size (less sensitive to other load)", fontsize=10)
+    ax2.grid(which="both", alpha=0.3)
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -176,9 +186,17 @@ def main() -> None:
     ap.add_argument("--limit", type=float, default=3600.0, help="seconds per size")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--rerender", action="store_true", help="rebuild table, plot and docs from the results file")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.limit, args.fold_only)), flush=True)
+        return
+    out = report.RESULTS / ("scale-smoke.json" if args.smoke else "scale.json")
+    if args.rerender:
+        doc = json.loads(out.read_text())
+        print(report.text_table(HEAD, table_rows(doc["results"])))
+        if not args.no_docs:
+            write_docs(doc)
         return
     sizes = [1_000, 10_000] if args.smoke else args.sizes
     load_before = report.loadavg()
@@ -195,20 +213,24 @@ def main() -> None:
         print(json.dumps(r), flush=True)
     doc = {"when": report.when(), "smoke": args.smoke, "load_before": load_before, "load_after": report.loadavg(),
            "machine": report.machine(), "dag": f"layered, {WIDTH} wide, fan-in {FAN_IN}", "results": rows}
-    out = report.RESULTS / ("scale-smoke.json" if args.smoke else "scale.json")
     report.RESULTS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     print(report.text_table(HEAD, table_rows(rows)))
     if not args.no_docs and not args.smoke:
-        plot(rows, report.IMG / "bench-scale.png")
-        report.replace_section("scale", f"""## Scale: 1k to 1M tasks (issue 7)
+        write_docs(doc)
+
+
+def write_docs(doc: dict[str, Any]) -> None:
+    rows = doc["results"]
+    plot(rows, report.IMG / "bench-scale.png")
+    report.replace_section("scale", f"""## Scale: 1k to 1M tasks (issue 7)
 
 Measured {doc['when']} by `.venv/bin/python -m bench.scale` on the machine of the peers table (load average
-when it began: {'/'.join(str(x) for x in load_before)}). Synthetic layered DAGs, {WIDTH} tasks wide, each task
+when it began: {'/'.join(str(x) for x in doc['load_before'])}). Synthetic layered DAGs, {WIDTH} tasks wide, each task
 depending on {FAN_IN} tasks of the level above, noop tasks, through the embedded stack (scheduler, projector and
 2 workers in one process). Each size runs in a fresh process.
 
-![tasks/s by DAG size](img/bench-scale.png)
+![tasks/s and CPU per task by DAG size](img/bench-scale.png)
 
 {report.md_table(HEAD, table_rows(rows))}
 

@@ -92,9 +92,9 @@ PROFILES: dict[str, Profile] = {
                                "1000genome-chameleon-22ch-250k-001.json.gz", "cycles-chameleon-10l-1c-9p-001.json.gz",
                                "montage-chameleon-2mass-05d-001.json.gz",
                                "epigenomics-chameleon-ilmn-6seq-50k-001.json.gz"),
-                    inject_s=1080, min_faults=1000, max_inject_s=1260, submit_share=0.85, drain_s=300,
-                    max_open_jobs=30, dup_rate=0.15, dup_max_per_s=0.6,
-                    plan=FaultPlan(scheduler_every_s=4.0, worker_every_s=3.0, broker_every_s=40.0)),
+                    inject_s=1020, min_faults=1000, max_inject_s=1260, submit_share=0.85, drain_s=300,
+                    max_open_jobs=30, dup_rate=0.15, dup_max_per_s=0.7,
+                    plan=FaultPlan(scheduler_every_s=4.0, worker_every_s=2.5, broker_every_s=40.0)),
     # 3 schedulers on 3 brokers: kill -9 one instance and one broker mid-run, bring neither back until the end.
     "failover": Profile("failover", generated_jobs=40, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
                         inject_s=0, drain_s=240, dup_rate=0.0, scenario="failover"),
