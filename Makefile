@@ -55,7 +55,7 @@ chaos: install kafka-fetch
 	$(BIN)/python -m chaos --profile long
 
 lint: install
-	$(BIN)/ruff check dagfold services projections tests bench examples
+	$(BIN)/ruff check dagfold services projections tests bench examples chaos
 	$(BIN)/mypy dagfold services projections
 
 clean:

@@ -511,8 +511,15 @@ class KafkaConsumer:
         return self._manual.get(tp, 0)
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[LogRecord]:
+        """Return as soon as records are there: ``consume(n, timeout)`` alone waits the whole
+        timeout unless n records arrive, which put a full poll timeout on every hop of a chain.
+        So: take what is fetched already; if nothing, block for one record, then take the rest."""
         try:
-            msgs = self.raw.consume(num_messages=max_records, timeout=timeout_s)
+            msgs = self.raw.consume(num_messages=max_records, timeout=0)
+            if not msgs:
+                first = self.raw.poll(timeout_s)
+                if first is not None:
+                    msgs = [first, *self.raw.consume(num_messages=max_records - 1, timeout=0)]
         except KafkaException as exc:
             raise LogError(f"consume failed: {exc}") from exc
         out: list[LogRecord] = []
