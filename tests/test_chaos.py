@@ -318,7 +318,6 @@ def test_short_chaos_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.kafka
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_schedulers_survive_losing_one_instance_and_one_broker(tmp_path: Path) -> None:
     report = ChaosRun(PROFILES["failover"], SEED, tmp_path / "run").run()
