@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import Options, Rdict, ReadOptions, WriteBatch
 
 from projections.exceptions import StoreError
 
@@ -124,7 +124,13 @@ class Store:
         ``after`` (a full key) starts strictly after it in the direction of the
         scan (strictly before it when ``reverse``): the cursor of a listing.
         """
-        it = self._db.iter()
+        # Bounded to the prefix inside RocksDB, so deleted index keys outside it are never stepped over.
+        opts = ReadOptions()
+        opts.set_iterate_lower_bound(prefix)
+        end_key = prefix_end(prefix)
+        if end_key is not None:
+            opts.set_iterate_upper_bound(end_key)
+        it = self._db.iter(opts)
         if not reverse:
             if after is None or after < prefix:
                 it.seek(prefix)

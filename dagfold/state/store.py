@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from rocksdict import AccessType, Options, Rdict, WriteBatch
+from rocksdict import AccessType, Options, Rdict, ReadOptions, WriteBatch
 
 from dagfold.state.exceptions import StateError
 
@@ -91,10 +91,13 @@ class PartitionStore:
         self._db.write(wb)
 
     def range(self, start: bytes, end: bytes) -> Iterator[tuple[bytes, bytes]]:
-        for k, v in self._db.items(from_key=start):
+        """Keys in [start, end). The bound goes to RocksDB itself: without it the iterator
+        steps over every deleted key past ``end`` (the timer index deletes a key per fired
+        timer, so an unbounded scan grows with the partition's age)."""
+        opts = ReadOptions()
+        opts.set_iterate_upper_bound(end)
+        for k, v in self._db.items(from_key=start, read_opt=opts):
             assert isinstance(k, bytes) and isinstance(v, bytes)  # raw mode
-            if k >= end:
-                break
             yield k, v
 
     def close(self) -> None:
