@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -45,6 +44,7 @@ from typing import Any
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, EVENTS, Config
+from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log import Log, open_log, partition_for
 from dagfold.state import PartitionStore
 from dagfold.state.store import applied_events_offset, state_digest
@@ -223,33 +223,13 @@ def run(backend: str, n_events: int, tail: int, work: Path) -> dict[str, Any]:
         stop_broker()
 
 
-def free_port() -> int:
-    """A client port (and its controller port, +1000) free for a single local broker."""
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    for port in range(20150, 29150, 100):  # apart from the test brokers (19092 + k*100) and chaos (30192...)
-        if free(port) and free(port + 1000):
-            return port
-    raise RuntimeError("no free port for the benchmark broker")
-
-
 def start_log(backend: str, work: Path) -> tuple[str, Any]:
     if backend == "embedded":
         return "embedded", lambda: None
-    port = int(os.environ.get("BENCH_KAFKA_PORT", "0")) or free_port()
-    env = dict(os.environ, KAFKA_PORT=str(port), KAFKA_BROKERS="1", KAFKA_DATA=str(work / "kafka"))
-    subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start"], check=True, env=env)
-    return f"kafka://127.0.0.1:{port}", lambda: subprocess.run(
-        [str(ROOT / "deploy/kafka/kafka.sh"), "stop"], env=env, check=False)
+    # apart from the test brokers (19092 + k*100) and the chaos clusters (30192 + k*100)
+    port = int(os.environ.get("BENCH_KAFKA_PORT", "0")) or free_base_port(range(20150, 29150, 100))
+    broker = LocalKafka(port, work / "kafka").start()
+    return broker.url, broker.stop
 
 
 def write_docs(results: dict[str, Any]) -> None:

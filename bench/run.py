@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -24,7 +23,9 @@ from typing import Any
 
 from dagfold.codec import default_codec
 from dagfold.config import COMMANDS, Config, dispatch_topic
+from dagfold.localkafka import LocalKafka
 from dagfold.log import TopicPartition
+from dagfold.log.reader import read_to_end
 from dagfold.state import PartitionStore
 from dagfold.wfcommons import workflow_spec
 from services.scheduler.harness import FoldHarness
@@ -112,24 +113,16 @@ def dependency_latencies(log: Any, spec: dict[str, Any], config: Config) -> list
     done_at: dict[str, int] = {}
     dispatched_at: dict[str, int] = {}
     for topic, n in ((COMMANDS, config.partitions), (dispatch_topic("default"), config.dispatch_partitions)):
-        c = log.consumer(None, client_id="bench-reader")
-        c.assign({TopicPartition(topic, p): 0 for p in range(n)})
-        ends = log.end_offsets([TopicPartition(topic, p) for p in range(n)])
-        seen: dict[int, int] = {}
-        idle = 0
-        while idle < 4 and any(seen.get(tp.partition, -1) + 1 < end for tp, end in ends.items() if end):
-            recs = c.poll(5000, 0.25)
-            idle = 0 if recs else idle + 1
-            for r in recs:
-                seen[r.partition] = r.offset
-                rec = codec.decode(r.value)
-                if rec.get("job_id") != spec["job_id"]:
-                    continue
-                if rec["type"] == "dagfold.command.TaskSucceeded":
-                    done_at[rec["task_id"]] = rec["ts_ms"]
-                elif rec["type"] == "dagfold.dispatch.TaskDispatch":
-                    dispatched_at[rec["task_id"]] = r.timestamp_ms
-        c.close()
+        for p in range(n):
+            for recs in read_to_end(log, TopicPartition(topic, p)):
+                for r in recs:
+                    rec = codec.decode(r.value)
+                    if rec.get("job_id") != spec["job_id"]:
+                        continue
+                    if rec["type"] == "dagfold.command.TaskSucceeded":
+                        done_at[rec["task_id"]] = rec["ts_ms"]
+                    elif rec["type"] == "dagfold.dispatch.TaskDispatch":
+                        dispatched_at[rec["task_id"]] = r.timestamp_ms
     out = []
     for tid, ups in parents.items():
         if ups and tid in dispatched_at and all(u in done_at for u in ups):
@@ -164,10 +157,8 @@ def end_to_end(log_url: str, workers: int) -> dict[str, Any]:
 
 
 def kafka_broker(port: int) -> tuple[str, Any]:
-    env = dict(os.environ, KAFKA_PORT=str(port), KAFKA_DATA=tempfile.mkdtemp(prefix="dagfold-bench-kafka-"))
-    subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start"], check=True, env=env)
-    return f"kafka://127.0.0.1:{port}", lambda: subprocess.run(
-        [str(ROOT / "deploy/kafka/kafka.sh"), "stop"], env=env, check=False)
+    broker = LocalKafka(port, Path(tempfile.mkdtemp(prefix="dagfold-bench-kafka-"))).start()
+    return broker.url, broker.stop
 
 
 def write_docs(results: dict[str, Any]) -> None:

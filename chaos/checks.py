@@ -39,9 +39,9 @@ from dagfold.codec import default_codec
 from dagfold.config import DEADLETTER, EVENTS
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition
+from dagfold.log.reader import read_to_end
 from dagfold.state import PartitionStore, PartitionTransaction
 from services.scheduler import keys
-from services.scheduler.replay import read_partition
 
 LOST_JOB = "lost job"
 TASK_NEVER_FINISHED = "task never finished"
@@ -199,7 +199,7 @@ def scan_events(log: Log, partitions: int, findings: Findings) -> EventModel:
     codec = default_codec()
     model = EventModel(findings)
     for p in range(partitions):
-        for recs in read_partition(log, TopicPartition(EVENTS, p)):
+        for recs in read_to_end(log, TopicPartition(EVENTS, p)):
             for r in recs:
                 try:
                     e = codec.decode(r.value)
@@ -214,7 +214,7 @@ def scan_events(log: Log, partitions: int, findings: Findings) -> EventModel:
 def scan_dead_letters(log: Log, findings: Findings) -> int:
     codec = default_codec()
     n = 0
-    for recs in read_partition(log, TopicPartition(DEADLETTER, 0)):
+    for recs in read_to_end(log, TopicPartition(DEADLETTER, 0)):
         for r in recs:
             n += 1
             try:

@@ -12,26 +12,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from confluent_kafka.admin import AdminClient
 
+from dagfold.localkafka import LocalKafka
+from dagfold.localkafka import free_base_port as free_base_port_among
+
 ROOT = Path(__file__).resolve().parent.parent
-KAFKA_SH = ROOT / "deploy" / "kafka" / "kafka.sh"
 BROKERS = 3
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_base_port(start: int = 30192, stop: int = 31700, step: int = 100) -> int:
@@ -40,10 +31,7 @@ def free_base_port(start: int = 30192, stop: int = 31700, step: int = 100) -> in
     Below the ephemeral range (32768 up on Linux): a killed broker must get its ports back
     when it restarts, which an outgoing connection holding one would prevent.
     """
-    for p in range(start, stop, step):
-        if all(_port_free(p + i) and _port_free(p + 1000 + i) for i in range(BROKERS)):
-            return p
-    raise RuntimeError(f"no free port range for a 3-broker cluster in {start}..{stop}")
+    return free_base_port_among(range(start, stop, step), BROKERS)
 
 
 class BrokerCluster:
@@ -55,12 +43,9 @@ class BrokerCluster:
         self._admin: AdminClient | None = None
 
     def _sh(self, cmd: str, timeout: float = 240) -> str:
-        env = {**os.environ, "KAFKA_PORT": str(self.port), "KAFKA_BROKERS": str(BROKERS),
-               "KAFKA_DATA": str(self.data), "KAFKA_HEAP_OPTS": self.heap, "KAFKA_START_TIMEOUT": "180"}
-        p = subprocess.run([str(KAFKA_SH), cmd], env=env, capture_output=True, text=True, timeout=timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"kafka.sh {cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-        return p.stdout
+        local = LocalKafka(self.port, self.data, BROKERS,
+                           {"KAFKA_HEAP_OPTS": self.heap, "KAFKA_START_TIMEOUT": "180"})
+        return local.sh(cmd, timeout=timeout)
 
     def start(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)

@@ -16,20 +16,19 @@ from dagfold.codec import default_codec
 from dagfold.config import COMMANDS, EVENTS
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition, partition_for
+from dagfold.log.reader import read_to_end
 
 COLUMNS = ("topic", "partition", "offset", "timestamp_ms", "type", "task_id", "attempt", "worker_id",
            "cause_offset", "reason")
 
 
 def job_timeline(log: Log, job_id: str, partitions: int) -> list[dict[str, Any]]:
-    from services.scheduler.replay import read_partition
-
     codec = default_codec()
     p = partition_for(job_id.encode(), partitions)
     key = job_id.encode()
     rows: list[dict[str, Any]] = []
     for topic in (COMMANDS, EVENTS):
-        for recs in read_partition(log, TopicPartition(topic, p)):
+        for recs in read_to_end(log, TopicPartition(topic, p)):
             for r in recs:
                 if r.key != key:
                     continue

@@ -18,6 +18,13 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def job_id_of(command: Record) -> str:
+    """The job a command belongs to, which is also its record key (KeyError: not a job command)."""
+    if command["type"] == "dagfold.command.SubmitJob":
+        return str(command["spec"]["job_id"])
+    return str(command["job_id"])
+
+
 def submit_job(spec: dict[str, Any], source: str = "api") -> Record:
     return {"type": "dagfold.command.SubmitJob", "spec": spec, "submitted_at_ms": now_ms(), "source": source}
 
@@ -39,7 +46,7 @@ class CommandSender:
         self._lock = threading.Lock()
 
     def send(self, record: Record) -> None:
-        job_id = record["spec"]["job_id"] if record["type"] == "dagfold.command.SubmitJob" else record["job_id"]
+        job_id = job_id_of(record)
         value = self._codec.encode(record, validate_record=True)
         with self._lock:
             self._producer.send(COMMANDS, job_id.encode(), value)

@@ -20,6 +20,7 @@ from typing import Any
 from dagfold.commands import CommandSender
 from dagfold.config import Config
 from dagfold.log import Log, open_log
+from projections.jobs import TERMINAL_JOB_STATES
 from projections.projector import Projector
 from services.scheduler.runner import SchedulerRunner
 from services.worker.handlers import HandlerRegistry, default_registry
@@ -27,7 +28,6 @@ from services.worker.worker import Worker
 
 log = logging.getLogger("dagfold.stack")
 
-JOB_TERMINAL = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class Stack:
         job = None
         while time.monotonic() < deadline and not self.failed:
             job = self.read_model.get_job(job_id)
-            if job is not None and job["state"] in JOB_TERMINAL:
+            if job is not None and job["state"] in TERMINAL_JOB_STATES:
                 return job
             time.sleep(poll_s)
         return job

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import socket
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log.base import Log
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 #                                  $TMPDIR/dagfold-kafka-test/<port>, removed at session end
 # --------------------------------------------------------------------------
 
-KAFKA_SH = ROOT / "deploy" / "kafka" / "kafka.sh"
 KAFKA_TEST_BASE = Path(os.environ.get("TMPDIR", "/tmp")) / "dagfold-kafka-test"
 # Rebalances within a second or two instead of the default 45 s session timeout.
 TEST_CONSUMER_CONFIG = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
@@ -63,21 +62,8 @@ def _docker_answers() -> bool:
         return False
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def _kafka_sh(cmd: str, port: int, data: Path) -> None:
-    env = {**os.environ, "KAFKA_PORT": str(port), "KAFKA_DATA": str(data), "KAFKA_BROKERS": "1"}
-    proc = subprocess.run([str(KAFKA_SH), cmd], env=env, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0:
-        raise RuntimeError(f"kafka.sh {cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    LocalKafka(port, data).sh(cmd, timeout=180)
 
 
 def _owner_alive(data: Path) -> bool:
@@ -108,7 +94,7 @@ def _claim_test_broker_dir() -> tuple[int, Path]:
                 shutil.rmtree(data, ignore_errors=True)
         for port in candidates:
             data = KAFKA_TEST_BASE / str(port)
-            if not data.exists() and _port_free(port) and _port_free(port + 1000):
+            if not data.exists() and free_base_port([port]) == port:
                 data.mkdir()
                 (data / "owner.pid").write_text(str(os.getpid()))
                 return port, data

@@ -30,6 +30,7 @@ from typing import Any
 
 from bench.peers import report
 from bench.peers.workloads import WORKLOADS
+from dagfold.localkafka import LocalKafka
 
 ROOT = report.ROOT
 MAIN_PY = sys.executable
@@ -44,10 +45,10 @@ class Broker:
     def __init__(self, port: int) -> None:
         self.port = port
         self.data = Path(tempfile.mkdtemp(prefix="bench-peers-kafka-"))
-        self.env = dict(os.environ, KAFKA_PORT=str(port), KAFKA_DATA=str(self.data))
+        self.local = LocalKafka(port, self.data)
 
     def start(self) -> Broker:
-        subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "start"], check=True, env=self.env)
+        self.local.start()
         return self
 
     @property
@@ -59,7 +60,7 @@ class Broker:
         return f"kafka://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        subprocess.run([str(ROOT / "deploy/kafka/kafka.sh"), "stop"], env=self.env, check=False)
+        self.local.stop()
         shutil.rmtree(self.data, ignore_errors=True)
 
 

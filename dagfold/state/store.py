@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -174,6 +175,17 @@ class PartitionTransaction:
 
     def release(self) -> None:
         self._undo = None
+
+    @contextmanager
+    def atomic(self) -> Iterator[None]:
+        """All writes inside the block stay, or (on an exception) none of them: one command's fold."""
+        self.savepoint()
+        try:
+            yield
+        except BaseException:
+            self.rollback()
+            raise
+        self.release()
 
     def commit(self, applied_events: int | None = None) -> None:
         if not self._open:

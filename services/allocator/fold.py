@@ -50,14 +50,12 @@ class AllocatorFold:
         st = self.state
         st.bind(txn)
         ctx = Ctx(st, now_ms, offset, self.opts)
-        txn.savepoint()
         try:
-            proc(ctx, command)
+            with txn.atomic():
+                proc(ctx, command)
         except BaseException:
-            txn.rollback()
-            st.load(self.store, txn)
+            st.load(self.store, txn)  # the in-memory indexes follow the rolled-back store
             raise
-        txn.release()
         self.last_attempts = ctx.attempts
         return ctx.out
 

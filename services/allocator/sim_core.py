@@ -15,7 +15,7 @@ import heapq
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dagfold.codec import Record
@@ -334,3 +334,17 @@ def pct(xs: list[float], p: float) -> float | None:
         return None
     s = sorted(xs)
     return round(s[min(len(s) - 1, int(math.ceil(p / 100 * len(s))) - 1)], 3)
+
+
+def with_policy(base: AllocatorOptions, policy: str) -> AllocatorOptions:
+    """The compared policies as options of the same core. ours: frag placement, weighted DRF,
+    backfill, preemption; bestfit: the same with best-fit placement; fifo: one FIFO queue for
+    all tiers, no backfill, no preemption, first-fit."""
+    if policy == "ours":
+        return base
+    if policy == "bestfit":
+        return replace(base, placement="bestfit")
+    if policy == "fifo":
+        return replace(base, placement="firstfit", backfill=False, preemption=False, fair_share=False,
+                       strict_tiers=False)
+    raise ValueError(f"unknown policy {policy!r}")

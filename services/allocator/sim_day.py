@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import replace
 from typing import Any
 
 from services.allocator.options import AllocatorOptions
-from services.allocator.sim_core import Job, World, pct
+from services.allocator.sim_core import Job, World, pct, with_policy
 
 H = 3_600_000
 GANGS = ((1, 1, 0.25), (2, 1, 0.15), (4, 1, 0.15), (8, 1, 0.32), (8, 2, 0.10), (8, 4, 0.03))
@@ -35,17 +34,7 @@ TIERS = (("enterprise", 0.15, ("ent-a", "ent-b", "ent-c")),
 
 
 def day_options(policy: str) -> AllocatorOptions:
-    """ours: frag placement, weighted DRF, backfill, preemption. bestfit: the same with best-fit placement.
-    fifo: one FIFO queue for all tiers, no backfill, no preemption, first-fit."""
-    base = AllocatorOptions(pool="day", lease_s=900.0, grace_s=30.0)
-    if policy == "ours":
-        return base
-    if policy == "bestfit":
-        return replace(base, placement="bestfit")
-    if policy == "fifo":
-        return replace(base, placement="firstfit", backfill=False, preemption=False, fair_share=False,
-                       strict_tiers=False)
-    raise ValueError(f"unknown policy {policy!r}")
+    return with_policy(AllocatorOptions(pool="day", lease_s=900.0, grace_s=30.0), policy)
 
 
 def make_jobs(seed: int, n_jobs: int, gpus: int, flood: bool) -> list[Job]:

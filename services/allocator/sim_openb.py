@@ -14,27 +14,18 @@ send no heartbeats.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from services.allocator.options import AllocatorOptions
-from services.allocator.sim_core import Job, World, pct
+from services.allocator.sim_core import Job, World, pct, with_policy
 from services.allocator.traces import load_nodes, load_pods
 
 QOS_TIER = {"Guaranteed": "enterprise", "LS": "standard", "Burstable": "standard", "BE": "free"}
 
 
 def openb_options(policy: str) -> AllocatorOptions:
-    base = AllocatorOptions(pool="openb", lease_s=10.0 ** 9, preempt_after_s={})
-    if policy == "ours":
-        return base
-    if policy == "bestfit":
-        return replace(base, placement="bestfit")
-    if policy == "fifo":
-        return replace(base, placement="firstfit", backfill=False, preemption=False, fair_share=False,
-                       strict_tiers=False)
-    raise ValueError(f"unknown policy {policy!r}")
+    return with_policy(AllocatorOptions(pool="openb", lease_s=10.0 ** 9, preempt_after_s={}), policy)
 
 
 def run_openb(data: Path, policy: str = "ours", trace: str = "default", limit: int | None = None,

@@ -118,68 +118,72 @@ def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
         txn.put(keys.idempotency(spec["tenant"], spec["idempotency_key"]), job_id)
 
 
-def _task_dispatched(txn: PartitionTransaction, e: Record) -> None:
-    job_id, task_id = e["job_id"], e["task_id"]
-    t = get_task(txn, job_id, task_id)
-    if t is None:
-        return
+TaskApplier = Callable[[PartitionTransaction, Record, dict[str, Any]], None]
+
+
+def _on_task(change: TaskApplier) -> Applier:
+    """An applier that changes one task record: load it (events of unknown tasks change nothing),
+    let ``change`` update it and its timers, save it."""
+
+    def apply(txn: PartitionTransaction, e: Record) -> None:
+        t = get_task(txn, e["job_id"], e["task_id"])
+        if t is not None:
+            change(txn, e, t)
+            txn.put(keys.task(e["job_id"], e["task_id"]), t)
+
+    return apply
+
+
+def _timeout_due(e: Record, t: dict[str, Any], name: str) -> int | None:
+    """When the task's ``name`` timeout, counted from this event, runs out; None if it has none."""
+    seconds = (t["timeouts"] or {}).get(name)
+    return e["ts_ms"] + int(seconds * 1000) if seconds else None
+
+
+@_on_task
+def _task_dispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
     t["state"] = "runnable"
     t["attempt"] = e["attempt"]
     t["worker"] = None
-    _set_timer(txn, job_id, task_id, t, "backoff", None, e["attempt"])
-    s2s = (t["timeouts"] or {}).get("schedule_to_start_s")
-    _set_timer(txn, job_id, task_id, t, "schedule_to_start",
-               e["ts_ms"] + int(s2s * 1000) if s2s else None, e["attempt"])
-    txn.put(keys.task(job_id, task_id), t)
+    _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", None, e["attempt"])
+    _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start",
+               _timeout_due(e, t, "schedule_to_start_s"), e["attempt"])
 
 
-def _lease_granted(txn: PartitionTransaction, e: Record) -> None:
-    job_id, task_id = e["job_id"], e["task_id"]
-    t = get_task(txn, job_id, task_id)
-    if t is None:
-        return
+@_on_task
+def _lease_granted(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
     t["state"] = "running"
     t["worker"] = e["worker_id"]
     t["lease_ms"] = e["lease_deadline_ms"]
-    _set_timer(txn, job_id, task_id, t, "schedule_to_start", None, e["attempt"])
-    _set_timer(txn, job_id, task_id, t, "lease", e["lease_deadline_ms"], e["attempt"])
-    s2c = (t["timeouts"] or {}).get("start_to_close_s")
-    _set_timer(txn, job_id, task_id, t, "start_to_close",
-               e["ts_ms"] + int(s2c * 1000) if s2c else None, e["attempt"])
-    txn.put(keys.task(job_id, task_id), t)
+    _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start", None, e["attempt"])
+    _set_timer(txn, e["job_id"], e["task_id"], t, "lease", e["lease_deadline_ms"], e["attempt"])
+    _set_timer(txn, e["job_id"], e["task_id"], t, "start_to_close",
+               _timeout_due(e, t, "start_to_close_s"), e["attempt"])
 
 
-def _lease_extended(txn: PartitionTransaction, e: Record) -> None:
-    job_id, task_id = e["job_id"], e["task_id"]
-    t = get_task(txn, job_id, task_id)
-    if t is None:
-        return
+@_on_task
+def _lease_extended(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
     t["lease_ms"] = e["lease_deadline_ms"]
-    _set_timer(txn, job_id, task_id, t, "lease", e["lease_deadline_ms"], e["attempt"])
-    txn.put(keys.task(job_id, task_id), t)
+    _set_timer(txn, e["job_id"], e["task_id"], t, "lease", e["lease_deadline_ms"], e["attempt"])
+
+
+@_on_task
+def _attempt_will_retry(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    _clear_timers(txn, e["job_id"], e["task_id"], t)
+    t["state"] = "retrying"
+    t["worker"] = None
 
 
 def _task_failed(txn: PartitionTransaction, e: Record) -> None:
     if e["final"]:
         _finish_task(txn, e, "failed", "bad")
-        return
-    job_id, task_id = e["job_id"], e["task_id"]
-    t = get_task(txn, job_id, task_id)
-    if t is None:
-        return
-    _clear_timers(txn, job_id, task_id, t)
-    t["state"] = "retrying"
-    t["worker"] = None
-    txn.put(keys.task(job_id, task_id), t)
+    else:
+        _attempt_will_retry(txn, e)
 
 
-def _retry_scheduled(txn: PartitionTransaction, e: Record) -> None:
-    job_id, task_id = e["job_id"], e["task_id"]
-    t = get_task(txn, job_id, task_id)
-    if t is None:
-        return
-    _set_timer(txn, job_id, task_id, t, "backoff", e["retry_at_ms"], e["attempt"])
-    txn.put(keys.task(job_id, task_id), t)
+@_on_task
+def _retry_scheduled(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", e["retry_at_ms"], e["attempt"])
 
 
 def _job_ended(state: str) -> Applier:

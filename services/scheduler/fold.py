@@ -29,13 +29,8 @@ class SchedulerFold:
         if proc is None:
             raise UnknownCommandError(f"{command['type']} is not a scheduler command")
         ctx = Ctx(txn, now_ms, offset, self.opts)
-        txn.savepoint()
-        try:
+        with txn.atomic():
             proc(ctx, command)
-        except BaseException:
-            txn.rollback()
-            raise
-        txn.release()
         return ctx.out
 
     @staticmethod

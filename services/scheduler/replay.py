@@ -8,14 +8,15 @@ a digest per partition and, where a partition differs, per job.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dagfold.codec import Record, default_codec
+from dagfold.codec import default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError
-from dagfold.log import Log, LogRecord, TopicPartition
+from dagfold.log import Log, LogRecord, TopicPartition, partition_for
+from dagfold.log.reader import read_to_end
 from dagfold.state import PartitionStore, PartitionTransaction, Store
 from dagfold.state.store import state_digest
 from services.scheduler import keys
@@ -50,24 +51,6 @@ class ReplayResult:
         return sum(self.applied.values())
 
 
-def read_partition(log: Log, tp: TopicPartition, start: int = 0, batch: int = 5000) -> Iterator[list[LogRecord]]:
-    """Batches of a partition from ``start`` to the end offset seen at the start."""
-    end = log.end_offsets([tp])[tp]
-    if start >= end:
-        return
-    c = log.consumer(None, client_id=f"replay-{tp.topic}-{tp.partition}")
-    c.assign({tp: start})
-    idle = 0
-    try:
-        while c.position(tp) < end and idle < 150:
-            recs = c.poll(batch, 0.2)
-            idle = 0 if recs else idle + 1
-            if recs:
-                yield recs
-    finally:
-        c.close()
-
-
 def replay(log: Log, out_dir: Path, partitions: int, filt: ReplayFilter = ReplayFilter(),
            progress: Progress | None = None, with_read_model: bool = True) -> ReplayResult:
     """Apply the events topic into fresh stores under ``out_dir`` (scheduler/pNNNN, projections)."""
@@ -80,11 +63,11 @@ def replay(log: Log, out_dir: Path, partitions: int, filt: ReplayFilter = Replay
         projector = Projector(log, out_dir / "projections")
     try:
         for p in range(partitions):
-            if filt.job_id is not None and p != _partition_of(filt.job_id, partitions):
+            if filt.job_id is not None and p != partition_for(filt.job_id.encode(), partitions):
                 continue
             store = PartitionStore(out_dir / "scheduler" / f"p{p:04d}")
             n = 0
-            for recs in read_partition(log, TopicPartition(EVENTS, p)):
+            for recs in read_to_end(log, TopicPartition(EVENTS, p)):
                 chosen = [r for r in recs if filt.accepts(r)]
                 txn = PartitionTransaction(store)
                 for r in chosen:
@@ -104,12 +87,6 @@ def replay(log: Log, out_dir: Path, partitions: int, filt: ReplayFilter = Replay
         if projector is not None:
             projector.close()
     return result
-
-
-def _partition_of(job_id: str, partitions: int) -> int:
-    from dagfold.log import partition_for
-
-    return partition_for(job_id.encode(), partitions)
 
 
 def job_digest(store: Store, job_id: str) -> str:
@@ -144,7 +121,7 @@ def verify(live_dir: Path, replay_dir: Path, partitions: int, job_id: str | None
     """Compare live scheduler state with a replay: digests per partition, then per job."""
     diffs: list[Difference] = []
     for p in range(partitions):
-        if job_id is not None and p != _partition_of(job_id, partitions):
+        if job_id is not None and p != partition_for(job_id.encode(), partitions):
             continue
         live_path = live_dir / "scheduler" / f"p{p:04d}"
         rep_path = replay_dir / "scheduler" / f"p{p:04d}"
@@ -171,10 +148,3 @@ def verify(live_dir: Path, replay_dir: Path, partitions: int, job_id: str | None
             live.close()
             rep.close()
     return diffs
-
-
-def decode_or_none(value: bytes | None) -> Record | None:
-    try:
-        return default_codec().decode(value)
-    except CodecError:
-        return None

@@ -27,10 +27,12 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from dagfold import metrics
-from dagfold.codec import Record, default_codec
+from dagfold.codec import default_codec
+from dagfold.commands import job_id_of
 from dagfold.config import COMMANDS, DEADLETTER, DISPATCH_PREFIX, EVENTS, SCHEDULER_GROUP, Config
 from dagfold.exceptions import CodecError, FencedError, LogError
 from dagfold.log import Log, LogRecord, TopicPartition, partition_for
+from dagfold.log.reader import read_to_end
 from dagfold.state import PartitionStore, PartitionTransaction
 from dagfold.state.store import applied_events_offset
 from services.scheduler.fold import SchedulerFold
@@ -51,10 +53,6 @@ def dead_letter(rec: LogRecord, reason: str, service: str = "scheduler") -> Outp
         "type": "dagfold.deadletter.DeadLetter", "source_topic": rec.topic, "partition": rec.partition,
         "offset": rec.offset, "key": rec.key, "value": rec.value, "reason": reason, "service": service,
         "ts_ms": now_ms()})
-
-
-def command_job_id(cmd: Record) -> str:
-    return str(cmd["spec"]["job_id"] if cmd["type"] == "dagfold.command.SubmitJob" else cmd["job_id"])
 
 
 class SchedulerRunner:
@@ -123,7 +121,7 @@ class SchedulerRunner:
         except CodecError as exc:
             return [dead_letter(rec, str(exc))]
         try:
-            job_id = command_job_id(cmd)
+            job_id = job_id_of(cmd)
         except KeyError:
             return [dead_letter(rec, f"{cmd['type']} is not a scheduler command")]
         if rec.key != job_id.encode():
@@ -233,42 +231,18 @@ class SchedulerRunner:
 
 
 
-def catch_up(log_: Log, store: PartitionStore, fold: SchedulerFold, partition: int,
-             max_idle_s: float = 30.0) -> int:
-    """Apply the events of ``partition`` after the store's applied offset; returns how many.
-
-    Reads until the consumer's position reaches the end offset taken at the start
-    (positions step over Kafka's transaction markers). ``max_idle_s`` bounds the
-    wait if a zombie's open transaction holds the last stable offset back.
-    """
-    tp = TopicPartition(EVENTS, partition)
-    start = applied_events_offset(store) + 1
-    end = log_.end_offsets([tp])[tp]
-    if start >= end:
-        return 0
+def catch_up(log_: Log, store: PartitionStore, fold: SchedulerFold, partition: int) -> int:
+    """Apply the events of ``partition`` after the store's applied offset; returns how many."""
     codec = default_codec()
-    consumer = log_.consumer(None, client_id=f"catchup-{partition}")
-    consumer.assign({tp: start})
     applied = 0
-    idle_since = time.monotonic()
-    try:
-        while consumer.position(tp) < end:
-            recs = consumer.poll(5000, 0.2)
-            if not recs:
-                if time.monotonic() - idle_since > max_idle_s:
-                    log.warning("catch-up of partition %d stopped at %d of %d", partition,
-                                consumer.position(tp), end)
-                    break
-                continue
-            idle_since = time.monotonic()
-            txn = PartitionTransaction(store)
-            for r in recs:
-                try:
-                    fold.apply(txn, codec.decode(r.value))
-                except CodecError:
-                    log.error("undecodable event at %s/%d@%d skipped", r.topic, r.partition, r.offset)
-            txn.commit(applied_events=recs[-1].offset)
-            applied += len(recs)
-    finally:
-        consumer.close()
+    tp = TopicPartition(EVENTS, partition)
+    for recs in read_to_end(log_, tp, applied_events_offset(store) + 1):
+        txn = PartitionTransaction(store)
+        for r in recs:
+            try:
+                fold.apply(txn, codec.decode(r.value))
+            except CodecError:
+                log.error("undecodable event at %s/%d@%d skipped", r.topic, r.partition, r.offset)
+        txn.commit(applied_events=recs[-1].offset)
+        applied += len(recs)
     return applied

@@ -1,0 +1,74 @@
+"""The project's pinned local Kafka (``deploy/kafka/kafka.sh``), driven from Python.
+
+The tests, the chaos harness and the benchmarks all start brokers on loopback;
+this is the one place that knows how: free ports (a broker needs its client
+port and its controller port, +1000) and the script's environment variables.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KAFKA_SH = Path(__file__).resolve().parent.parent / "deploy" / "kafka" / "kafka.sh"
+
+
+def port_free(port: int) -> bool:
+    """Nothing listens on 127.0.0.1:port (SO_REUSEADDR, so TIME_WAIT sockets don't count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port(candidates: Iterable[int], brokers: int = 1) -> int:
+    """The first candidate p whose client ports p.. and controller ports p+1000.. are all free."""
+    for p in candidates:
+        if all(port_free(p + i) and port_free(p + 1000 + i) for i in range(brokers)):
+            return p
+    raise RuntimeError("no free port range for a local Kafka broker")
+
+
+@dataclass
+class LocalKafka:
+    """One local KRaft cluster (1 or 3 brokers) with its own ports and data folder."""
+
+    port: int
+    data: Path
+    brokers: int = 1
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(f"127.0.0.1:{self.port + i}" for i in range(self.brokers))
+
+    @property
+    def url(self) -> str:
+        return f"kafka://{self.bootstrap}"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "KAFKA_PORT": str(self.port), "KAFKA_BROKERS": str(self.brokers),
+                "KAFKA_DATA": str(self.data), **self.extra_env}
+
+    def sh(self, cmd: str, timeout: float = 300) -> str:
+        """Run ``kafka.sh CMD``; a failure raises with the script's output."""
+        p = subprocess.run([str(KAFKA_SH), cmd], env=self.env(), capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"kafka.sh {cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+        return p.stdout
+
+    def start(self) -> LocalKafka:
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.sh("start")
+        return self
+
+    def stop(self) -> None:
+        """Stop the brokers; never raises (used in cleanups)."""
+        subprocess.run([str(KAFKA_SH), "stop"], env=self.env(), capture_output=True, check=False)

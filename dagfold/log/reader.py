@@ -1,0 +1,41 @@
+"""Read one partition from an offset to its end: catch-up, replay, audit and checks all do this.
+
+"The end" is the end offset seen at the start; the loop stops when the
+consumer's position reaches it, which steps over Kafka's transaction markers
+(the last offset of a partition written transactionally is a marker, never a
+record). ``max_idle_s`` bounds the wait when the last stable offset lags the end
+offset (a zombie's open transaction holds it back until the transaction times out).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from dagfold.log.base import Log, LogRecord, TopicPartition
+
+log = logging.getLogger("dagfold.log")
+
+
+def read_to_end(log_: Log, tp: TopicPartition, start: int = 0, batch: int = 5000,
+                max_idle_s: float = 30.0) -> Iterator[list[LogRecord]]:
+    """Batches of committed records of ``tp`` from ``start`` up to the end offset seen now."""
+    end = log_.end_offsets([tp])[tp]
+    if start >= end:
+        return
+    consumer = log_.consumer(None, client_id=f"reader-{tp.topic}-{tp.partition}")
+    consumer.assign({tp: start})
+    idle_since = time.monotonic()
+    try:
+        while consumer.position(tp) < end:
+            recs = consumer.poll(batch, 0.2)
+            if recs:
+                idle_since = time.monotonic()
+                yield recs
+            elif time.monotonic() - idle_since > max_idle_s:
+                log.warning("reading %s stopped at %d of %d: nothing more became readable",
+                            tp, consumer.position(tp), end)
+                return
+    finally:
+        consumer.close()
