@@ -110,6 +110,11 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
        with_scheduler: bool = typer.Option(True, "--scheduler/--no-scheduler",
                                            help="run a scheduler instance in this process"),
        instance: str = typer.Option("0", "--instance", help="scheduler instance id (unique per process)"),
+       with_callbacks: bool = typer.Option(True, "--callbacks/--no-callbacks",
+                                           help="run the job-end callback notifier (one per deployment)"),
+       gpu_nodes: int = typer.Option(0, "--gpu-nodes", min=0,
+                                     help="run the GPU pool's allocator and N simulated GPU hosts here"),
+       gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, max=64),
        auth_file: Path | None = typer.Option(None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
                                              help="API keys per tenant (YAML/JSON); without it the API is open"),
        verbose: bool = typer.Option(False, "-v")) -> None:
@@ -122,7 +127,8 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
     if not with_scheduler and cfg.log_url == "embedded":
         raise fail("--no-scheduler needs a shared log (kafka://...): the embedded log is one process's")
     stack = Stack(cfg, StackOptions(workers=workers, queues=tuple(queue), scheduler=with_scheduler,
-                                    scheduler_instance=instance))
+                                    scheduler_instance=instance, callbacks=with_callbacks,
+                                    gpu_nodes=gpu_nodes, gpus_per_node=gpus_per_node))
     try:
         stack.start()
     except Exception as exc:
@@ -290,6 +296,47 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
     lg.close()
     if not asked_to_stop:  # every worker thread died on its own: a supervisor must see a failure
         raise fail("every worker thread stopped (see the errors above)", 1)
+
+
+@app.command()
+def callbacks(log: LogOpt = "embedded", data: DataOpt = None,
+              metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
+                                                      help="serve Prometheus /metrics on this port"),
+              metrics_addr: str = typer.Option("127.0.0.1", "--metrics-addr", help="address for --metrics-port"),
+              verbose: bool = typer.Option(False, "-v")) -> None:
+    """Run the job-end callback notifier (use with --log kafka://...; one per deployment, its ledger in --data).
+
+    Settings: DAGFOLD_CALLBACK_SECRET (HMAC key; else one generated into --data), DAGFOLD_CALLBACK_TIMEOUT_S,
+    _MAX_ATTEMPTS, _BASE_BACKOFF_S, _MAX_BACKOFF_S, _CONCURRENCY.
+    """
+    from dagfold.log import open_log
+    from services.callbacks import CallbackNotifier
+
+    _logging(verbose)
+    if metrics_port is not None:
+        from dagfold import metrics
+
+        try:
+            metrics.serve(metrics_port, metrics_addr)
+        except OSError as exc:
+            raise fail(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {exc}", 1) from None
+    cfg = _config(log, data)
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    lg = open_log(cfg.log_url, cfg.data_dir)
+    try:
+        notifier = CallbackNotifier(lg, cfg.data_dir)
+    except Exception as exc:  # a bad setting, or the ledger is in use by another process
+        lg.close()
+        raise fail(f"cannot start the callback notifier: {exc}", 1) from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        notifier.run(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        notifier.close()
+        lg.close()
 
 
 # -- client commands ---------------------------------------------------------------
@@ -669,6 +716,7 @@ def main() -> None:
 
 
 from dagfold import cli_admin as _cli_admin  # noqa: E402,F401  (registers scheduler, replay, audit)
+from dagfold import cli_gpu as _cli_gpu  # noqa: E402,F401  (registers allocator, agent)
 from services.allocator.cli import sim_app  # noqa: E402  (the allocator core in virtual time)
 
 app.add_typer(sim_app, name="sim", help="Simulate the GPU allocator in virtual time (fgd, openb, day).")

@@ -18,6 +18,8 @@ EVENTS = "events"
 CONTROL = "control"
 DEADLETTER = "deadletter"
 DISPATCH_PREFIX = "dispatch."
+ALLOCATOR_COMMANDS = "allocator.commands"  # keyed by GPU pool: one partition, one allocator per pool
+ALLOCATOR_EVENTS = "allocator.events"
 
 SCHEDULER_GROUP = "dagfold-scheduler"
 PROJECTOR_GROUP = "dagfold-projector"
@@ -59,6 +61,7 @@ class Config:
     data_dir: Path = Path(".dagfold")
     partitions: int = 8  # commands and events (same count: partition p of both belong together)
     dispatch_partitions: int = 8
+    allocator_partitions: int = 4  # GPU pools hash onto these; one allocator writes each pool
     replication: int = 1
     events_retention_ms: int = -1  # the events topic is the audit log: keep everything
     commands_retention_ms: int = 7 * 24 * 3600 * 1000
@@ -92,6 +95,8 @@ class Config:
             TopicSpec(EVENTS, self.partitions, self.events_retention_ms, r, isr),
             TopicSpec(CONTROL, self.partitions, self.commands_retention_ms, r, isr),
             TopicSpec(DEADLETTER, 1, self.events_retention_ms, r, isr),
+            TopicSpec(ALLOCATOR_COMMANDS, self.allocator_partitions, self.commands_retention_ms, r, isr),
+            TopicSpec(ALLOCATOR_EVENTS, self.allocator_partitions, self.events_retention_ms, r, isr),
         ]
 
     def dispatch_spec(self, queue: str) -> TopicSpec:

@@ -133,6 +133,21 @@ SSE_STREAMS = Gauge(
     "Open server-sent-event streams (job progress).",
 )
 
+# -- job-end callbacks (services/callbacks) ---------------------------------------
+CALLBACKS_DELIVERED = Counter(
+    "dagfold_callbacks_delivered_total",
+    "Job-end callbacks answered with a 2xx (each delivery counts once, whatever its attempts).",
+)
+CALLBACKS_RETRIED = Counter(
+    "dagfold_callbacks_retried_total",
+    "Callback attempts that failed retryably (connection error, timeout, 408, 429, 5xx) and were rescheduled.",
+)
+CALLBACKS_FAILED = Counter(
+    "dagfold_callbacks_failed_total",
+    "Callbacks given up, by reason: rejected (a final 4xx), invalid_url, max_attempts.",
+    ["reason"],
+)
+
 # -- GPU allocator (observed by services/allocator) ------------------------------
 ALLOCATOR_DECISION_LATENCY = Histogram(
     "dagfold_allocator_decision_latency_seconds",

@@ -366,6 +366,28 @@ def _task_dispatched(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ev["ts_ms"])
 
 
+def _task_allocated(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.task is None:
+        return
+    ctx.task.update(allocation={"pool": ev["pool"], "alloc_id": ev["alloc_id"], "epoch": ev["epoch"],
+                                "node_ids": list(ev["node_ids"]), "granted_ms": ev["ts_ms"]},
+                    checkpoint_uri=ev.get("resume_checkpoint") or ctx.task.get("checkpoint_uri"))
+    ctx.txn.put(ctx.tkey, ctx.task)
+
+
+def _task_requeued(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    """A GPU attempt lost its allocation (preempted, node lost): it waits for GPUs again."""
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    task = ctx.task
+    _set_task_state(ctx.job, task, "runnable")
+    task.update(worker_id=None, lease_deadline_ms=None, allocation=None, requeues=task.get("requeues", 0) + 1,
+                checkpoint_uri=ev.get("checkpoint_uri") or task.get("checkpoint_uri"))
+    ctx.save(ev["ts_ms"])
+
+
 def _lease_granted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
@@ -534,6 +556,8 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobRejected": _job_rejected,
     "dagfold.event.SubmissionDeduplicated": _history_only,
     "dagfold.event.TaskDispatched": _task_dispatched,
+    "dagfold.event.TaskAllocated": _task_allocated,
+    "dagfold.event.TaskRequeued": _task_requeued,
     "dagfold.event.LeaseGranted": _lease_granted,
     "dagfold.event.LeaseExtended": _lease_extended,
     "dagfold.event.LeaseRejected": _history_only,
@@ -562,6 +586,12 @@ def _detail(kind: str, ev: Record) -> str:
         return f"repeated submission with idempotency key {g('idempotency_key')!r}"
     if kind == "TaskDispatched":
         return f"queue {g('queue')}"
+    if kind == "TaskAllocated":
+        resume = g("resume_checkpoint")
+        return f"{g('alloc_id')} on {', '.join(g('node_ids') or [])}" + (f", resumes from {resume}" if resume else "")
+    if kind == "TaskRequeued":
+        ck = g("checkpoint_uri")
+        return f"{g('alloc_id')} ended: {g('reason')}; waits for GPUs again" + (f" (checkpoint {ck})" if ck else "")
     if kind == "LeaseGranted":
         return f"worker {g('worker_id')}, lease until {g('lease_deadline_ms')}"
     if kind == "LeaseExtended":

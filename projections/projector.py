@@ -27,10 +27,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dagfold import config as dagfold_config
 from dagfold import metrics
 from dagfold.codec import Codec, default_codec
-from dagfold.config import EVENTS
+from dagfold.config import ALLOCATOR_EVENTS, EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
 from projections import cluster
@@ -39,7 +38,6 @@ from projections.store import Store
 
 log = logging.getLogger(__name__)
 
-ALLOCATOR_EVENTS: str = getattr(dagfold_config, "ALLOCATOR_EVENTS", "allocator.events")
 LAG_CHECK_S = 5.0
 
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from dagfold.config import Config
 from dagfold.log import Log, open_log
 from projections.jobs import TERMINAL_JOB_STATES
 from projections.projector import Projector
+from services.callbacks import CallbackNotifier
 from services.scheduler.runner import SchedulerRunner
 from services.worker.handlers import HandlerRegistry, default_registry
 from services.worker.worker import Worker
@@ -38,6 +40,12 @@ class StackOptions:
     scheduler: bool = True  # False: API/projector/workers only, schedulers run as `dagfold scheduler`
     scheduler_instance: str = "0"
     registry: HandlerRegistry = field(default_factory=default_registry)
+    callbacks: bool = True  # the job-end callback notifier (one per deployment: its ledger is local)
+    # GPU pool in this process: its allocator and gpu_nodes simulated node agents running the demo job
+    # (on Kafka, real hosts run `dagfold agent` and the pool's `dagfold allocator` runs once, elsewhere)
+    gpu_nodes: int = 0
+    gpus_per_node: int = 8
+    gpu_pool: str = "default"
 
 
 class Stack:
@@ -76,6 +84,10 @@ class Stack:
         self.projector = Projector(self.log, cfg.data_dir / "projections")
         self.read_model = self.projector.read_model
         self._spawn("projector", lambda: self.projector.run(self.stop_event))
+        self.notifier: CallbackNotifier | None = None
+        if self.options.callbacks:
+            notifier = self.notifier = CallbackNotifier(self.log, cfg.data_dir)  # DAGFOLD_CALLBACK_* settings
+            self._spawn("callbacks", lambda: notifier.run(self.stop_event))
         host = f"{socket.gethostname()}-{os.getpid()}"  # unique per process: a restart is a new worker
         self.workers: list[Worker] = []
         for q in self.options.queues:
@@ -83,10 +95,30 @@ class Stack:
                 w = Worker(self.log, q, f"{host}-{q}-{i}", self.options.registry, config=cfg)
                 self.workers.append(w)
                 self._spawn(f"worker-{q}-{i}", lambda w=w: w.run(self.stop_event))  # type: ignore[misc]
+        if self.options.gpu_nodes:
+            self._start_gpu_pool()
         self.sender = CommandSender(self.log, "dagfold-stack")
         if self.options.api:
             self._start_api()
         return self
+
+    def _start_gpu_pool(self) -> None:
+        """The pool's allocator and its simulated hosts (demo job processes on simulated GPUs)."""
+        from services.agent.agent import simulated
+        from services.allocator.options import AllocatorOptions
+        from services.allocator.runner import AllocatorRunner
+
+        assert self.log is not None
+        o = self.options
+        allocator = AllocatorRunner(self.log, AllocatorOptions(pool=o.gpu_pool), self.config.data_dir)
+        self._spawn("allocator", lambda: allocator.run(self.stop_event))
+        command = [sys.executable, "-m", "services.agent.demo_job"]
+        self.agents = []
+        for i in range(o.gpu_nodes):
+            agent, _ = simulated(self.log, o.gpu_pool, f"{o.gpu_pool}-node-{i}", command,
+                                 self.config.data_dir / "artifacts", gpus=o.gpus_per_node)
+            self.agents.append(agent)
+            self._spawn(f"agent-{i}", lambda a=agent: a.run(self.stop_event.is_set))  # type: ignore[misc]
 
     def _start_api(self) -> None:
         import uvicorn
@@ -94,7 +126,8 @@ class Stack:
         from services.api.app import create_app
 
         assert self.log is not None
-        app = create_app(self.log, self.read_model, self.config)
+        app = create_app(self.log, self.read_model, self.config,
+                         callbacks=self.notifier.ledger if self.notifier is not None else None)
         server = uvicorn.Server(uvicorn.Config(app, host=self.config.api_host, port=self.config.api_port,
                                                log_level="warning", lifespan="on"))
         server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
@@ -127,8 +160,12 @@ class Stack:
             t.join(timeout=10)
         for w in getattr(self, "workers", []):
             w.close()
+        for a in getattr(self, "agents", []):
+            a.close()
         if hasattr(self, "projector"):
             self.projector.close()
+        if (notifier := getattr(self, "notifier", None)) is not None:
+            notifier.close()
         with contextlib.suppress(Exception):
             self.sender.close()
         if self.log is not None:

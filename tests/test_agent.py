@@ -1,86 +1,18 @@
-"""Node agents on the embedded log: simulated GPUs, real job processes, faults, checkpoints, fencing."""
+"""GPU tasks end to end on the embedded log: the scheduler asks the allocator, grants dispatch to node
+agents (simulated GPUs, real job processes), faults move jobs from their checkpoints, stale processes
+are fenced."""
 
 from __future__ import annotations
 
-import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from dagfold.codec import Record, default_codec
-from dagfold.config import COMMANDS, CONTROL
-from dagfold.log.base import TopicPartition, TopicSpec
-from dagfold.log.embedded import EmbeddedLog
-from services.agent.agent import NodeAgent, simulated
+from dagfold.commands import cancel_job
 from services.agent.devices import SimulatedDevices, detect
-from services.allocator import commands as cmds
-from services.allocator.ctx import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS
 from services.allocator.options import AllocatorOptions
-from services.allocator.runner import AllocatorRunner
-
-A = "dagfold.allocator."
-POOL = "gpu"
-
-
-@pytest.fixture
-def elog(tmp_path: Path) -> Iterator[EmbeddedLog]:
-    lg = EmbeddedLog(tmp_path / "log")
-    lg.create_topics([TopicSpec(ALLOCATOR_COMMANDS, 1), TopicSpec(ALLOCATOR_EVENTS, 1), TopicSpec(CONTROL, 2),
-                      TopicSpec(COMMANDS, 2)])
-    yield lg
-    lg.close()
-
-
-def read_all(lg: EmbeddedLog, topic: str) -> list[Record]:
-    codec = default_codec()
-    out = []
-    for p in range(lg.partitions(topic)):
-        out += [codec.decode(r.value) for r in lg.read(TopicPartition(topic, p), 0, 100_000)]
-    return out
-
-
-class Cluster:
-    def __init__(self, lg: EmbeddedLog, tmp: Path, nodes: int, steps: int = 20, step_s: float = 0.05) -> None:
-        self.lg = lg
-        opts = AllocatorOptions(pool=POOL, lease_s=1.5, grace_s=5.0, undrain_ok_heartbeats=1000)
-        self.runner = AllocatorRunner(lg, opts)
-        cmd = [sys.executable, "-m", "services.agent.demo_job", str(steps), str(step_s)]
-        self.agents: list[NodeAgent] = []
-        self.devs: list[SimulatedDevices] = []
-        for i in range(nodes):
-            a, d = simulated(lg, POOL, f"n{i}", cmd, tmp / "artifacts", gpus=2, hb_interval_s=0.2)
-            a.register()
-            self.agents.append(a)
-            self.devs.append(d)
-        self.producer = lg.producer("test")
-
-    def send(self, rec: Record) -> None:
-        self.producer.send(ALLOCATOR_COMMANDS, POOL.encode(), default_codec().encode(rec, validate_record=True))
-        self.producer.flush()
-
-    def until(self, cond: Callable[[list[Record]], bool], timeout_s: float = 20.0) -> list[Record]:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            self.runner.step(0.01)
-            for a in self.agents:
-                a.step()
-            ev = read_all(self.lg, ALLOCATOR_EVENTS)
-            if cond(ev):
-                return ev
-            time.sleep(0.02)
-        raise AssertionError(f"timed out; events: {[e['type'][len(A):] for e in read_all(self.lg, ALLOCATOR_EVENTS)]}")
-
-    def close(self) -> None:
-        for a in self.agents:
-            a.close()
-        self.runner.close()
-        self.producer.close()
-
-
-def of(ev: list[Record], name: str, **match: object) -> list[Record]:
-    return [e for e in ev if e["type"] == A + name and all(e.get(k) == v for k, v in match.items())]
+from tests.gpu_support import POOL, GpuCluster, gpu_job, of
 
 
 def test_devices_fall_back_to_the_simulated_model() -> None:
@@ -95,64 +27,129 @@ def test_devices_fall_back_to_the_simulated_model() -> None:
         sim.inject("meteor")
 
 
-def test_grant_launches_with_cuda_visible_devices_and_reports_exit(elog: EmbeddedLog, tmp_path: Path) -> None:
-    c = Cluster(elog, tmp_path, nodes=1, steps=6)
+def test_gpu_task_runs_on_its_granted_gpus_and_reports_once(tmp_path: Path) -> None:
+    c = GpuCluster(tmp_path, nodes=1, steps=6)
     try:
-        c.until(lambda ev: len(of(ev, "NodeRegistered")) == 1)
-        c.send(cmds.request_allocation(POOL, "job1", "t", 1, gpus=2, checkpoint=True, max_runtime_s=60))
-        ev = c.until(lambda ev: bool(of(ev, "AllocationReleased", job_id="job1")))
+        c.submit(gpu_job("job1", gpus=2))
+        ev = c.until(lambda ev: c.job_state(ev, "job1") is not None)
+        assert c.job_state(ev, "job1") == "succeeded"
+        alloc = of(ev, "TaskAllocated", job_id="job1")
+        assert len(alloc) == 1 and alloc[0]["node_ids"] == ["n0"]
         assert of(ev, "AllocationReleased", job_id="job1")[0]["reason"] == "completed"
-        sched = [r for r in read_all(elog, COMMANDS) if r["job_id"] == "job1"]
-        kinds = [r["type"].rsplit(".", 1)[-1] for r in sched]
-        assert kinds[0] == "TaskStarted" and kinds[-1] == "TaskSucceeded" and kinds.count("TaskSucceeded") == 1
-        assert '"cuda": "0,1"' in sched[-1]["stdout_tail"]
-        ckpts = list((tmp_path / "artifacts" / "job1" / "t").glob("step-*.json"))
-        assert ckpts  # checkpoints go to the artifact folder
+        cmds = c.commands("job1")
+        assert [r["status"] for r in of(cmds, "TaskAllocation")] == ["granted"]
+        started, done = of(cmds, "TaskStarted"), of(cmds, "TaskSucceeded")
+        assert len(started) == 1 and len(done) == 1
+        assert started[0]["worker_id"] == done[0]["worker_id"] == alloc[0]["alloc_id"]  # fenced by allocation
+        assert '"cuda": "0,1"' in done[0]["stdout_tail"]
+        assert list((tmp_path / "artifacts" / "job1" / "train").glob("step-*.json"))  # checkpoints stored
+        assert not of(ev, "TaskDispatch")  # never on a CPU queue
     finally:
         c.close()
 
 
-def test_throttled_node_is_drained_and_job_resumes_elsewhere(elog: EmbeddedLog, tmp_path: Path) -> None:
-    c = Cluster(elog, tmp_path, nodes=2, steps=60, step_s=0.05)
+def test_throttled_node_is_drained_and_the_job_resumes_elsewhere_from_its_checkpoint(tmp_path: Path) -> None:
+    c = GpuCluster(tmp_path, nodes=2, steps=60, step_s=0.05)
     try:
-        c.until(lambda ev: len(of(ev, "NodeRegistered")) == 2)
-        c.send(cmds.request_allocation(POOL, "job2", "t", 1, gpus=2, checkpoint=True))
-        ev = c.until(lambda ev: bool(of(ev, "AllocationGranted", job_id="job2")))
-        first = of(ev, "AllocationGranted", job_id="job2")[0]["hosts"][0]["node_id"]
-        time.sleep(0.6)  # let it make progress and checkpoint
+        c.submit(gpu_job("job2", gpus=2))
+        ev = c.until(lambda ev: bool(of(ev, "LeaseGranted", job_id="job2")))
+        first = of(ev, "TaskAllocated", job_id="job2")[0]["node_ids"][0]
+        time.sleep(0.6)  # progress and a checkpoint
+        c.round()
         c.devs[int(first[1:])].inject("throttle")
-        ev = c.until(lambda ev: len(of(ev, "AllocationGranted", job_id="job2")) == 2)
+        ev = c.until(lambda ev: c.job_state(ev, "job2") is not None, timeout_s=40)
+        assert c.job_state(ev, "job2") == "succeeded"
         assert of(ev, "NodeDrained", node_id=first)[0]["reason"].startswith("throttled")
-        rel = of(ev, "AllocationReleased", job_id="job2")[0]
-        assert rel["requeued"]
-        g2 = of(ev, "AllocationGranted", job_id="job2")[1]
-        assert g2["hosts"][0]["node_id"] != first and g2["resume_checkpoint"]
-        ev = c.until(lambda ev: any(e["reason"] == "completed" for e in of(ev, "AllocationReleased", job_id="job2")),
-                     timeout_s=30)
-        sched = [r for r in read_all(elog, COMMANDS) if r["job_id"] == "job2"]
-        done = [r for r in sched if r["type"].endswith("TaskSucceeded")]
-        assert len(done) == 1 and not [r for r in sched if r["type"].endswith("TaskFailed")]
-        assert '"resumed_from": 0' not in done[0]["stdout_tail"]  # resumed from its checkpoint
+        requeued = of(ev, "TaskRequeued", job_id="job2")
+        assert len(requeued) == 1 and requeued[0]["checkpoint_uri"]
+        second = of(ev, "TaskAllocated", job_id="job2")[1]
+        assert second["node_ids"][0] != first and second["resume_checkpoint"] and second["attempt"] == 1
+        assert not of(ev, "TaskFailed", job_id="job2")  # a move is not a failure: no retry spent
+        done = of(c.commands("job2"), "TaskSucceeded")
+        assert len(done) == 1 and '"resumed_from": 0' not in done[0]["stdout_tail"]
     finally:
         c.close()
 
 
-def test_partitioned_node_loses_allocation_and_stale_process_is_fenced(elog: EmbeddedLog, tmp_path: Path) -> None:
-    c = Cluster(elog, tmp_path, nodes=2, steps=200, step_s=0.05)
+def test_crashed_node_loses_its_allocation_and_the_job_finishes_on_another(tmp_path: Path) -> None:
+    c = GpuCluster(tmp_path, nodes=2, steps=40, step_s=0.05)
     try:
-        c.until(lambda ev: len(of(ev, "NodeRegistered")) == 2)
-        c.send(cmds.request_allocation(POOL, "job3", "t", 1, gpus=2, checkpoint=True))
-        ev = c.until(lambda ev: bool(of(ev, "AllocationGranted", job_id="job3")))
-        node = of(ev, "AllocationGranted", job_id="job3")[0]["hosts"][0]["node_id"]
+        c.submit(gpu_job("job4", gpus=2))
+        ev = c.until(lambda ev: bool(of(ev, "LeaseGranted", job_id="job4")))
+        node = of(ev, "TaskAllocated", job_id="job4")[0]["node_ids"][0]
+        time.sleep(0.5)
+        c.round()
+        c.agents[int(node[1:])].crash()
+        ev = c.until(lambda ev: c.job_state(ev, "job4") is not None, timeout_s=40)
+        assert c.job_state(ev, "job4") == "succeeded"
+        assert of(ev, "AllocationExpired", job_id="job4")[0]["reason"] == f"node {node} lease expired"
+        assert of(ev, "TaskRequeued", job_id="job4")
+        assert of(ev, "TaskAllocated", job_id="job4")[-1]["node_ids"][0] != node
+    finally:
+        c.close()
+
+
+def test_partitioned_node_loses_its_allocation_and_its_stale_process_is_fenced(tmp_path: Path) -> None:
+    c = GpuCluster(tmp_path, nodes=2, steps=200, step_s=0.05)
+    try:
+        c.submit(gpu_job("job3", gpus=2))
+        ev = c.until(lambda ev: bool(of(ev, "LeaseGranted", job_id="job3")))
+        node = of(ev, "TaskAllocated", job_id="job3")[0]["node_ids"][0]
         agent = c.agents[int(node[1:])]
         agent.set_partitioned(True)
-        ev = c.until(lambda ev: bool(of(ev, "AllocationExpired", job_id="job3")))
+        ev = c.until(lambda ev: len(of(ev, "TaskAllocated", job_id="job3")) == 2)
         assert of(ev, "NodeDrained", node_id=node, lost=True)
         assert len(agent.procs) == 1  # still running behind the partition
-        ev = c.until(lambda ev: len(of(ev, "AllocationGranted", job_id="job3")) == 2)
         agent.set_partitioned(False)
         c.until(lambda ev: not agent.procs and len(of(ev, "NodeRegistered", node_id=node)) >= 2, timeout_s=20)
         live = [a for a in c.agents if a.procs]
         assert len(live) == 1 and live[0].node_id != node  # only the current grant runs
+    finally:
+        c.close()
+
+
+def test_a_task_no_host_can_hold_fails_with_the_allocators_reason(tmp_path: Path) -> None:
+    c = GpuCluster(tmp_path, nodes=1)
+    try:
+        c.submit(gpu_job("big", gpus=16))
+        ev = c.until(lambda ev: c.job_state(ev, "big") is not None)
+        assert c.job_state(ev, "big") == "failed"
+        failed = of(ev, "TaskFailed", job_id="big")[0]
+        assert failed["final"] and failed["reason"].startswith("allocation rejected:")
+    finally:
+        c.close()
+
+
+def test_cancelling_a_running_gpu_job_releases_its_gpus_and_stops_the_process(tmp_path: Path) -> None:
+    c = GpuCluster(tmp_path, nodes=1, steps=400)
+    try:
+        c.submit(gpu_job("long", gpus=2))
+        c.until(lambda ev: bool(of(ev, "LeaseGranted", job_id="long")))
+        c.sender.send(cancel_job("long", "test"))
+        ev = c.until(lambda ev: bool(of(ev, "AllocationReleased", job_id="long")) and not c.agents[0].procs)
+        assert c.job_state(ev, "long") == "cancelled"
+        assert of(ev, "AllocationReleased", job_id="long")[0]["reason"].startswith("cancelled")
+        assert not of(c.commands("long"), "TaskSucceeded") and not of(c.commands("long"), "TaskFailed")
+    finally:
+        c.close()
+
+
+def test_enterprise_job_preempts_a_standard_one_which_resumes_after(tmp_path: Path) -> None:
+    opts = AllocatorOptions(pool=POOL, lease_s=1.5, grace_s=5.0, undrain_ok_heartbeats=1000)
+    c = GpuCluster(tmp_path, nodes=1, steps=40, step_s=0.05, alloc_opts=opts)
+    try:
+        c.submit(gpu_job("std", gpus=2, tier="standard", tenant="free-rider"))
+        c.until(lambda ev: bool(of(ev, "LeaseGranted", job_id="std")))
+        time.sleep(0.4)
+        c.submit(gpu_job("ent", gpus=2, tier="enterprise", tenant="bank"))
+        ev = c.until(lambda ev: c.job_state(ev, "ent") == "succeeded" and c.job_state(ev, "std") is not None,
+                     timeout_s=40)
+        assert c.job_state(ev, "std") == "succeeded"
+        assert of(ev, "PreemptionRequested", job_id="std")
+        assert of(ev, "TaskRequeued", job_id="std")[0]["checkpoint_uri"]
+        ent_done = of(ev, "TaskSucceeded", job_id="ent")[0]["ts_ms"]
+        std_started_again = of(ev, "TaskAllocated", job_id="std")[1]["ts_ms"]
+        assert std_started_again >= ent_done - 1000  # the standard job waited for the enterprise one
+        assert not of(ev, "TaskFailed")
     finally:
         c.close()

@@ -8,12 +8,11 @@ from typing import Any
 
 import pytest
 
-from dagfold.config import Config
+from dagfold.config import ALLOCATOR_EVENTS, Config
 from dagfold.log.base import LogRecord, TopicSpec
 from dagfold.log.embedded import EmbeddedLog
 from projections import ClusterModel, Projector, Store
 from projections import cluster as cluster_model
-from projections.projector import ALLOCATOR_EVENTS
 
 T0 = 1_700_000_000_000
 A = "dagfold.allocator."

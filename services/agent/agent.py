@@ -1,20 +1,24 @@
 """NodeAgent: the loop of one GPU host against the log contract.
 
-Reads: the pool's partition of ``allocator.events`` (grants, preemption
-requests, releases and expiries of its allocations; its own loss) and its
-partition of ``control`` (StopAllocation keyed by node). Writes, to
+Reads: the pool's partition of ``allocator.events`` (preemption requests,
+releases and expiries of its allocations; its own loss) and its partition of
+``control`` (keyed by node): the scheduler's GpuTaskDispatch, which starts a
+process on the granted GPUs, and the allocator's StopAllocation. Writes, to
 ``allocator.commands`` keyed by pool: RegisterNode, NodeHeartbeat (health and
 the processes it runs, with their latest checkpoints), ReleaseAllocation when
-a process exits. With ``report_to_scheduler`` the first host of a gang also
-reports the attempt to the scheduler's ``commands`` topic (TaskStarted,
-TaskHeartbeat with progress, TaskSucceeded/TaskFailed); a checkpointed stop
-is not a failure: the allocator requeues the task.
+a process exits. The gang's first host (``leader``) also reports the attempt
+to the scheduler's ``commands`` topic with ``worker_id`` = the allocation ID:
+TaskStarted, a TaskHeartbeat every heartbeat interval (the attempt's lease,
+with progress and the latest checkpoint), TaskSucceeded/TaskFailed. A
+checkpointed stop is not a failure: the allocator requeues the request and
+tells the scheduler.
 
-Fencing: every process carries its allocation's epoch. A process whose
-allocation was released, expired or is unknown to the allocator (a heartbeat
-answered by a fence) is stopped; after a partition or an expired lease the
-agent re-registers with a new incarnation, so heartbeats of the old one are
-ignored by the allocator.
+Fencing: every process carries its allocation's epoch, and its reports carry
+its allocation ID, which the scheduler accepts only from the attempt's current
+grant. A process whose allocation was released, expired or is unknown to the
+allocator (a heartbeat answered by a fence) is stopped; after a partition or
+an expired lease the agent re-registers with a new incarnation, so heartbeats
+of the old one are ignored by the allocator.
 """
 
 from __future__ import annotations
@@ -25,13 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 from dagfold.codec import Record, default_codec, make
-from dagfold.config import COMMANDS, CONTROL
+from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition, partition_for
 from services.agent.devices import Devices, SimulatedDevices
 from services.agent.launcher import JobProcess, Launcher
 from services.allocator import commands as cmds
-from services.allocator.ctx import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS
 
 log = logging.getLogger("dagfold.agent")
 A = "dagfold.allocator."
@@ -56,10 +59,12 @@ class NodeAgent:
         self.incarnation = int(clock() * 1000)
         self.procs: dict[str, JobProcess] = {}
         self.leader_of: set[str] = set()  # allocations whose scheduler reports this host makes
+        self.ended: dict[str, None] = {}  # allocations known to be over (insertion-ordered, bounded)
+        self.report_every_s: dict[str, float] = {}  # per led allocation: a quarter of its scheduler lease
+        self._next_report: dict[str, float] = {}
         self.partitioned = False
         self.crashed = False
         self._next_hb = 0.0
-        self._last_progress: dict[str, float] = {}
         self.producer = log_.producer(f"agent-{node_id}")
         self.events = log_.consumer(None, client_id=f"agent-{node_id}-events")
         self.control = log_.consumer(None, client_id=f"agent-{node_id}-control")
@@ -83,7 +88,7 @@ class NodeAgent:
         if not self.report_to_scheduler or jp.alloc_id not in self.leader_of:
             return
         rec = make(f"dagfold.command.Task{kind}", job_id=jp.job_id, task_id=jp.task_id, attempt=jp.attempt,
-                   worker_id=self.node_id, ts_ms=self._now_ms(), **fields)
+                   worker_id=jp.alloc_id, ts_ms=self._now_ms(), **fields)
         self._send(COMMANDS, jp.job_id, rec)
 
     def register(self) -> None:
@@ -102,9 +107,10 @@ class NodeAgent:
             self.pool, self.node_id, incarnation=self.incarnation, ts_ms=self._now_ms(), health=h.health,
             detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
             xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses))
-        for jp in self.procs.values():
-            if jp.progress is not None and self._last_progress.get(jp.alloc_id) != jp.progress:
-                self._last_progress[jp.alloc_id] = jp.progress
+        now = self.clock()
+        for aid, jp in self.procs.items():  # the attempt's lease: renewed 4 times per lease, progress or not
+            if jp.exited() is None and jp.stop_reason is None and now >= self._next_report.get(aid, 0.0):
+                self._next_report[aid] = now + self.report_every_s.get(aid, self.hb_interval_s)
                 self._sched("Heartbeat", jp, progress=jp.progress, message=jp.checkpoint_uri)
 
     # -- faults (tests and demos) ----------------------------------------------------------------
@@ -121,23 +127,29 @@ class NodeAgent:
         self.partitioned = cut
 
     # -- input ------------------------------------------------------------------------------------
-    def _mine(self, e: Record) -> bool:
-        return any(h["node_id"] == self.node_id for h in e.get("hosts") or ()) or \
-            self.node_id in (e.get("node_ids") or ()) or e.get("alloc_id") in self.procs
+    def _ended(self, alloc_id: str) -> None:
+        self.ended[alloc_id] = None
+        if len(self.ended) > 10_000:
+            del self.ended[next(iter(self.ended))]
+
+    def launch(self, d: Record) -> None:
+        """Start this host's part of a dispatched GPU attempt (once per allocation)."""
+        aid = d["alloc_id"]
+        if aid in self.procs or aid in self.ended:
+            return  # a redelivered dispatch, or one for an allocation already over
+        jp = self.launcher.start(aid, d["epoch"], d["job_id"], d["task_id"], d["attempt"],
+                                 list(d["gpu_indices"]), d["resume_checkpoint"], args_json=d["args_json"])
+        self.procs[aid] = jp
+        if d["leader"]:
+            self.leader_of.add(aid)
+            self.report_every_s[aid] = max(self.hb_interval_s, d["lease_timeout_s"] / 4)
+            self._sched("Started", jp)
 
     def on_event(self, e: Record) -> None:
         t = e["type"][len(A):] if e["type"].startswith(A) else ""
-        if t == "AllocationGranted" and self._mine(e):
-            part = next(h for h in e["hosts"] if h["node_id"] == self.node_id)
-            if e["alloc_id"] in self.procs:
-                return
-            jp = self.launcher.start(e["alloc_id"], e["epoch"], e["job_id"], e["task_id"], e["attempt"],
-                                     list(part["gpu_indices"]), e["resume_checkpoint"])
-            self.procs[jp.alloc_id] = jp
-            if e["hosts"][0]["node_id"] == self.node_id:
-                self.leader_of.add(jp.alloc_id)
-                self._sched("Started", jp)
-        elif t == "PreemptionRequested" and e["alloc_id"] in self.procs:
+        if t in ("AllocationReleased", "AllocationExpired"):
+            self._ended(e["alloc_id"])
+        if t == "PreemptionRequested" and e["alloc_id"] in self.procs:
             self._stop(self.procs[e["alloc_id"]], "preempted", e["grace_deadline_ms"])
         elif t in ("AllocationReleased", "AllocationExpired") and e["alloc_id"] in self.procs:
             jp = self.procs[e["alloc_id"]]
@@ -150,6 +162,11 @@ class NodeAgent:
 
     def on_control(self, c: Record) -> None:
         if c.get("node_id") != self.node_id:
+            return  # another node's (the control topic is shared), or a CPU worker's StopTask
+        if c["type"] == "dagfold.control.GpuTaskDispatch":
+            self.launch(c)
+            return
+        if c["type"] != A + "StopAllocation":
             return
         aid = c["alloc_id"]
         if not aid:
@@ -177,7 +194,8 @@ class NodeAgent:
                 continue
             self.launcher.finish(jp)
             del self.procs[aid]
-            self._last_progress.pop(aid, None)
+            self.report_every_s.pop(aid, None)
+            self._next_report.pop(aid, None)
             tail = "\n".join(jp.lines[-20:])
             if jp.stop_reason == "preempted":
                 self._alloc_cmd(cmds.release_allocation(self.pool, aid, jp.epoch, self.node_id, "preempted",

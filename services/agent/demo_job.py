@@ -1,6 +1,7 @@
-"""A checkpointing demo job for node agents: ``python -m services.agent.demo_job STEPS [STEP_S]``.
+"""A checkpointing demo job for node agents: ``python -m services.agent.demo_job [STEPS [STEP_S]]``.
 
-It runs STEPS steps, prints ``{"progress": f}`` after each, writes a
+STEPS and STEP_S default to the task's arguments ``steps`` and ``step_s``
+(``DAGFOLD_ARGS_JSON``), else 20 and 0.05. It runs STEPS steps, prints ``{"progress": f}`` after each, writes a
 checkpoint (the step reached) every few steps and on SIGTERM, and resumes
 from ``DAGFOLD_RESUME_CHECKPOINT`` (or the newest checkpoint in
 ``DAGFOLD_CHECKPOINT_DIR``). Steps take STEP_S / DAGFOLD_SPEED seconds.
@@ -17,8 +18,10 @@ from pathlib import Path
 
 
 def main() -> int:
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
-    step_s = float(sys.argv[2]) if len(sys.argv) > 2 else 0.05
+    args = json.loads(os.environ.get("DAGFOLD_ARGS_JSON") or "{}")
+    params = args.get("params") if isinstance(args.get("params"), dict) else {}
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else int(args.get("steps", params.get("steps", 20)))
+    step_s = float(sys.argv[2]) if len(sys.argv) > 2 else float(args.get("step_s", params.get("step_s", 0.05)))
     speed = float(os.environ.get("DAGFOLD_SPEED", "1"))
     ckdir = Path(os.environ.get("DAGFOLD_CHECKPOINT_DIR", "."))
     resume = os.environ.get("DAGFOLD_RESUME_CHECKPOINT")

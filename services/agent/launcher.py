@@ -7,6 +7,7 @@ A grant becomes one process per host, started with:
 * ``DAGFOLD_CHECKPOINT_DIR`` a folder in the artifact store for this job and task
   (kept across attempts and hosts: the resume point), and
   ``DAGFOLD_RESUME_CHECKPOINT`` the checkpoint to resume from, if any;
+* ``DAGFOLD_ARGS_JSON`` the task's arguments (JSON, e.g. model, params and prompt of a GPU job);
 * ``DAGFOLD_SPEED`` the simulated device speed (1.0 on real GPUs).
 
 Protocol on stdout, one JSON object per line: ``{"progress": 0.4}``,
@@ -63,13 +64,13 @@ class Launcher:
         return d
 
     def start(self, alloc_id: str, epoch: int, job_id: str, task_id: str, attempt: int, gpus: list[int],
-              resume: str | None) -> JobProcess:
+              resume: str | None, args_json: str = "{}") -> JobProcess:
         env = dict(os.environ)
         env.update({"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "DAGFOLD_ALLOC_ID": alloc_id,
                     "DAGFOLD_EPOCH": str(epoch), "DAGFOLD_JOB_ID": job_id, "DAGFOLD_TASK_ID": task_id,
                     "DAGFOLD_ATTEMPT": str(attempt),
                     "DAGFOLD_CHECKPOINT_DIR": str(self.checkpoint_dir(job_id, task_id)),
-                    "DAGFOLD_SPEED": str(self.speed)})
+                    "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed)})
         if resume:
             env["DAGFOLD_RESUME_CHECKPOINT"] = resume
         proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

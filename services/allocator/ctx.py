@@ -6,23 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagfold.codec import Record
-from dagfold.config import CONTROL
+from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, CONTROL
+from dagfold.outputs import Output
 from services.allocator.appliers import A, apply_event
 from services.allocator.model import AllocView
 from services.allocator.options import AllocatorOptions
 from services.allocator.state import PoolState
-
-ALLOCATOR_COMMANDS = "allocator.commands"
-ALLOCATOR_EVENTS = "allocator.events"
-
-
-@dataclass(slots=True)
-class Output:
-    """A record to produce: topic, key (the pool on allocator.events, the node on control) and the record."""
-
-    topic: str
-    key: str
-    record: Record
 
 
 @dataclass
@@ -42,6 +31,19 @@ class Ctx:
         apply_event(self.st, rec)
         self.out.append(Output(ALLOCATOR_EVENTS, self.opts.pool, rec))
         return rec
+
+    def notify(self, status: str, job_id: str, task_id: str, attempt: int, *, alloc_id: str | None = None,
+               epoch: int = 0, hosts: list[Record] | None = None, reason: str = "",
+               checkpoint_uri: str | None = None) -> None:
+        """Tell the scheduler what happened to a task's request: a TaskAllocation command into the job's
+        partition of ``commands`` (the allocator is one writer per pool, the scheduler one per job
+        partition, so the decision crosses as a command, like Zeebe's inter-partition commands)."""
+        if not self.opts.notify_scheduler:
+            return
+        self.out.append(Output(COMMANDS, job_id, {
+            "type": "dagfold.command.TaskAllocation", "job_id": job_id, "task_id": task_id, "attempt": attempt,
+            "pool": self.opts.pool, "ts_ms": self.now_ms, "status": status, "alloc_id": alloc_id, "epoch": epoch,
+            "hosts": hosts or [], "reason": reason, "checkpoint_uri": checkpoint_uri, "cause_offset": self.offset}))
 
     def stop(self, a: AllocView, reason: str, *, checkpoint: bool = False, deadline_ms: int | None = None,
              nodes: list[str] | None = None) -> None:

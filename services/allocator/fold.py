@@ -14,9 +14,10 @@ drives it (runner, harness, simulator):
 from __future__ import annotations
 
 from dagfold.codec import Record
+from dagfold.outputs import Output
 from dagfold.state import PartitionTransaction, Store
 from services.allocator.appliers import apply_event
-from services.allocator.ctx import Ctx, Output
+from services.allocator.ctx import Ctx
 from services.allocator.exceptions import UnknownCommandError
 from services.allocator.options import AllocatorOptions
 from services.allocator.processors import PROCESSORS

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagfold.codec import Record
+from dagfold.config import ALLOCATOR_EVENTS, COMMANDS
+from dagfold.outputs import Output
 from dagfold.state import MemoryStore, PartitionTransaction
 from dagfold.state.store import state_digest
 from services.allocator import commands as cmds
-from services.allocator.ctx import ALLOCATOR_EVENTS, Output
 from services.allocator.fold import AllocatorFold
 from services.allocator.options import AllocatorOptions
 from services.allocator.timers import due_timers
@@ -29,6 +30,7 @@ class AllocatorHarness:
     commit_every: int = 1  # commands per transaction (the runner's batch)
     events: list[Record] = field(default_factory=list)
     controls: list[Record] = field(default_factory=list)
+    scheduler_commands: list[Record] = field(default_factory=list)  # TaskAllocation for the scheduler
     offset: int = 0
 
     def __post_init__(self) -> None:
@@ -50,7 +52,11 @@ class AllocatorHarness:
             if o.topic == ALLOCATOR_EVENTS:
                 if self.keep_events:
                     self.events.append(o.record)
-            elif self.keep_events:
+            elif not self.keep_events:
+                continue
+            elif o.topic == COMMANDS:
+                self.scheduler_commands.append(o.record)
+            else:
                 self.controls.append(o.record)
         return out
 

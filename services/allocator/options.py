@@ -51,6 +51,9 @@ class AllocatorOptions:
     profile_refresh: int = 1024  # recompute class weights every N requests (after 16, 64, 256)
     profile_max_classes: int = 128
     profile_max_keys: int = 4096
+    # Write TaskAllocation commands for the scheduler (grants, requeues, rejections, expiries). The
+    # simulator, which has no scheduler, turns it off.
+    notify_scheduler: bool = True
     # Gray failures.
     undrain_ok_heartbeats: int = 3  # a throttled/slow node returns after N healthy heartbeats
     slow_perf_ratio: float = 0.5  # perf below this fraction of the fleet average drains the node

@@ -48,13 +48,16 @@ def grant(ctx: Ctx, r: RequestView, excluded: set[str]) -> bool:
     epoch = st.meta["epoch"] + 1
     lease = min(st.nodes[p.node].lease_until for p in parts)
     ctx.granted += 1
+    hosts = [p.record() for p in parts]
     ctx.event("AllocationGranted", alloc_id=f"{ctx.opts.pool}:{epoch}", epoch=epoch, job_id=r.job_id,
               task_id=r.task_id, attempt=r.attempt, tenant=r.tenant, tier=r.tier,
-              hosts=[p.record() for p in parts], gpus=r.gpus, gpu_milli=r.milli, cpu_milli=r.cpu,
+              hosts=hosts, gpus=r.gpus, gpu_milli=r.milli, cpu_milli=r.cpu,
               memory_mib=r.mem, lease_deadline_ms=lease,
               max_runtime_s=None if r.max_runtime_ms is None else r.max_runtime_ms / 1000,
               checkpoint=r.checkpoint, resume_checkpoint=r.resume, waited_ms=ctx.now_ms - r.queued_ms,
               grants=r.grants + 1)
+    ctx.notify("granted", r.job_id, r.task_id, r.attempt, alloc_id=f"{ctx.opts.pool}:{epoch}", epoch=epoch,
+               hosts=hosts, checkpoint_uri=r.resume)
     return True
 
 

@@ -133,7 +133,13 @@ def feasible_shapes(st: PoolState, rank: int) -> set[tuple[object, ...]]:
 
 
 def could_ever_fit(st: PoolState, r: RequestView) -> str | None:
-    """Why ``r`` can never be placed with the registered inventory, or None if it could."""
+    """Why ``r`` can never be placed with the registered inventory, or None if it could.
+
+    A pool with no host registered yet (an allocator started before its agents) judges nothing:
+    requests wait for the inventory instead of failing on a start-up race.
+    """
+    if not st.gpu_types:
+        return None
     types = [t for t in (r.gpu_types or tuple(st.gpu_types)) if t in st.gpu_types]
     if not types:
         want = "|".join(r.gpu_types) if r.gpu_types else "any"

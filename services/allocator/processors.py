@@ -40,6 +40,9 @@ def _end(ctx: Ctx, a: AllocView, name: str, reason: str, *, requeue: bool, stop_
         ctx.stop(a, reason, nodes=stop_nodes)
     if requeue:
         _requeue(ctx, a, checkpoint_uri)
+    if requeue or name == "AllocationExpired":  # completions and cancels are reported by their own authors
+        ctx.notify("requeued" if requeue else "ended", a.req.job_id, a.req.task_id, a.req.attempt, alloc_id=a.id,
+                   epoch=a.epoch, reason=reason, checkpoint_uri=checkpoint_uri or a.last_ckpt_uri)
 
 
 # -- nodes ------------------------------------------------------------------------------------
@@ -157,6 +160,7 @@ def request_allocation(ctx: Ctx, cmd: Record) -> None:
         why = could_ever_fit(st, probe)
     if why is not None:
         ctx.event("RequestRejected", **ident, reason=why)
+        ctx.notify("rejected", cmd["job_id"], cmd["task_id"], cmd["attempt"], reason=why)
         return
     ctx.event("RequestQueued", **ident, **fields, seq=st.meta["seq"] + 1, requeued=False,
               resume_checkpoint=cmd["resume_checkpoint"], grants=0)

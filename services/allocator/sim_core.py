@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dagfold.codec import Record
+from dagfold.config import ALLOCATOR_EVENTS
+from dagfold.outputs import Output
 from services.allocator import commands as cmds
-from services.allocator.ctx import ALLOCATOR_EVENTS, Output
 from services.allocator.harness import AllocatorHarness
 from services.allocator.options import AllocatorOptions
 from services.allocator.timers import fired

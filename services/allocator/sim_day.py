@@ -34,7 +34,7 @@ TIERS = (("enterprise", 0.15, ("ent-a", "ent-b", "ent-c")),
 
 
 def day_options(policy: str) -> AllocatorOptions:
-    return with_policy(AllocatorOptions(pool="day", lease_s=900.0, grace_s=30.0), policy)
+    return with_policy(AllocatorOptions(pool="day", lease_s=900.0, grace_s=30.0, notify_scheduler=False), policy)
 
 
 def make_jobs(seed: int, n_jobs: int, gpus: int, flood: bool) -> list[Job]:

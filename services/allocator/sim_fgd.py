@@ -29,7 +29,8 @@ OUR_POLICIES = ("frag", "bestfit", "firstfit")
 
 def fgd_options(placement: str) -> AllocatorOptions:
     return AllocatorOptions(pool="fgd", placement=placement, tiers=("standard",), backfill=False,
-                            preemption=False, fair_share=False, lease_s=10 ** 8)
+                            preemption=False, fair_share=False, lease_s=10 ** 8,
+                            notify_scheduler=False)
 
 
 def run_seed(data: Path, trace: str, seed: int, placement: str, tune: float = 1.3) -> dict[str, Any]:

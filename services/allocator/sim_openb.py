@@ -25,7 +25,8 @@ QOS_TIER = {"Guaranteed": "enterprise", "LS": "standard", "Burstable": "standard
 
 
 def openb_options(policy: str) -> AllocatorOptions:
-    return with_policy(AllocatorOptions(pool="openb", lease_s=10.0 ** 9, preempt_after_s={}), policy)
+    return with_policy(AllocatorOptions(pool="openb", lease_s=10.0 ** 9, preempt_after_s={},
+                                        notify_scheduler=False), policy)
 
 
 def run_openb(data: Path, policy: str = "ours", trace: str = "default", limit: int | None = None,

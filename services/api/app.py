@@ -40,12 +40,13 @@ from projections.cluster import ClusterModel
 from projections.jobs import ReadModel
 from projections.operator import OperatorModel
 from services.api import auth as auth_mod
-from services.api import errors, routes_jobs, routes_ops
+from services.api import errors, routes_gpu, routes_jobs, routes_ops
 from services.api.admission import Admission, AdmissionConfig
 from services.api.auth import AuthConfig, Principal
 from services.api.context import ApiContext, CommandSender
 from services.api.errors import ApiError
 from services.api.metrics_collector import ReadModelCollector
+from services.callbacks.ledger import CallbackLedger
 from services.scheduler.spec import JobSpecIn
 
 logger = logging.getLogger("dagfold.api")
@@ -81,13 +82,15 @@ class RequestMetrics:
 
 def create_app(log: Log, read_model: ReadModel, config: Config, *, max_body_bytes: int | None = None,
                auth: AuthConfig | None = None, admission: AdmissionConfig | None = None,
-               sse_poll_s: float = 0.25) -> FastAPI:
+               sse_poll_s: float = 0.25, callbacks: CallbackLedger | None = None) -> FastAPI:
     """The API over ``log`` (commands out) and ``read_model`` (queries in).
 
     ``auth`` defaults to ``AuthConfig.from_env()`` (``DAGFOLD_AUTH_FILE``,
     ``DAGFOLD_API_KEYS``; none: open). ``admission`` defaults to the
     ``DAGFOLD_SUBMIT_*`` environment with the auth file's per-tenant limits.
     ``max_body_bytes`` defaults to the submission limit ``config.scheduler.limits.max_spec_bytes``.
+    ``callbacks``: the callback notifier's ledger, when it runs in this process (GPU job status shows
+    delivery states from it).
     """
     auth_config = auth if auth is not None else AuthConfig.from_env()
     adm_config = admission if admission is not None else AdmissionConfig.from_env(auth_config.limits)
@@ -96,7 +99,7 @@ def create_app(log: Log, read_model: ReadModel, config: Config, *, max_body_byte
         log=log, rm=read_model, config=config, sender=CommandSender(log), auth=auth_config,
         admission=Admission(adm_config, ops.open_jobs, lambda j: read_model.get_job(j) is not None),
         body_limit=max_body_bytes if max_body_bytes is not None else config.scheduler.limits.max_spec_bytes,
-        sse_poll_s=sse_poll_s,
+        sse_poll_s=sse_poll_s, callbacks=callbacks,
     )
     principal = auth_mod.dependency(auth_config)
     local_registry = CollectorRegistry(auto_describe=False)
@@ -133,6 +136,7 @@ def create_app(log: Log, read_model: ReadModel, config: Config, *, max_body_byte
         return Response(generate_latest(REGISTRY) + generate_latest(local_registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(routes_jobs.router(ctx, principal))
+    app.include_router(routes_gpu.router(ctx, principal))
     app.include_router(routes_ops.router(ctx, principal))
 
     # -- dashboard: static files, hash-routed single page ---------------------------------
@@ -147,15 +151,16 @@ def create_app(log: Log, read_model: ReadModel, config: Config, *, max_body_byte
     def ui(path: str = "") -> FileResponse:
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
-    # -- OpenAPI: document the spec schema the raw-body endpoint accepts -------
+    # -- OpenAPI: document the schemas the raw-body endpoints accept -------
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
-            spec_schema = JobSpecIn.model_json_schema(ref_template="#/components/schemas/{model}")
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            components.update(jsonable_encoder(spec_schema.pop("$defs", {})))
-            components["JobSpecIn"] = spec_schema
+            for model in (JobSpecIn, routes_gpu.GpuJobIn):
+                body_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(jsonable_encoder(body_schema.pop("$defs", {})))
+                components[model.__name__] = body_schema
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -25,6 +25,7 @@ from services.api.admission import Admission
 from services.api.auth import AuthConfig, Principal
 from services.api.errors import ApiError, not_found
 from services.api.graph import LayoutCache
+from services.callbacks.ledger import CallbackLedger
 
 logger = logging.getLogger("dagfold.api")
 
@@ -73,6 +74,7 @@ class ApiContext:
     body_limit: int
     sse_poll_s: float = 0.25
     layouts: LayoutCache = field(default_factory=LayoutCache)
+    callbacks: CallbackLedger | None = None  # the notifier's ledger when it runs in this process
 
     @property
     def ops(self) -> OperatorModel:

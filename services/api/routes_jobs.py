@@ -77,10 +77,62 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tuple[int, dict[str, Any]]:
+    """Submit a checked spec as the caller: the path of every submission route.
+
+    The tenant comes from the caller's key ("default" or none in the spec means
+    the key's tenant; another one is refused), then the scheduler's own
+    validation (422), the repeat check (200 with the existing job; 409 for the
+    same ID or idempotency key with another spec), admission (429) and the
+    SubmitJob command. Returns ``(202, submitted)`` or ``(200, existing job)``.
+    """
+    if principal.tenant is not None:  # "default" (or no tenant) means the key's tenant; another one is refused
+        if "tenant" in spec_in.model_fields_set and spec_in.tenant not in (principal.tenant, "default"):
+            raise ApiError(403, "tenant_mismatch", f"this API key belongs to tenant {principal.tenant!r}; "
+                           f"the spec names tenant {spec_in.tenant!r}")
+        spec_in = spec_in.model_copy(update={"tenant": principal.tenant})
+    spec = to_job_spec(spec_in)
+    rejection = validate_job_spec(spec, ctx.config.scheduler.limits)
+    if rejection is not None:
+        raise ApiError(422, rejection.code, rejection.reason)
+    try:
+        digest = spec_hash(spec)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ApiError(400, "invalid_spec", f"spec cannot be encoded: {exc}") from None
+    job_id, tenant = spec["job_id"], spec["tenant"]
+    existing = ctx.rm.get_job(job_id)
+    if (existing is not None and existing["state"] != "rejected" and existing.get("spec_hash")
+            and principal.can_see(existing["tenant"])):
+        if existing["spec_hash"] == digest:  # the same submission again: the first job stands
+            return 200, existing
+        key = spec["idempotency_key"]
+        if key:
+            raise ApiError(409, "idempotency_conflict",
+                           f"idempotency key {key!r} was already used by job {job_id} with a different spec "
+                           f"(spec hash {existing['spec_hash'][:12]}, this one {digest[:12]})")
+        raise ApiError(409, "job_exists", f"job {job_id} already exists with a different spec")
+    if principal.tenant is None:
+        ctx.admission.check_rate(tenant)
+    ctx.admission.check_open_jobs(tenant)
+    ctx.sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="api"), job_id)
+    ctx.admission.submitted(tenant, job_id)
+    return 202, {"job_id": job_id, "state": "submitted", "tasks": len(spec["tasks"]), "tenant": tenant,
+                 "idempotency_key": spec["idempotency_key"]}
+
+
+def request_cancel(ctx: ApiContext, job_id: str, principal: Principal, reason: str) -> dict[str, Any]:
+    """Send CancelJob for a job the caller may see (404 otherwise; 409 if it already ended)."""
+    job = ctx.job_for(job_id, principal)
+    if job["state"] in TERMINAL_JOB_STATES:
+        raise ApiError(409, "job_finished", f"job {job_id!r} is already {job['state']}")
+    ctx.sender.send(make("dagfold.command.CancelJob", job_id=job_id, reason=reason, requested_at_ms=now_ms()),
+                    job_id)
+    return {"job_id": job_id, "state": "cancel_requested"}
+
+
 def router(ctx: ApiContext, auth: Any) -> APIRouter:
     r = APIRouter(tags=["jobs"])
     Caller = Annotated[Principal, Depends(auth)]
-    limits = ctx.config.scheduler.limits
 
     # -- submit ----------------------------------------------------------------
     def prepare(body: bytes, media_type: str, principal: Principal) -> JSONResponse:
@@ -88,39 +140,8 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
             spec_in = _parse_body(body, media_type)
         except SpecError as exc:
             raise ApiError(400, "invalid_spec", str(exc)) from None
-        if principal.tenant is not None:  # "default" (or no tenant) means the key's tenant; another one is refused
-            if "tenant" in spec_in.model_fields_set and spec_in.tenant not in (principal.tenant, "default"):
-                raise ApiError(403, "tenant_mismatch", f"this API key belongs to tenant {principal.tenant!r}; "
-                               f"the spec names tenant {spec_in.tenant!r}")
-            spec_in = spec_in.model_copy(update={"tenant": principal.tenant})
-        spec = to_job_spec(spec_in)
-        rejection = validate_job_spec(spec, limits)
-        if rejection is not None:
-            raise ApiError(422, rejection.code, rejection.reason)
-        try:
-            digest = spec_hash(spec)
-        except (ValueError, TypeError, OverflowError) as exc:
-            raise ApiError(400, "invalid_spec", f"spec cannot be encoded: {exc}") from None
-        job_id, tenant = spec["job_id"], spec["tenant"]
-        existing = ctx.rm.get_job(job_id)
-        if (existing is not None and existing["state"] != "rejected" and existing.get("spec_hash")
-                and principal.can_see(existing["tenant"])):
-            if existing["spec_hash"] == digest:  # the same submission again: the first job stands
-                return JSONResponse(existing, status_code=200, headers={"Location": f"/v1/jobs/{job_id}"})
-            key = spec["idempotency_key"]
-            if key:
-                raise ApiError(409, "idempotency_conflict",
-                               f"idempotency key {key!r} was already used by job {job_id} with a different spec "
-                               f"(spec hash {existing['spec_hash'][:12]}, this one {digest[:12]})")
-            raise ApiError(409, "job_exists", f"job {job_id} already exists with a different spec")
-        if principal.tenant is None:
-            ctx.admission.check_rate(tenant)
-        ctx.admission.check_open_jobs(tenant)
-        ctx.sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="api"), job_id)
-        ctx.admission.submitted(tenant, job_id)
-        return JSONResponse({"job_id": job_id, "state": "submitted", "tasks": len(spec["tasks"]),
-                             "tenant": tenant, "idempotency_key": spec["idempotency_key"]},
-                            status_code=202, headers={"Location": f"/v1/jobs/{job_id}"})
+        status, out = submit_spec(ctx, spec_in, principal)
+        return JSONResponse(out, status_code=status, headers={"Location": f"/v1/jobs/{out['job_id']}"})
 
     @r.post(
         "/v1/jobs",
@@ -249,13 +270,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
     # -- control -----------------------------------------------------------------
     @r.post("/v1/jobs/{job_id}/cancel", status_code=202, summary="Cancel a job")
     def cancel_job(job_id: str, principal: Caller, body: Annotated[CancelIn | None, Body()] = None) -> dict[str, Any]:
-        job = ctx.job_for(job_id, principal)
-        if job["state"] in TERMINAL_JOB_STATES:
-            raise ApiError(409, "job_finished", f"job {job_id!r} is already {job['state']}")
-        reason = body.reason if body is not None else "cancelled by user"
-        ctx.sender.send(make("dagfold.command.CancelJob", job_id=job_id, reason=reason,
-                             requested_at_ms=now_ms()), job_id)
-        return {"job_id": job_id, "state": "cancel_requested"}
+        return request_cancel(ctx, job_id, principal, body.reason if body is not None else "cancelled by user")
 
     @r.post("/v1/jobs/{job_id}/redrive", status_code=202,
             summary="Re-run a finished job's failed, skipped and cancelled tasks")

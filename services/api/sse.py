@@ -8,8 +8,10 @@ Each stream reads the job summary and the history after its cursor every
 reconnects with ``Last-Event-ID`` resumes without gaps or repeats.
 
 Events: ``job`` (the summary, when it changed), ``history`` (one entry per
-event of the job, in log order), ``end`` (the job is finished and every entry
-was sent; the stream closes). A comment line every ``heartbeat_s`` keeps
+event of the job, in log order), ``progress`` (only with ``progress_task``:
+that task's state, attempt, progress and allocation, when one of them
+changed), ``end`` (the job is finished and every entry was sent; the stream
+closes). A comment line every ``heartbeat_s`` keeps
 proxies from closing an idle stream.
 """
 
@@ -32,13 +34,19 @@ def _frame(event: str, data: Any, event_id: str | None = None) -> str:
     return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
+PROGRESS_FIELDS = ("state", "attempt", "progress", "worker_id", "allocation")
+
+
 async def job_stream(rm: ReadModel, job_id: str, cursor: str | None, is_disconnected: Callable[[], Any], *,
-                     poll_s: float = 0.25, heartbeat_s: float = 15.0, max_s: float | None = None) -> AsyncIterator[str]:
-    """The frames of the stream (``cursor``: resume after this history entry)."""
+                     poll_s: float = 0.25, heartbeat_s: float = 15.0, max_s: float | None = None,
+                     progress_task: str | None = None) -> AsyncIterator[str]:
+    """The frames of the stream (``cursor``: resume after this history entry; ``progress_task``: also
+    send ``progress`` frames of this task)."""
     metrics.SSE_STREAMS.inc()
     try:
         yield "retry: 2000\n\n"
         last_summary: tuple[Any, ...] | None = None
+        last_progress: tuple[Any, ...] | None = None
         last_beat = started = time.monotonic()
         while True:
             job = rm.get_job(job_id)
@@ -49,6 +57,14 @@ async def job_stream(rm: ReadModel, job_id: str, cursor: str | None, is_disconne
             for entry in page.items:
                 cursor = rm.history_cursor(job_id, entry["partition"], entry["offset"])
                 yield _frame("history", entry, cursor)
+            if progress_task is not None:
+                task = rm.get_task(job_id, progress_task)
+                if task is not None:
+                    progress_key = tuple(task.get(f) for f in PROGRESS_FIELDS)
+                    if progress_key != last_progress:
+                        last_progress = progress_key
+                        yield _frame("progress", {"job_id": job_id, "task_id": progress_task,
+                                                  **{f: task.get(f) for f in PROGRESS_FIELDS}})
             summary_key = (job["state"], job["last_offset"], job["updated_ms"])
             if summary_key != last_summary:
                 last_summary = summary_key

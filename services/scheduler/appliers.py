@@ -66,6 +66,7 @@ def _finish_task(txn: PartitionTransaction, e: Record, state: str, outcome: str)
     _clear_timers(txn, job_id, task_id, t)
     t["state"] = state
     t["worker"] = None
+    t["alloc"] = None
     t["ended_ms"] = e["ts_ms"]
     txn.put(keys.task(job_id, task_id), t)
     j = get_job(txn, job_id)
@@ -145,6 +146,7 @@ def _task_dispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) ->
     t["state"] = "runnable"
     t["attempt"] = e["attempt"]
     t["worker"] = None
+    t["alloc"] = None
     _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start",
                _timeout_due(e, t, "schedule_to_start_s"), e["attempt"])
@@ -168,10 +170,30 @@ def _lease_extended(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> 
 
 
 @_on_task
+def _task_allocated(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    """GPUs granted: the attempt waits for its first host's TaskStarted from this allocation only."""
+    t["alloc"] = e["alloc_id"]
+    if e["resume_checkpoint"]:
+        t["ckpt"] = e["resume_checkpoint"]
+
+
+@_on_task
+def _task_requeued(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    """The allocation ended without a result: the same attempt waits for GPUs again (no lease, no
+    run-time clock); its checkpoint is where the next grant resumes."""
+    _set_timer(txn, e["job_id"], e["task_id"], t, "lease", None, e["attempt"])
+    _set_timer(txn, e["job_id"], e["task_id"], t, "start_to_close", None, e["attempt"])
+    t.update(state="runnable", worker=None, alloc=None, lease_ms=None)
+    if e["checkpoint_uri"]:
+        t["ckpt"] = e["checkpoint_uri"]
+
+
+@_on_task
 def _attempt_will_retry(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
     _clear_timers(txn, e["job_id"], e["task_id"], t)
     t["state"] = "retrying"
     t["worker"] = None
+    t["alloc"] = None
 
 
 def _task_failed(txn: PartitionTransaction, e: Record) -> None:
@@ -236,6 +258,8 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobRejected": _no_state,
     "dagfold.event.SubmissionDeduplicated": _no_state,
     "dagfold.event.TaskDispatched": _task_dispatched,
+    "dagfold.event.TaskAllocated": _task_allocated,
+    "dagfold.event.TaskRequeued": _task_requeued,
     "dagfold.event.LeaseGranted": _lease_granted,
     "dagfold.event.LeaseExtended": _lease_extended,
     "dagfold.event.LeaseRejected": _no_state,

@@ -17,8 +17,10 @@ from typing import Any
 import fastavro
 
 from dagfold.codec import Record, default_codec
-from dagfold.config import CONTROL, EVENTS, SchedulerOptions, dispatch_topic
+from dagfold.config import ALLOCATOR_COMMANDS, CONTROL, EVENTS, SchedulerOptions, dispatch_topic
+from dagfold.outputs import Output
 from dagfold.state import PartitionTransaction
+from services.allocator import commands as alloc_cmds
 from services.scheduler import keys
 from services.scheduler.appliers import (
     JOB_TERMINAL,
@@ -32,15 +34,6 @@ from services.scheduler.retry import backoff_ms, should_retry
 from services.scheduler.validation import validate_job_spec
 
 E = "dagfold.event."
-
-
-@dataclass(slots=True)
-class Output:
-    """A record to produce: topic, key (the job ID, or worker ID on control) and the record."""
-
-    topic: str
-    key: str
-    record: Record
 
 
 @dataclass
@@ -64,6 +57,18 @@ class Ctx:
         self.out.append(Output(CONTROL, worker_id, {
             "type": "dagfold.control.StopTask", "worker_id": worker_id, "job_id": job_id,
             "task_id": task_id, "attempt": attempt, "reason": reason, "ts_ms": self.now_ms}))
+
+
+def stop_attempt(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], reason: str) -> None:
+    """Stop the task's current attempt wherever it is: a worker's (StopTask to the lease holder), or a
+    GPU attempt's (CancelRequest to its pool: drops the queued request or releases the allocation,
+    whose agents the allocator stops)."""
+    if is_gpu(t):
+        if t["state"] in ("runnable", "running"):
+            ctx.out.append(Output(ALLOCATOR_COMMANDS, t["queue"], alloc_cmds.cancel_request(
+                t["queue"], job_id, task_id, reason, ts_ms=ctx.now_ms)))
+    elif t["state"] == "running":
+        ctx.stop_task(t["worker"], job_id, task_id, t["attempt"], reason)
 
 
 def spec_hash(spec: Record) -> str:
@@ -97,9 +102,27 @@ def evaluate_rule(t: dict[str, Any]) -> str:
     raise ValueError(f"unknown trigger rule {rule!r}")
 
 
+def is_gpu(t: dict[str, Any]) -> bool:
+    """A task that asks for GPUs goes to its pool's allocator, not to a worker queue."""
+    return bool(t["resources"] and t["resources"]["gpus"] > 0)
+
+
 def dispatch(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], attempt: int, tenant: str) -> None:
-    """Make an attempt runnable: a TaskDispatched event and a reference on its queue."""
+    """Make an attempt runnable: a TaskDispatched event and a reference on its queue.
+
+    A GPU task's queue names its GPU pool: the attempt is an allocation request
+    there, and is dispatched to node agents when the grant comes back
+    (``task_allocation``). It resumes from the task's latest known checkpoint.
+    """
     ctx.event("TaskDispatched", job_id, task_id=task_id, attempt=attempt, queue=t["queue"])
+    if is_gpu(t):
+        j = get_job(ctx.txn, job_id)
+        tier = j["tier"] if j is not None else "standard"
+        req = alloc_cmds.from_resources(t["queue"], job_id, task_id, attempt, tenant, tier, t["resources"],
+                                        ctx.now_ms)
+        req["resume_checkpoint"] = t.get("ckpt")
+        ctx.out.append(Output(ALLOCATOR_COMMANDS, t["queue"], req))
+        return
     # keyed by job and task, not job: a job's parallel tasks spread over the queue's partitions
     # (and so over workers) instead of queueing behind each other on one partition
     ctx.out.append(Output(dispatch_topic(t["queue"]), f"{job_id}/{task_id}", {
@@ -151,8 +174,7 @@ def cancel_open_tasks(ctx: Ctx, job_id: str, reason: str) -> None:
         t = get_task(ctx.txn, job_id, tid)
         if t is None or t["state"] in TERMINAL:
             continue
-        if t["state"] == "running":
-            ctx.stop_task(t["worker"], job_id, tid, t["attempt"], reason)
+        stop_attempt(ctx, job_id, tid, t, reason)
         ctx.event("TaskCancelled", job_id, task_id=tid, attempt=t["attempt"], reason=reason)
 
 
@@ -254,7 +276,7 @@ def task_started(ctx: Ctx, cmd: Record) -> None:
     t = get_task(ctx.txn, job_id, task_id)
     j = get_job(ctx.txn, job_id)
     if t is not None and j is not None and j["state"] == "running" and attempt == t["attempt"]:
-        if t["state"] == "runnable":
+        if t["state"] == "runnable" and (not is_gpu(t) or t.get("alloc") == worker):
             ctx.event("LeaseGranted", job_id, task_id=task_id, attempt=attempt, worker_id=worker,
                       lease_deadline_ms=ctx.now_ms + lease_timeout_ms(ctx, t))
             return
@@ -270,10 +292,13 @@ def task_started(ctx: Ctx, cmd: Record) -> None:
         why = f"stale attempt {attempt}; current attempt is {t['attempt']}"
     elif t["state"] == "running":
         why = f"attempt {attempt} is already leased to {t['worker']}"
+    elif is_gpu(t) and t["state"] == "runnable":
+        why = f"allocation {worker} is not the attempt's grant ({t.get('alloc') or 'none yet'})"
     else:
         why = f"task is {t['state']}"
     ctx.event("LeaseRejected", job_id, task_id=task_id, attempt=attempt, worker_id=worker, reason=why)
-    ctx.stop_task(worker, job_id, task_id, attempt, f"lease_rejected: {why}")
+    if t is None or not is_gpu(t):  # a GPU process is stopped by its allocation's fencing, not by worker ID
+        ctx.stop_task(worker, job_id, task_id, attempt, f"lease_rejected: {why}")
 
 
 def task_heartbeat(ctx: Ctx, cmd: Record) -> None:
@@ -341,14 +366,73 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
     if kind == "backoff" and t["state"] == "retrying":
         dispatch(ctx, job_id, task_id, t, attempt + 1, j["tenant"])
     elif kind == "lease" and t["state"] == "running":
-        ctx.stop_task(t["worker"], job_id, task_id, attempt, "lease_expired")
+        stop_attempt(ctx, job_id, task_id, t, "lease_expired")
         fail_attempt(ctx, job_id, task_id, t, worker=t["worker"] or "",
                      reason=f"lease_expired: no heartbeat from {t['worker']} within the lease")
     elif kind == "start_to_close" and t["state"] == "running":
-        ctx.stop_task(t["worker"], job_id, task_id, attempt, "start_to_close_timeout")
+        stop_attempt(ctx, job_id, task_id, t, "start_to_close_timeout")
         fail_attempt(ctx, job_id, task_id, t, worker=t["worker"] or "", reason="start_to_close_timeout")
     elif kind == "schedule_to_start" and t["state"] == "runnable":
+        stop_attempt(ctx, job_id, task_id, t, "schedule_to_start_timeout")
         fail_attempt(ctx, job_id, task_id, t, worker="", reason="schedule_to_start_timeout", retryable=False)
+
+
+def _gpu_dispatch(ctx: Ctx, cmd: Record, t: dict[str, Any], tenant: str) -> None:
+    """The grant's hosts get the attempt on control, keyed by node; the first host reports it."""
+    lease_s = lease_timeout_ms(ctx, t) / 1000
+    for i, h in enumerate(cmd["hosts"]):
+        ctx.out.append(Output(CONTROL, h["node_id"], {
+            "type": "dagfold.control.GpuTaskDispatch", "node_id": h["node_id"], "pool": cmd["pool"],
+            "alloc_id": cmd["alloc_id"], "epoch": cmd["epoch"], "job_id": cmd["job_id"], "task_id": cmd["task_id"],
+            "attempt": cmd["attempt"], "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
+            "gpu_indices": list(h["gpu_indices"]), "leader": i == 0, "resume_checkpoint": cmd["checkpoint_uri"],
+            "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms}))
+
+
+def task_allocation(ctx: Ctx, cmd: Record) -> None:
+    """The allocator's word on a GPU attempt's request: granted, requeued, rejected or ended.
+
+    Only the current attempt's current allocation counts. A grant the task no
+    longer wants needs no answer here: every end of a GPU attempt already sent
+    its pool a CancelRequest, which the allocator folds after the grant.
+    """
+    job_id, task_id, attempt, status = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["status"]
+    t = get_task(ctx.txn, job_id, task_id)
+    j = get_job(ctx.txn, job_id)
+    alloc = cmd["alloc_id"]
+    why = None
+    if t is None or j is None:
+        why = "unknown job or task"
+    elif j["state"] != "running":
+        why = f"job is {j['state']}"
+    elif attempt != t["attempt"]:
+        why = f"stale attempt {attempt}; current attempt is {t['attempt']}"
+    elif not is_gpu(t):
+        why = "task asks for no GPUs"
+    elif status in ("granted", "rejected") and (t["state"] != "runnable" or t.get("alloc")):
+        why = f"task is {t['state']} with allocation {t.get('alloc')}"
+    elif status in ("requeued", "ended") and t.get("alloc") != alloc:
+        why = f"allocation {alloc} is not the attempt's ({t.get('alloc')})"
+    elif status not in ("granted", "rejected", "requeued", "ended"):
+        why = f"unknown allocation status {status!r}"
+    if why is not None or t is None or j is None:
+        ctx.event("ReportIgnored", job_id, task_id=task_id, attempt=attempt, worker_id=alloc or "",
+                  report=f"allocation {status}", reason=why or "")
+        return
+    if status == "granted":
+        ctx.event("TaskAllocated", job_id, task_id=task_id, attempt=attempt, pool=cmd["pool"], alloc_id=alloc,
+                  epoch=cmd["epoch"], node_ids=[h["node_id"] for h in cmd["hosts"]],
+                  resume_checkpoint=cmd["checkpoint_uri"])
+        _gpu_dispatch(ctx, cmd, t, j["tenant"])
+    elif status == "requeued":
+        ctx.event("TaskRequeued", job_id, task_id=task_id, attempt=attempt, alloc_id=alloc,
+                  reason=cmd["reason"], checkpoint_uri=cmd["checkpoint_uri"])
+    elif status == "rejected":
+        fail_attempt(ctx, job_id, task_id, t, worker="", reason=f"allocation rejected: {cmd['reason']}",
+                     error_type="allocation_rejected", retryable=False)
+    else:
+        fail_attempt(ctx, job_id, task_id, t, worker=alloc or "", reason=f"allocation ended: {cmd['reason']}",
+                     error_type="allocation_ended")
 
 
 PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
@@ -360,4 +444,5 @@ PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
     "dagfold.command.TaskSucceeded": task_succeeded,
     "dagfold.command.TaskFailed": task_failed,
     "dagfold.command.TimerFired": timer_fired,
+    "dagfold.command.TaskAllocation": task_allocation,
 }

@@ -33,10 +33,10 @@ from dagfold.config import COMMANDS, DEADLETTER, DISPATCH_PREFIX, EVENTS, SCHEDU
 from dagfold.exceptions import CodecError, FencedError, LogError
 from dagfold.log import Log, LogRecord, TopicPartition, partition_for
 from dagfold.log.reader import read_to_end
+from dagfold.outputs import Output, dead_letter
 from dagfold.state import PartitionStore, PartitionTransaction
 from dagfold.state.store import applied_events_offset
 from services.scheduler.fold import SchedulerFold
-from services.scheduler.processors import Output
 from services.scheduler.timers import due_timers
 
 log = logging.getLogger("dagfold.scheduler")
@@ -46,13 +46,6 @@ TIMER_REFIRE_MS = 5000
 
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-def dead_letter(rec: LogRecord, reason: str, service: str = "scheduler") -> Output:
-    return Output(DEADLETTER, f"{rec.topic}/{rec.partition}", {
-        "type": "dagfold.deadletter.DeadLetter", "source_topic": rec.topic, "partition": rec.partition,
-        "offset": rec.offset, "key": rec.key, "value": rec.value, "reason": reason, "service": service,
-        "ts_ms": now_ms()})
 
 
 class SchedulerRunner:
@@ -119,21 +112,22 @@ class SchedulerRunner:
         try:
             cmd = self.codec.decode(rec.value)
         except CodecError as exc:
-            return [dead_letter(rec, str(exc))]
+            return [dead_letter(rec, str(exc), "scheduler")]
         try:
             job_id = job_id_of(cmd)
         except KeyError:
-            return [dead_letter(rec, f"{cmd['type']} is not a scheduler command")]
+            return [dead_letter(rec, f"{cmd['type']} is not a scheduler command", "scheduler")]
         if rec.key != job_id.encode():
-            return [dead_letter(rec, f"record key {rec.key!r} is not the job ID {job_id!r}")]
+            return [dead_letter(rec, f"record key {rec.key!r} is not the job ID {job_id!r}", "scheduler")]
         expected = partition_for(rec.key, self.config.partitions)
         if expected != rec.partition:
-            return [dead_letter(rec, f"job {job_id} belongs to partition {expected}, not {rec.partition}")]
+            return [dead_letter(rec, f"job {job_id} belongs to partition {expected}, not {rec.partition}",
+                                "scheduler")]
         try:
             return self.fold.process(txn, cmd, now, rec.offset)
         except Exception as exc:  # a bug must not stop the partition: dead-letter the command
             log.exception("fold failed on %s/%d@%d", rec.topic, rec.partition, rec.offset)
-            return [dead_letter(rec, f"fold error: {exc!r}")]
+            return [dead_letter(rec, f"fold error: {exc!r}", "scheduler")]
 
     def process_batch(self, recs: Sequence[LogRecord]) -> None:
         started = time.perf_counter()

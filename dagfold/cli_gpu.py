@@ -1,0 +1,116 @@
+"""GPU processes: ``dagfold allocator`` (one per pool) and ``dagfold agent`` (one per GPU host).
+
+On Kafka each runs as its own process (a host runs its agent next to its
+GPUs); ``dagfold up --gpu-nodes N`` runs one allocator and N simulated agents
+inside the local stack instead. Registered on the main ``dagfold`` app by
+``dagfold.cli``.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import typer
+
+from dagfold.cli import DataOpt, LogOpt, _config, _logging, app, fail, out
+
+PoolOpt = typer.Option("default", "--pool", help="GPU pool: the queue name of the GPU tasks it serves")
+
+
+@app.command()
+def allocator(pool: str = PoolOpt, log: LogOpt = "embedded", data: DataOpt = None,
+              lease_s: float = typer.Option(30.0, "--lease-s", help="node lease: heartbeats must come this often"),
+              grace_s: float = typer.Option(30.0, "--grace-s", help="preemption/drain: checkpoint -> forced stop"),
+              verbose: bool = typer.Option(False, "-v")) -> None:
+    """Run the GPU allocator of one pool (one writer per pool; a newer instance fences an older one)."""
+    from dagfold.log import open_log
+    from services.allocator.options import AllocatorOptions
+    from services.allocator.runner import AllocatorRunner
+
+    _logging(verbose)
+    cfg = _config(log, data)
+    lg = open_log(cfg.log_url, cfg.data_dir)
+    lg.create_topics(cfg.core_topics())
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    runner = AllocatorRunner(lg, AllocatorOptions(pool=pool, lease_s=lease_s, grace_s=grace_s), cfg.data_dir)
+    out.print(f"dagfold allocator: pool {pool} on {cfg.log_url}")
+    try:
+        runner.run(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        lg.close()
+
+
+def _sync_faults(devices: object, faults_file: Path) -> None:
+    """Make the simulated device's faults those listed in ``faults_file`` (one name a line)."""
+    from services.agent.devices import FAULTS, SimulatedDevices
+
+    if not isinstance(devices, SimulatedDevices):
+        return
+    try:
+        wanted = {ln.strip() for ln in faults_file.read_text().splitlines() if ln.strip() in FAULTS}
+    except FileNotFoundError:
+        wanted = set()
+    for f in wanted - devices.faults:
+        devices.inject(f)
+    for f in devices.faults - wanted:
+        devices.clear(f)
+
+
+@app.command()
+def agent(pool: str = PoolOpt, log: LogOpt = "embedded",
+          node: str = typer.Option(socket.gethostname(), "--node", help="node ID, unique in the pool"),
+          command: str = typer.Option(f"{shlex.quote(sys.executable)} -m services.agent.demo_job", "--command",
+                                      help="the job process a grant runs (DAGFOLD_* environment, see docs)"),
+          artifacts: Path = typer.Option(Path(".dagfold/artifacts"), "--artifacts",
+                                         help="checkpoint store (a folder every host can reach)"),
+          simulate: bool = typer.Option(False, "--simulate", help="simulated GPUs instead of NVML"),
+          gpus: int = typer.Option(8, "--gpus", min=1, max=64, help="simulated GPU count"),
+          gpu_type: str = typer.Option("H100", "--gpu-type", help="simulated GPU type"),
+          faults_file: Path | None = typer.Option(None, "--faults-file",
+                                                  help="simulated faults to apply, one a line (throttle, ecc, ...)"),
+          hb_interval_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05),
+          verbose: bool = typer.Option(False, "-v")) -> None:
+    """Run the node agent of one GPU host: register, heartbeat health, run granted jobs."""
+    from dagfold.log import open_log
+    from services.agent.agent import NodeAgent
+    from services.agent.devices import Devices, NvmlDevices, SimulatedDevices
+    from services.agent.exceptions import NvmlUnavailable
+    from services.agent.launcher import Launcher
+
+    _logging(verbose)
+    cfg = _config(log, None)
+    if cfg.log_url == "embedded":
+        raise fail("an agent process needs a shared log (kafka://...); `dagfold up --gpu-nodes N` runs "
+                   "simulated agents inside the embedded stack")
+    devices: Devices
+    try:
+        devices = SimulatedDevices(gpus, gpu_type) if simulate else NvmlDevices()
+    except NvmlUnavailable as exc:
+        raise fail(f"no GPUs found through NVML ({exc}); use --simulate for a simulated host") from None
+    lg = open_log(cfg.log_url, cfg.data_dir)
+    launcher = Launcher(shlex.split(command), artifacts)
+    node_agent = NodeAgent(lg, pool, node, devices, launcher, hb_interval_s=hb_interval_s)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    out.print(f"dagfold agent: node {node} ({devices.count}x {devices.gpu_type}) in pool {pool}")
+    node_agent.register()
+    try:
+        while not stop.is_set():
+            if faults_file is not None:
+                _sync_faults(devices, faults_file)
+            node_agent.step()
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node_agent.close()
+        lg.close()

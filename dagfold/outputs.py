@@ -1,0 +1,32 @@
+"""What a fold hands its I/O shell: records to produce, and dead letters.
+
+Every fold (scheduler, allocator) returns ``Output``s; the runner produces
+them in one log transaction. One type for all of them keeps the runners,
+harnesses and simulators interchangeable.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dagfold.codec import Record
+from dagfold.config import DEADLETTER
+from dagfold.log.base import LogRecord
+
+
+@dataclass(slots=True)
+class Output:
+    """A record to produce: topic, key (job ID, pool, node or worker ID, per topic) and the record."""
+
+    topic: str
+    key: str
+    record: Record
+
+
+def dead_letter(rec: LogRecord, reason: str, service: str) -> Output:
+    """The DeadLetter for a record no fold could take, with the reason, for ``deadletter``."""
+    return Output(DEADLETTER, f"{rec.topic}/{rec.partition}", {
+        "type": "dagfold.deadletter.DeadLetter", "source_topic": rec.topic, "partition": rec.partition,
+        "offset": rec.offset, "key": rec.key, "value": rec.value, "reason": reason, "service": service,
+        "ts_ms": int(time.time() * 1000)})

@@ -1,0 +1,27 @@
+"""Job-end callbacks: a signed POST to a job's ``callback_url`` once it ends (see ``notifier``)."""
+
+from services.callbacks.exceptions import CallbackConfigError, CallbackError
+from services.callbacks.ledger import DELIVERED, GAVE_UP, PENDING, CallbackLedger
+from services.callbacks.notifier import GROUP, LEDGER_DIR, CallbackNotifier, Outcome, classify
+from services.callbacks.options import CallbackOptions
+from services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
+
+__all__ = [
+    "DELIVERED",
+    "DELIVERY_HEADER",
+    "GAVE_UP",
+    "GROUP",
+    "LEDGER_DIR",
+    "PENDING",
+    "SIGNATURE_HEADER",
+    "TIMESTAMP_HEADER",
+    "CallbackConfigError",
+    "CallbackError",
+    "CallbackLedger",
+    "CallbackNotifier",
+    "CallbackOptions",
+    "Outcome",
+    "classify",
+    "sign",
+    "verify",
+]

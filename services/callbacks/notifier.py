@@ -1,0 +1,473 @@
+"""The callback notifier: POSTs a signed JSON body once a job with a ``callback_url`` ends.
+
+Data flow (one ``CallbackNotifier``: its own consumer, its ledger, a pool of HTTP threads)::
+
+    events (group dagfold-callbacks) --> ingest: ledger write batch, then commit the offsets
+        JobAccepted with spec.callback_url   -> remember the URL (ledger ``j``)
+        JobSucceeded | JobFailed | JobCancelled of a remembered job -> delivery ``pending``, due now
+        JobRedriven                          -> the next end is a new delivery (``round`` + 1)
+    ledger due index (due <= now) --> HTTP pool: POST url --> outcome --> ledger write batch
+        2xx -> delivered;  408, 429, other non-2xx, connection error, timeout -> pending, due after a backoff;
+        other 4xx, unusable URL, or max_attempts reached -> gave_up (with the reason)
+
+"Called once": the offsets of a polled batch are committed only after its
+ledger batch is written, and re-reading events is a no-op (the ledger keeps
+each job's last applied offset), so a restart neither loses a job's end nor
+schedules its delivery twice; a delivered callback is never sent again. A
+delivery in flight when the process dies is still ``pending`` in the ledger
+and is sent again after the restart (at least once): the receiver deduplicates
+on ``X-Dagfold-Delivery``.
+
+Pending retries never block anything: they wait in the ledger's due-time index
+and the loop only polls (at most until the next due time); up to
+``options.concurrency`` deliveries run at once on their own threads, so one
+slow receiver does not hold up the others or the ingestion.
+
+One notifier per deployment: the ledger is local to its data folder, and the
+URL of a job is known only to the instance that read its JobAccepted. (With a
+second instance in the group, a partition that moves between them would take
+jobs accepted before the move without their URL.)
+
+Metrics (``dagfold.metrics``): callbacks delivered, retried, given up by
+reason; consumer lag of the events topic.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import email.utils
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from dagfold import metrics
+from dagfold.codec import Codec, default_codec
+from dagfold.config import EVENTS
+from dagfold.exceptions import CodecError, LogError
+from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
+from projections.store import Txn
+from services.callbacks.ledger import (
+    DELIVERED,
+    GAVE_UP,
+    PENDING,
+    CallbackLedger,
+    Record,
+    delivery_id,
+    delivery_key,
+    due_key,
+    job_key,
+)
+from services.callbacks.options import CallbackOptions
+from services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
+
+log = logging.getLogger("dagfold.callbacks")
+
+GROUP = "dagfold-callbacks"
+LEDGER_DIR = "callbacks"
+USER_AGENT = "dagfold-callbacks/0.1"
+ACCEPTED = "dagfold.event.JobAccepted"
+REDRIVEN = "dagfold.event.JobRedriven"
+TERMINAL = {
+    "dagfold.event.JobSucceeded": "succeeded",
+    "dagfold.event.JobFailed": "failed",
+    "dagfold.event.JobCancelled": "cancelled",
+}
+RELEVANT = frozenset({ACCEPTED, REDRIVEN, *TERMINAL})
+RETRYABLE_4XX = frozenset({408, 429})
+MAX_ERROR_CHARS = 500
+LAG_CHECK_S = 5.0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one attempt came to: ``delivered``, ``retry`` or ``final`` (give up now)."""
+
+    kind: str
+    status: int | None = None
+    error: str | None = None
+    retry_after_s: float | None = None
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta seconds or an HTTP date); None if absent or unreadable."""
+    if not value:
+        return None
+    v = value.strip()
+    if v.isdigit():
+        return float(v)
+    try:
+        when = email.utils.parsedate_to_datetime(v)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - time.time(), 0.0)
+
+
+def _usable_url(url: str) -> str | None:
+    """Why ``url`` cannot be called (None: it can)."""
+    try:
+        u = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError) as exc:
+        return f"invalid callback URL: {exc}"
+    if u.scheme not in ("http", "https") or not u.host:
+        return f"callback URL must be http(s)://host/...: {url[:200]!r}"
+    return None
+
+
+def classify(status: int, retry_after: str | None = None) -> Outcome:
+    """The outcome of an HTTP answer: 2xx delivered; 408, 429 and every non-4xx retried; other 4xx final."""
+    if 200 <= status < 300:
+        return Outcome("delivered", status)
+    if 400 <= status < 500 and status not in RETRYABLE_4XX:
+        return Outcome("final", status, f"HTTP {status}")
+    return Outcome("retry", status, f"HTTP {status}", _retry_after(retry_after))
+
+
+class CallbackNotifier:
+    """Tails the events topic and delivers job-end callbacks; ``run`` until stopped, then ``close``.
+
+    ``options`` defaults to ``CallbackOptions.from_env(data_dir)``. The ledger
+    lives in ``data_dir / "callbacks"``; ``ledger`` may be read from other
+    threads (the API shows delivery states from it).
+    """
+
+    def __init__(
+        self,
+        log: Log,
+        data_dir: Path,
+        options: CallbackOptions | None = None,
+        *,
+        batch_max_records: int = 2000,
+        poll_timeout_s: float = 0.2,
+        codec: Codec | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.log = log
+        self.options = options if options is not None else CallbackOptions.from_env(data_dir)
+        self.ledger = CallbackLedger(data_dir / LEDGER_DIR)
+        self.batch_max_records = batch_max_records
+        self.poll_timeout_s = poll_timeout_s
+        self._codec = codec or default_codec()
+        self._relevant_fp: dict[bytes, bool] = {}  # writer fingerprint -> is it a type the notifier reads
+        self._consumer: Consumer | None = None
+        self._client = httpx.Client(timeout=self.options.timeout_s, follow_redirects=False, transport=transport,
+                                    headers={"User-Agent": USER_AGENT})
+        self._pool = cf.ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="callbacks-http")
+        self._in_flight: dict[tuple[str, int], cf.Future[Outcome]] = {}
+        self._rng = random.Random()
+        self._lag_at = 0.0
+        self._closed = False
+        # counters of this instance (the Prometheus counters are process-wide)
+        self.delivered = 0
+        self.retried = 0
+        self.gave_up = 0
+        self.attempts = 0
+
+    # -- the events side ------------------------------------------------------------
+    def _ensure_consumer(self) -> bool:
+        """Join the group once the events topic exists; False until then."""
+        if self._consumer is not None:
+            return True
+        try:
+            self.log.partitions(EVENTS)
+        except LogError:
+            return False
+        consumer = self.log.consumer(GROUP, client_id="dagfold-callbacks")
+        consumer.subscribe([EVENTS])
+        self._consumer = consumer
+        log.info("callback notifier joined group %s on %s", GROUP, EVENTS)
+        return True
+
+    def _relevant(self, rec: LogRecord) -> Record | None:
+        """The decoded event if it is one the notifier reads (other types are skipped by fingerprint)."""
+        fp = rec.value[2:10] if rec.value is not None else b""
+        if self._relevant_fp.get(fp) is False:
+            return None
+        try:
+            ev = self._codec.decode(rec.value)
+        except CodecError as exc:
+            log.warning("callbacks skip %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
+            return None
+        relevant = ev["type"] in RELEVANT
+        self._relevant_fp[fp] = relevant
+        return ev if relevant else None
+
+    def ingest(self, records: list[LogRecord]) -> int:
+        """Apply polled events to the ledger (one write batch), then commit their offsets; returns deliveries due."""
+        if not records:
+            return 0
+        txn = self.ledger.txn()
+        now = self._now_ms()
+        scheduled = 0
+        nexts: dict[TopicPartition, int] = {}
+        for rec in records:
+            tp = TopicPartition(rec.topic, rec.partition)
+            nexts[tp] = max(nexts.get(tp, 0), rec.offset + 1)
+            ev = self._relevant(rec)
+            if ev is not None:
+                scheduled += self._apply(txn, ev, rec.offset, now)
+        self.ledger.commit(txn)
+        if self._consumer is not None:
+            self._consumer.commit(nexts)  # after the ledger: a crash in between re-reads, which is a no-op
+        return scheduled
+
+    def _apply(self, txn: Txn, ev: Record, offset: int, now_ms: int) -> int:
+        job_id: str = ev["job_id"]
+        jk = job_key(job_id)
+        kind = ev["type"]
+        if kind == ACCEPTED:
+            spec = ev["spec"]
+            url = spec.get("callback_url")
+            if url and txn.get(jk) is None:
+                txn.put(jk, {"url": url, "tenant": spec.get("tenant", "default"), "tier": spec.get("tier"),
+                             "accepted_ms": ev["ts_ms"], "round": 0, "last_offset": offset})
+            return 0
+        job = txn.get(jk)
+        if job is None or offset <= job["last_offset"]:
+            return 0  # no callback wanted, or read before (a re-read after a crash)
+        job["last_offset"] = offset
+        rnd = job["round"]
+        dk = delivery_key(job_id, rnd)
+        if kind == REDRIVEN:
+            if txn.get(dk) is not None:
+                job["round"] = rnd + 1  # the job runs again: its next end is a new delivery
+            txn.put(jk, job)
+            return 0
+        txn.put(jk, job)
+        if txn.get(dk) is not None:
+            return 0
+        state = TERMINAL[kind]
+        partial = bool(ev.get("partial", False))
+        if partial:
+            state = "succeeded_partial"
+        did = delivery_id(job_id, rnd)
+        payload = {"delivery_id": did, "job_id": job_id, "state": state, "reason": ev.get("reason"),
+                   "partial": partial, "tenant": job["tenant"], "tier": job["tier"], "round": rnd,
+                   "accepted_ms": job["accepted_ms"], "ended_ms": ev["ts_ms"]}
+        txn.put(dk, {"job_id": job_id, "round": rnd, "url": job["url"], "delivery_id": did, "state": PENDING,
+                     "payload": payload, "attempts": 0, "next_attempt_ms": now_ms, "created_ms": now_ms,
+                     "last_attempt_ms": None, "last_status": None, "last_error": None, "reason": None,
+                     "delivered_ms": None})
+        txn.put(due_key(now_ms, job_id, rnd), 0)
+        return 1
+
+    # -- the delivery side ------------------------------------------------------------
+    def _attempt(self, delivery: Record) -> Outcome:
+        """One POST (on a pool thread): never raises, says what came of it."""
+        bad = _usable_url(delivery["url"])
+        if bad is not None:
+            return Outcome("final", None, bad)
+        sent_ms = self._now_ms()
+        body = json.dumps({**delivery["payload"], "attempt": delivery["attempts"] + 1, "sent_ms": sent_ms},
+                          separators=(",", ":"), sort_keys=True).encode()
+        headers = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: sign(self.options.secret, body),
+            DELIVERY_HEADER: delivery["delivery_id"],
+            TIMESTAMP_HEADER: str(sent_ms // 1000),
+        }
+        try:
+            with self._client.stream("POST", delivery["url"], content=body, headers=headers) as resp:
+                return classify(resp.status_code, resp.headers.get("retry-after"))  # the body is never read
+        except httpx.UnsupportedProtocol as exc:
+            return Outcome("final", None, f"unusable callback URL: {exc}"[:MAX_ERROR_CHARS])
+        except httpx.TimeoutException as exc:
+            return Outcome("retry", None, f"timeout after {self.options.timeout_s:g}s: {type(exc).__name__}")
+        except httpx.HTTPError as exc:
+            return Outcome("retry", None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+        except Exception as exc:  # a bug or a closed client: retried, never lost
+            log.exception("callback attempt for %s failed unexpectedly", delivery["delivery_id"])
+            return Outcome("retry", None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+
+    def backoff_s(self, attempts: int, retry_after_s: float | None = None) -> float:
+        """Wait before the next attempt after ``attempts`` failed ones: exponential, half of it jitter."""
+        o = self.options
+        cap = min(o.max_backoff_s, o.base_backoff_s * 2.0 ** min(max(attempts - 1, 0), 62))
+        delay = cap / 2 + self._rng.uniform(0, cap / 2)
+        if retry_after_s is not None:
+            delay = max(delay, min(retry_after_s, o.max_backoff_s))
+        return delay
+
+    def _record(self, txn: Txn, job_id: str, rnd: int, outcome: Outcome, now_ms: int) -> str | None:
+        """Write an attempt's outcome; returns the metric it counts for (delivered, retried, gave_up:<why>)."""
+        dk = delivery_key(job_id, rnd)
+        d = txn.get(dk)
+        if d is None or d["state"] != PENDING:
+            return None
+        txn.delete(due_key(d["next_attempt_ms"], job_id, rnd))
+        d["attempts"] += 1
+        d.update(last_attempt_ms=now_ms, last_status=outcome.status, last_error=outcome.error)
+        counted: str
+        if outcome.kind == "delivered":
+            d.update(state=DELIVERED, delivered_ms=now_ms, next_attempt_ms=None, last_error=None)
+            counted = "delivered"
+            log.info("callback %s delivered to %s (HTTP %s, attempt %d)", d["delivery_id"], d["url"],
+                     outcome.status, d["attempts"])
+        elif outcome.kind == "final" or d["attempts"] >= self.options.max_attempts:
+            if outcome.kind == "final":
+                why = "invalid_url" if outcome.status is None else "rejected"
+                reason = f"final answer: {outcome.error}"
+            else:
+                why = "max_attempts"
+                reason = f"gave up after {d['attempts']} attempts; last: {outcome.error}"
+            d.update(state=GAVE_UP, reason=reason, next_attempt_ms=None)
+            counted = f"gave_up:{why}"
+            log.warning("callback %s to %s given up: %s", d["delivery_id"], d["url"], reason)
+        else:
+            due = now_ms + int(self.backoff_s(d["attempts"], outcome.retry_after_s) * 1000)
+            d["next_attempt_ms"] = due
+            txn.put(due_key(due, job_id, rnd), 0)
+            counted = "retried"
+            log.info("callback %s attempt %d failed (%s); next at %d", d["delivery_id"], d["attempts"],
+                     outcome.error, due)
+        txn.put(dk, d)
+        return counted
+
+    def _collect(self, wait_s: float | None = None) -> int:
+        """Record the outcomes of finished attempts (waiting up to ``wait_s`` for those in flight)."""
+        if not self._in_flight:
+            return 0
+        if wait_s:
+            cf.wait(list(self._in_flight.values()), timeout=wait_s)
+        done = [(k, f) for k, f in self._in_flight.items() if f.done()]
+        if not done:
+            return 0
+        txn = self.ledger.txn()
+        now = self._now_ms()
+        counted = []
+        for (job_id, rnd), fut in done:
+            del self._in_flight[(job_id, rnd)]
+            try:
+                outcome = fut.result()
+            except BaseException as exc:  # cancelled at shutdown, or a bug: still pending, tried again
+                outcome = Outcome("retry", None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+            counted.append(self._record(txn, job_id, rnd, outcome, now))
+        self.ledger.commit(txn)
+        for c in counted:  # counted once the ledger holds them
+            if c is None:
+                continue
+            self.attempts += 1
+            if c == "delivered":
+                self.delivered += 1
+                metrics.CALLBACKS_DELIVERED.inc()
+            elif c == "retried":
+                self.retried += 1
+                metrics.CALLBACKS_RETRIED.inc()
+            else:
+                self.gave_up += 1
+                metrics.CALLBACKS_FAILED.labels(c.split(":", 1)[1]).inc()
+        return len(done)
+
+    def _dispatch_due(self) -> int:
+        """Start the due deliveries that are not in flight, as far as the pool has room; returns started."""
+        room = self.options.concurrency - len(self._in_flight)
+        if room <= 0 or self._closed:
+            return 0
+        started = 0
+        stale: list[tuple[int, str, int]] = []
+        for due_ms, job_id, rnd in self.ledger.due(self._now_ms(), room + len(self._in_flight)):
+            if (job_id, rnd) in self._in_flight:
+                continue
+            d = self.ledger.delivery(job_id, rnd)
+            if d is None or d["state"] != PENDING or d["next_attempt_ms"] != due_ms:
+                stale.append((due_ms, job_id, rnd))  # not written by this code; dropped rather than spun on
+                continue
+            self._in_flight[(job_id, rnd)] = self._pool.submit(self._attempt, d)
+            started += 1
+            if started >= room:
+                break
+        if stale:
+            txn = self.ledger.txn()
+            for due_ms, job_id, rnd in stale:
+                txn.delete(due_key(due_ms, job_id, rnd))
+            self.ledger.commit(txn)
+        return started
+
+    # -- the loop ------------------------------------------------------------------
+    def _now_ms(self) -> int:
+        return int(time.time() * 1000)
+
+    def _poll_wait_s(self, timeout_s: float | None) -> float:
+        wait = self.poll_timeout_s if timeout_s is None else timeout_s
+        nxt = self.ledger.next_due_ms()
+        if nxt is not None:
+            until = (nxt - self._now_ms()) / 1000.0
+            if until > 0:
+                wait = min(wait, until)
+        return max(wait, 0.0)
+
+    def step(self, timeout_s: float | None = None) -> int:
+        """One round: record finished attempts, poll and ingest one batch, start due deliveries; returns records."""
+        self._collect()
+        self._dispatch_due()
+        if not self._ensure_consumer() or self._consumer is None:
+            time.sleep(min(self._poll_wait_s(timeout_s), 0.5))
+            return 0
+        records = self._consumer.poll(self.batch_max_records, self._poll_wait_s(timeout_s))
+        self.ingest(records)
+        self._collect()
+        self._dispatch_due()
+        self._update_lag()
+        return len(records)
+
+    def _update_lag(self) -> None:
+        now = time.monotonic()
+        if self._consumer is None or now - self._lag_at < LAG_CHECK_S:
+            return
+        self._lag_at = now
+        tps = self._consumer.assignment()
+        if not tps:
+            return
+        ends = self.log.end_offsets(tps)
+        lag = sum(max(end - self._consumer.position(tp), 0) for tp, end in ends.items())
+        metrics.CONSUMER_LAG.labels("callbacks", EVENTS).set(lag)
+
+    def run(self, stop: threading.Event) -> None:
+        """Notify until ``stop`` is set; then wait up to ``timeout_s`` (at most 5 s) for the attempts in flight."""
+        backoff = 0.1
+        log.info("callback notifier started (ledger %s)", self.ledger.store.path)
+        try:
+            while not stop.is_set():
+                try:
+                    self.step()
+                    backoff = 0.1
+                except LogError as exc:
+                    log.warning("callbacks: log error, retrying in %.1fs: %s", backoff, exc)
+                    stop.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+        finally:
+            self._collect(wait_s=min(self.options.timeout_s, 5.0))
+            log.info("callback notifier stopped: %d delivered, %d retried, %d given up", self.delivered,
+                     self.retried, self.gave_up)
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Step until no delivery is due or in flight (tests and one-shot tools); stops at ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.step(0.05)
+            if not self._in_flight and not self.ledger.due(self._now_ms(), 1):
+                return
+
+    def close(self) -> None:
+        """Release the consumer, the HTTP threads and the ledger (after ``run`` returned).
+
+        An attempt still in flight is abandoned: it stays pending in the ledger and is sent again by the
+        next notifier over this data folder.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+        if self._consumer is not None:
+            try:
+                self._consumer.close()
+            except Exception:
+                log.debug("consumer close failed", exc_info=True)
+            self._consumer = None
+        self.ledger.close()

@@ -1,0 +1,198 @@
+"""GPU jobs end to end on Kafka, every part its own process: `dagfold up` (scheduler, projector, API,
+callbacks), `dagfold allocator`, and one `dagfold agent --simulate` per host running real job processes.
+
+Faults are real: kill -9 of an agent, thermal throttling switched on through the agent's faults file,
+SIGSTOP of an agent past its node lease and SIGCONT after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.callbacks.signing import verify
+from tests.callback_support import Receiver
+from tests.cli_support import DAGFOLD, ROOT, UpProcess
+
+pytestmark = pytest.mark.kafka
+SECRET = "gpu-e2e-secret"
+
+
+class GpuPool:
+    """An allocator and ``nodes`` simulated 2-GPU agents of a fresh pool, as processes."""
+
+    def __init__(self, tmp: Path, url: str, nodes: int) -> None:
+        self.tmp, self.url = tmp, url
+        self.pool = f"gpu-{uuid.uuid4().hex[:8]}"  # the session broker is shared: a pool of its own
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.faults = {f"n{i}": tmp / f"faults-n{i}" for i in range(nodes)}
+        self.start("allocator", "allocator", "--pool", self.pool, "--log", url, "--data", str(tmp / "alloc"),
+                   "--lease-s", "3", "--grace-s", "4")
+        for node in self.faults:
+            self.start_agent(node)
+
+    def start(self, name: str, *args: str) -> None:
+        logf = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
+        self.procs[name] = subprocess.Popen([*DAGFOLD, *args], cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def start_agent(self, node: str) -> None:
+        self.start(node, "agent", "--pool", self.pool, "--log", self.url, "--node", node, "--simulate",
+                   "--gpus", "2", "--heartbeat-s", "0.3", "--faults-file", str(self.faults[node]),
+                   "--artifacts", str(self.tmp / "artifacts"))
+
+    def signal(self, node: str, sig: int) -> None:
+        os.kill(self.procs[node].pid, sig)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def up(kafka_bootstrap: str, tmp_path: Path) -> Iterator[UpProcess]:
+    os.environ["DAGFOLD_CALLBACK_SECRET"] = SECRET  # inherited by `dagfold up`: it signs callbacks
+    try:
+        u = UpProcess(tmp_path / "data", log=f"kafka://{kafka_bootstrap}").start()
+    finally:
+        os.environ.pop("DAGFOLD_CALLBACK_SECRET", None)
+    try:
+        yield u
+    finally:
+        u.stop()
+
+
+def submit_gpu(up: UpProcess, pool: str, steps: int, callback: str | None = None, **kw: Any) -> str:
+    body = {"model": "demo", "params": {"steps": steps, "step_s": 0.1}, "prompt": "hello", "pool": pool,
+            "resources": {"gpus": 2, "checkpoint": True}, "callback_url": callback, **kw}
+    r = httpx.post(up.api + "/v1/gpu-jobs", json=body, timeout=10)
+    assert r.status_code == 202, r.text
+    return str(r.json()["job_id"])
+
+
+def task(up: UpProcess, job_id: str) -> dict[str, Any]:
+    """The job's task as the read model has it ({} until the projector has seen the job)."""
+    r = httpx.get(f"{up.api}/v1/jobs/{job_id}/tasks/run", timeout=10)
+    assert r.status_code in (200, 404), r.text
+    return dict(r.json()) if r.status_code == 200 else {}
+
+
+def wait_running(up: UpProcess, *job_ids: str, timeout: float = 90) -> dict[str, str]:
+    """The node each job's task runs on, once all run at once and have checkpointed (progress >= 10%)."""
+    deadline = time.monotonic() + timeout
+    tasks: dict[str, dict[str, Any]] = {}
+    while time.monotonic() < deadline:
+        tasks = {j: task(up, j) for j in job_ids}
+        if all(t.get("state") == "running" and (t.get("progress") or 0) >= 0.1 and t.get("allocation")
+               for t in tasks.values()):
+            return {j: str(t["allocation"]["node_ids"][0]) for j, t in tasks.items()}
+        time.sleep(0.2)
+    raise AssertionError(f"not all of {job_ids} ran: {tasks}")
+
+
+def history(up: UpProcess, job_id: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{up.api}/v1/jobs/{job_id}/history", params={"limit": 1000}, timeout=10)
+    return list(r.json()["events"])
+
+
+def final_output(up: UpProcess, job_id: str) -> str:
+    r = httpx.get(f"{up.api}/v1/jobs/{job_id}/tasks/run/attempts", timeout=10)
+    att = [a for a in r.json()["attempts"] if a.get("outcome") == "succeeded"]
+    assert len(att) == 1, r.json()
+    return str(att[0].get("stdout_tail") or "")
+
+
+def test_gpu_jobs_survive_a_killed_and_a_throttled_agent_and_call_back_once(
+        up: UpProcess, kafka_bootstrap: str, tmp_path: Path) -> None:
+    pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=4)
+    with Receiver() as rx:
+        try:
+            jobs = [submit_gpu(up, pool.pool, 150, rx.url(f"/hook/{i}")) for i in range(3)]
+            nodes = wait_running(up, *jobs)
+            assert len(set(nodes.values())) == 3  # 2 GPUs a job, 2 a host: one job per host
+            killed, throttled, calm = jobs
+            pool.signal(nodes[killed], signal.SIGKILL)
+            pool.faults[nodes[throttled]].write_text("throttle\n")
+            for j in jobs:
+                assert up.wait(j, timeout=180)["state"] == "succeeded", history(up, j)
+            for j in (killed, throttled):
+                h = history(up, j)
+                requeued = [e for e in h if e["type"] == "TaskRequeued"]
+                assert requeued and "checkpoint" in requeued[0]["detail"], h
+                allocated = [e for e in h if e["type"] == "TaskAllocated"]
+                assert len(allocated) >= 2 and nodes[j] not in allocated[-1]["detail"]
+                assert "resumes from" in allocated[-1]["detail"]
+                assert not [e for e in h if e["type"] == "TaskFailed"]  # moved, never failed
+                assert '"resumed_from": 0' not in final_output(up, j)  # it went on from its checkpoint
+            h = history(up, calm)
+            assert len([e for e in h if e["type"] == "TaskAllocated"]) == 1
+            for j in jobs:
+                got = rx.wait_for(j, 1, timeout_s=60)
+            time.sleep(2.0)  # a duplicate would come now
+            for j in jobs:
+                got = rx.of(j)
+                assert len(got) == 1, [g.path for g in got]
+                assert got[0].json["state"] == "succeeded"
+                assert verify(SECRET, got[0].body, got[0].headers.get("x-dagfold-signature"))
+        finally:
+            pool.close()
+
+
+def _processes_of(alloc_id: str) -> list[int]:
+    """PIDs of job processes started for ``alloc_id`` (read from their environment)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            env = (d / "environ").read_bytes().split(b"\0")
+            if f"DAGFOLD_ALLOC_ID={alloc_id}".encode() in env:
+                pids.append(int(d.name))
+    return pids
+
+
+def test_an_agent_stopped_past_its_lease_is_fenced_when_it_comes_back(
+        up: UpProcess, kafka_bootstrap: str, tmp_path: Path) -> None:
+    pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=2)
+    try:
+        job = submit_gpu(up, pool.pool, 150)
+        node = wait_running(up, job)[job]
+        stale = task(up, job)["allocation"]["alloc_id"]
+        pool.signal(node, signal.SIGSTOP)  # a partition: the host's job keeps running, its agent is silent
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            t = task(up, job)
+            if t["state"] == "running" and t.get("allocation") and t["allocation"]["alloc_id"] != stale:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the job did not move off the stopped node: {history(up, job)}")
+        assert _processes_of(stale)  # the stale process still runs behind the partition
+        pool.signal(node, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while _processes_of(stale) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _processes_of(stale)  # fenced: its allocation is over, the agent stopped it
+        assert up.wait(job, timeout=120)["state"] == "succeeded"
+        h = history(up, job)
+        assert [e["type"] for e in h].count("TaskSucceeded") == 1
+        assert not [e for e in h if e["type"] == "TaskFailed"]
+    finally:
+        pool.close()
