@@ -137,7 +137,7 @@ def end_to_end(log_url: str, workers: int) -> dict[str, Any]:
     spec = to_job_spec(parse_spec(doc))
     data = Path(tempfile.mkdtemp(prefix="dagfold-bench-"))
     cfg = Config.from_env(log_url=log_url, data_dir=data)
-    stack = Stack(cfg, StackOptions(workers=workers, api=False)).start()
+    stack = Stack(cfg, StackOptions(workers=workers, api=False, callbacks=False)).start()
     try:
         from dagfold.commands import submit_job
 

@@ -86,7 +86,7 @@ def one(n: int, limit: float, fold_only: bool) -> dict[str, Any]:
 
     data = Path(tempfile.mkdtemp(prefix="bench-scale-"))
     cfg = Config.from_env(log_url="embedded", data_dir=data)
-    stack = Stack(cfg, StackOptions(workers=2, api=False)).start()
+    stack = Stack(cfg, StackOptions(workers=2, api=False, callbacks=False)).start()
     try:
         stack.runner.ready.wait(60)
         out["rss_before_mib"] = round(probe.rss_bytes(os.getpid()) / 2**20, 1)

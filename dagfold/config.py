@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dagfold.log.base import TopicSpec
+from dagfold.log.base import MAX_RECORD_BYTES, TopicSpec
 
 COMMANDS = "commands"
 EVENTS = "events"
@@ -41,7 +41,7 @@ class Limits:
     max_tasks_per_job: int = 1_000_000
     max_task_id_len: int = 256
     max_args_bytes: int = 64 * 1024
-    max_spec_bytes: int = 64 * 1024 * 1024
+    max_spec_bytes: int = 64 * 1024 * 1024  # below MAX_RECORD_BYTES, the largest record a topic takes
     max_queue_name_len: int = 200
 
 
@@ -91,10 +91,11 @@ class Config:
         r = self.replication
         isr = 2 if r >= 3 else None
         return [
-            TopicSpec(COMMANDS, self.partitions, self.commands_retention_ms, r, isr),
-            TopicSpec(EVENTS, self.partitions, self.events_retention_ms, r, isr),
+            # job specs travel in SubmitJob (commands), JobAccepted (events) and dead letters
+            TopicSpec(COMMANDS, self.partitions, self.commands_retention_ms, r, isr, MAX_RECORD_BYTES),
+            TopicSpec(EVENTS, self.partitions, self.events_retention_ms, r, isr, MAX_RECORD_BYTES),
             TopicSpec(CONTROL, self.partitions, self.commands_retention_ms, r, isr),
-            TopicSpec(DEADLETTER, 1, self.events_retention_ms, r, isr),
+            TopicSpec(DEADLETTER, 1, self.events_retention_ms, r, isr, MAX_RECORD_BYTES),
             TopicSpec(ALLOCATOR_COMMANDS, self.allocator_partitions, self.commands_retention_ms, r, isr),
             TopicSpec(ALLOCATOR_EVENTS, self.allocator_partitions, self.events_retention_ms, r, isr),
         ]

@@ -78,12 +78,15 @@ def test_gpu_sharing_packs_fractions_on_one_gpu() -> None:
 
 
 @pytest.mark.parametrize("kw,why", [
-    ({"gpus": 9}, "largest host"), ({"gpus": 8, "hosts": 5}, "hosts requested"),
+    ({"gpus": 9}, "largest host"), ({"gpus": 8, "hosts": 5}, "5 hosts of 8 GPUs requested"),
+    ({"gpus": 8, "hosts": 2, "gpu_type": ["SMALL"]}, "2 hosts of 8 GPUs requested; the pool has 1"),
     ({"gpus": 2, "gpu_milli": 500}, "GPU share"), ({"tier": "gold"}, "unknown tier"),
     ({"gpus": 1, "max_runtime_s": -1.0}, "max_runtime_s"),
 ])
 def test_rejections(kw: dict, why: str) -> None:
     h = harness(hosts=2)
+    h.register("small-0", "SMALL", 8)
+    h.register("small-1", "SMALL", 4)  # 2 hosts of the type, but one too small for the gang's part
     h.request("r", **kw)
     assert why in h.of_type("RequestRejected")[-1]["reason"]
     assert not h.fold.state.requests
@@ -337,3 +340,41 @@ def test_every_output_matches_its_schema() -> None:
               cmds.request_allocation("p", "j"), cmds.release_allocation("p", "a", 1, "n"),
               cmds.cancel_request("p", "j")):
         codec.encode(c, validate_record=True)
+
+
+def test_a_gang_holds_its_hosts_until_its_first_host_ends_and_a_failed_part_tells_the_scheduler() -> None:
+    h = harness(hosts=3)
+    h.request("g1", task_id="t", gpus=8, hosts=2)
+    g = h.of_type("AllocationGranted")[-1]
+    first, second = (p["node_id"] for p in g["hosts"])
+    h.process(cmds.release_allocation(h.pool, g["alloc_id"], g["epoch"], second, "completed", ts_ms=h.now_ms))
+    assert g["alloc_id"] in h.fold.state.allocs  # a part finished early: the gang still holds both hosts
+    h.process(cmds.release_allocation(h.pool, g["alloc_id"], g["epoch"], first, "completed", ts_ms=h.now_ms))
+    assert g["alloc_id"] not in h.fold.state.allocs
+    assert not [c for c in h.scheduler_commands if c["status"] != "granted"]  # the first host reports itself
+
+    h.request("g2", task_id="t", gpus=8, hosts=2)
+    g2 = h.of_type("AllocationGranted")[-1]
+    part = g2["hosts"][1]["node_id"]
+    h.process(cmds.release_allocation(h.pool, g2["alloc_id"], g2["epoch"], part, "failed", exit_code=1,
+                                      ts_ms=h.now_ms))
+    assert g2["alloc_id"] not in h.fold.state.allocs
+    told = h.scheduler_commands[-1]
+    assert (told["job_id"], told["status"], told["alloc_id"]) == ("g2", "ended", g2["alloc_id"])
+    assert told["reason"] == f"failed on {part}"
+    stopped = [c["node_id"] for c in h.controls if c["alloc_id"] == g2["alloc_id"]]
+    assert stopped == [g2["hosts"][0]["node_id"]]  # the first host's process is stopped
+
+
+def test_the_scheduler_hears_of_grants_requeues_and_rejections() -> None:
+    h = harness(hosts=1, gpus=8, lease_s=5.0)
+    h.request("a", task_id="t", gpus=4, checkpoint=True)
+    h.request("too-big", task_id="t", gpus=16)
+    g = h.of_type("AllocationGranted")[-1]
+    h.advance(6_000)  # no heartbeat: the node's lease expires, the allocation goes back to the queue
+    told = [(c["job_id"], c["status"]) for c in h.scheduler_commands]
+    assert told == [("a", "granted"), ("too-big", "rejected"), ("a", "requeued")]
+    assert h.scheduler_commands[0]["hosts"] == g["hosts"]
+    assert h.scheduler_commands[1]["reason"].startswith("16 GPUs per host requested")
+    for c in h.scheduler_commands:
+        default_codec().encode(c, validate_record=True)

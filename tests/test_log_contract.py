@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dagfold.exceptions import FencedError, LogError
-from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition, TopicSpec, partition_for
+from dagfold.log.base import MAX_RECORD_BYTES, Consumer, Log, LogRecord, TopicPartition, TopicSpec, partition_for
 
 TopicName = Callable[..., str]
 
@@ -107,6 +107,21 @@ def test_records_read_back_in_order(log_backend: Log, unique_topic: TopicName) -
     offsets = [r.offset for r in recs]
     assert offsets == sorted(offsets) and len(set(offsets)) == 100
     assert all(r.timestamp_ms > 1_600_000_000_000 for r in recs)
+
+
+def test_a_job_spec_sized_record_goes_through_a_transaction(log_backend: Log, unique_topic: TopicName) -> None:
+    """Big DAGs make big SubmitJob records (a 100 x 100 layered DAG is about 7 MiB): topics that carry
+    specs take records far above Kafka's 1 MiB default, through the exactly-once path."""
+    topic = unique_topic("big")
+    log_backend.create_topics([TopicSpec(topic, 1, max_message_bytes=MAX_RECORD_BYTES)])
+    big = bytes(range(256)) * (12 * 1024 * 1024 // 256)  # 12 MiB
+    p = log_backend.transactional_producer(f"big-{topic}")
+    p.begin()
+    p.send(topic, b"k", big)
+    p.commit({}, None)
+    recs = _drain(_reader(log_backend, topic), 1, timeout_s=60)
+    assert len(recs) == 1 and recs[0].value == big
+    p.close()
 
 
 def test_end_offsets(log_backend: Log, unique_topic: TopicName) -> None:

@@ -22,6 +22,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+# The largest record dagfold writes: a SubmitJob of Limits.max_spec_bytes (64 MiB) with its framing.
+# Kafka's default is 1 MiB; topics that carry job specs are created with this limit.
+MAX_RECORD_BYTES = 72 * 1024 * 1024
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class TopicPartition:
@@ -38,6 +42,7 @@ class TopicSpec:
     retention_ms: int = -1  # -1 keeps everything (the events topic is the audit log)
     replication: int = 1
     min_insync_replicas: int | None = None
+    max_message_bytes: int | None = None  # None: the broker's default (1 MiB on Kafka)
 
 
 @dataclass(frozen=True, slots=True)

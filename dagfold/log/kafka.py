@@ -31,7 +31,15 @@ from confluent_kafka import TopicPartition as _CkTP
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from dagfold.exceptions import FencedError, LogError
-from dagfold.log.base import AssignCallback, Consumer, LogRecord, TopicPartition, TopicSpec, partition_for
+from dagfold.log.base import (
+    MAX_RECORD_BYTES,
+    AssignCallback,
+    Consumer,
+    LogRecord,
+    TopicPartition,
+    TopicSpec,
+    partition_for,
+)
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".librdkafka")
@@ -126,6 +134,8 @@ class KafkaLog:
                 config = {"retention.ms": str(s.retention_ms)}
                 if s.min_insync_replicas is not None:
                     config["min.insync.replicas"] = str(s.min_insync_replicas)
+                if s.max_message_bytes is not None:
+                    config["max.message.bytes"] = str(s.max_message_bytes)
                 new.append(NewTopic(s.name, s.partitions, s.replication, config=config))
             futures = self._admin.create_topics(new, operation_timeout=_TIMEOUT_S, request_timeout=_TIMEOUT_S)
             for name, fut in futures.items():
@@ -240,6 +250,9 @@ class KafkaLog:
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": 5,
+            # a SubmitJob (and its JobAccepted) may be as large as Limits.max_spec_bytes; topics that
+            # carry them are created with a matching max.message.bytes (Config.core_topics)
+            "message.max.bytes": MAX_RECORD_BYTES,
             **extra,
             **self._producer_config,
         }

@@ -147,9 +147,10 @@ def could_ever_fit(st: PoolState, r: RequestView) -> str | None:
     if max(st.gpu_types[t] for t in types) < r.gpus:
         return f"{r.gpus} GPUs per host requested; the largest host of {'|'.join(types)} has " \
                f"{max(st.gpu_types[t] for t in types)}"
-    hosts = sum(st.type_hosts.get(t, 0) for t in types)
+    # hosts big enough for one part of the gang (a handful of distinct host sizes per type)
+    hosts = sum(c for t in types for g, c in st.type_sizes.get(t, {}).items() if g >= r.gpus)
     if hosts < r.hosts:
-        return f"{r.hosts} hosts requested; the pool has {hosts} of {'|'.join(types)}"
+        return f"{r.hosts} hosts of {r.gpus} GPUs requested; the pool has {hosts} such hosts of {'|'.join(types)}"
     if r.cpu > st.max_cpu or r.mem > st.max_mem:
         return f"{r.cpu} mCPU / {r.mem} MiB requested; the largest host has {st.max_cpu} mCPU / {st.max_mem} MiB"
     return None

@@ -31,7 +31,7 @@ def _requeue(ctx: Ctx, a: AllocView, checkpoint_uri: str | None = None) -> None:
 
 
 def _end(ctx: Ctx, a: AllocView, name: str, reason: str, *, requeue: bool, stop_nodes: list[str] | None,
-         checkpoint_uri: str | None = None) -> None:
+         checkpoint_uri: str | None = None, tell_scheduler: bool = False) -> None:
     """Release or expire ``a``; stop it on ``stop_nodes`` (None: all its hosts); requeue it if asked."""
     ctx.event(name, alloc_id=a.id, epoch=a.epoch, job_id=a.req.job_id, task_id=a.req.task_id,
               attempt=a.req.attempt, tenant=a.req.tenant, tier=a.req.tier, reason=reason,
@@ -40,7 +40,9 @@ def _end(ctx: Ctx, a: AllocView, name: str, reason: str, *, requeue: bool, stop_
         ctx.stop(a, reason, nodes=stop_nodes)
     if requeue:
         _requeue(ctx, a, checkpoint_uri)
-    if requeue or name == "AllocationExpired":  # completions and cancels are reported by their own authors
+    # completions, failures and cancels are reported by their own authors (the gang's first host, the
+    # scheduler); what only the allocator sees is told here
+    if requeue or name == "AllocationExpired" or tell_scheduler:
         ctx.notify("requeued" if requeue else "ended", a.req.job_id, a.req.task_id, a.req.attempt, alloc_id=a.id,
                    epoch=a.epoch, reason=reason, checkpoint_uri=checkpoint_uri or a.last_ckpt_uri)
 
@@ -176,11 +178,18 @@ def release_allocation(ctx: Ctx, cmd: Record) -> None:
     if a is None or a.epoch != cmd["epoch"]:
         return  # stale or duplicate: the allocation already ended
     others = [p.node for p in a.parts if p.node != cmd["node_id"]]
+    leader = a.parts[0].node
+    if cmd["reason"] == "completed" and cmd["node_id"] != leader and a.state != "preempting":
+        return  # one part of a gang finished: the gang holds its hosts until its first host's process ends
     if a.state == "preempting" or cmd["reason"] == "preempted":
         _end(ctx, a, "AllocationReleased", "preempted" if a.preempt_reason is None else a.preempt_reason,
              requeue=True, stop_nodes=others, checkpoint_uri=cmd["checkpoint_uri"])
     else:
-        _end(ctx, a, "AllocationReleased", cmd["reason"], requeue=False, stop_nodes=others)
+        # a failed part of a gang fails the attempt now: its first host, which reports to the scheduler,
+        # is stopped with the allocation and would leave it to the scheduler's lease to notice
+        why = cmd["reason"] if cmd["node_id"] == leader else f"{cmd['reason']} on {cmd['node_id']}"
+        _end(ctx, a, "AllocationReleased", why, requeue=False, stop_nodes=others,
+             tell_scheduler=cmd["reason"] != "completed" and cmd["node_id"] != leader)
     schedule(ctx)
 
 

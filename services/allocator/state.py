@@ -67,7 +67,7 @@ class PoolState:
         self.timers: dict[tuple[str, str], int] = {}
         self.timer_heap: list[tuple[int, str, str]] = []
         self.gpu_types: dict[str, int] = {}  # registered type -> max GPUs on one host
-        self.type_hosts: dict[str, int] = {}  # registered type -> hosts (any state)
+        self.type_sizes: dict[str, dict[int, int]] = {}  # registered type -> {GPUs on a host: hosts}
         self.type_gpus: dict[str, int] = {}  # registered type -> GPUs (any state)
         self.max_cpu = 0
         self.max_mem = 0
@@ -246,7 +246,8 @@ class PoolState:
         self.max_cpu = max(self.max_cpu, n.cpu)
         self.max_mem = max(self.max_mem, n.mem)
         if new:
-            self.type_hosts[n.gpu_type] = self.type_hosts.get(n.gpu_type, 0) + 1
+            sizes = self.type_sizes.setdefault(n.gpu_type, {})
+            sizes[n.gpus] = sizes.get(n.gpus, 0) + 1
 
     def due_timers(self, now_ms: int) -> Iterator[tuple[int, str, str]]:
         """Pop every live timer due at or before ``now_ms`` (the caller folds a TimerFired for each)."""

@@ -392,9 +392,10 @@ def _gpu_dispatch(ctx: Ctx, cmd: Record, t: dict[str, Any], tenant: str) -> None
 def task_allocation(ctx: Ctx, cmd: Record) -> None:
     """The allocator's word on a GPU attempt's request: granted, requeued, rejected or ended.
 
-    Only the current attempt's current allocation counts. A grant the task no
-    longer wants needs no answer here: every end of a GPU attempt already sent
-    its pool a CancelRequest, which the allocator folds after the grant.
+    Only the current attempt's current allocation counts. An attempt that ended
+    by a timeout, a failure or a cancel already sent its pool a CancelRequest,
+    which the allocator folds after this decision; a task that ended otherwise
+    (its success crossed a preemption) gets one now.
     """
     job_id, task_id, attempt, status = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["status"]
     t = get_task(ctx.txn, job_id, task_id)
@@ -418,6 +419,12 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
     if why is not None or t is None or j is None:
         ctx.event("ReportIgnored", job_id, task_id=task_id, attempt=attempt, worker_id=alloc or "",
                   report=f"allocation {status}", reason=why or "")
+        over = t is None or j is None or j["state"] != "running" or t["state"] in TERMINAL
+        if over and status in ("granted", "requeued"):
+            # the task ended without its pool hearing (it succeeded while its allocation was being
+            # preempted): free the GPUs or the queue slot; no later attempt of it can be hurt
+            ctx.out.append(Output(ALLOCATOR_COMMANDS, cmd["pool"], alloc_cmds.cancel_request(
+                cmd["pool"], job_id, task_id, f"task ended: {why}", ts_ms=ctx.now_ms)))
         return
     if status == "granted":
         ctx.event("TaskAllocated", job_id, task_id=task_id, attempt=attempt, pool=cmd["pool"], alloc_id=alloc,
