@@ -75,7 +75,7 @@ def command(system: str, workload: str, args: argparse.Namespace, broker: Broker
         assert broker is not None and kafka_data is not None
         cmd = [MAIN_PY, "-m", "bench.peers.run_dagfold", *common, "--log", broker.url, "--data", str(kafka_data),
                "--infra-pid", str(broker.pid)]
-        return cmd + (["--worker-procs"] if args.kafka_worker_procs else [])
+        return cmd + ([] if args.kafka_one_process else ["--worker-procs", "--scheduler-proc"])
     return [str(report.PEERS_PY), "-m", f"bench.peers.run_{system}", *common]
 
 
@@ -273,8 +273,10 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--kafka-port", type=int, default=19492)
-    ap.add_argument("--kafka-worker-procs", action="store_true",
-                    help="dagfold-kafka workers as separate `dagfold worker` processes (default: stack threads)")
+    ap.add_argument("--kafka-one-process", action="store_true",
+                    help="dagfold-kafka as one process (scheduler, projector and workers as threads of the "
+                         "stack, like dagfold-embedded); default: a deployment's shape, a `dagfold scheduler` "
+                         "process and `dagfold worker` processes, the read model in the measuring process")
     ap.add_argument("--no-setup", action="store_true")
     ap.add_argument("--no-limits", action="store_true")
     ap.add_argument("--no-docs", action="store_true")

@@ -92,6 +92,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--worker-procs", action="store_true",
                     help="Kafka only: run the workers as `dagfold worker` processes, not threads of the stack")
+    ap.add_argument("--scheduler-proc", action="store_true",
+                    help="Kafka only: run the scheduler as a `dagfold scheduler` process (a deployment's shape); "
+                         "this process keeps the projector and measures")
     ap.add_argument("--limit", type=float, default=180.0)
     ap.add_argument("--infra-pid", type=int, action="append", default=[])
     ap.add_argument("--pyspy", type=Path,
@@ -105,14 +108,22 @@ def main() -> None:
     cfg = Config.from_env(log_url=args.log, data_dir=data)
     procs: list[subprocess.Popen[bytes]] = []
     thread_workers = 0 if (kafka and args.worker_procs) else args.workers
-    stack = Stack(cfg, StackOptions(workers=thread_workers, api=False)).start()
+    split = kafka and args.scheduler_proc
+    stack = Stack(cfg, StackOptions(workers=thread_workers, api=False, callbacks=False,
+                                    scheduler=not split)).start()
+    sched_proc: subprocess.Popen[bytes] | None = None
     try:
+        if split:
+            sched_proc = subprocess.Popen(
+                [sys.executable, "-m", "dagfold", "scheduler", "--log", args.log, "--data", str(data / "sched")],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(sched_proc)
         if thread_workers == 0:
             for _ in range(args.workers):
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "dagfold", "worker", "--log", args.log, "--data", str(data)],
                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        if not stack.runner.ready.wait(120):
+        if not split and not stack.runner.ready.wait(120):
             raise RuntimeError("scheduler got no partitions")
         run_id = f"{os.getpid()}-{int(time.time() * 1000)}"
         warm = job_spec(load("warmup"), f"warmup-{run_id}")
@@ -124,8 +135,12 @@ def main() -> None:
         dag = load(args.workload, args.smoke)
         job_id = f"{args.workload}-{run_id}"
         spec = job_spec(dag, job_id)
-        tid = scheduler_tid()
-        sched0 = probe.thread_cpu_s(os.getpid(), tid)
+        def sched_cpu() -> float:
+            if sched_proc is not None:
+                return probe.proc_cpu_s(sched_proc.pid)
+            return probe.thread_cpu_s(os.getpid(), scheduler_tid())
+
+        sched0 = sched_cpu()
         spy = None
         if args.pyspy is not None:
             spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(os.getpid()),
@@ -149,7 +164,7 @@ def main() -> None:
         job = stack.wait_job(job_id, timeout_s=args.limit, poll_s=0.01)
         dt = time.perf_counter() - t0
         m = meter.stop()
-        sched = probe.thread_cpu_s(os.getpid(), tid) - sched0
+        sched = sched_cpu() - sched0
         if spy is not None:
             spy.send_signal(2)
             spy.wait(60)
@@ -163,7 +178,8 @@ def main() -> None:
         lat = probe.dependency_latencies_ms(dag, started, succeeded)
         lat_d = probe.dependency_latencies_ms(dag, dispatched, succeeded)
         kind = "processes (dagfold worker)" if thread_workers == 0 else "threads of the stack"
-        notes = f"workers: {args.workers} {kind}; scheduler CPU = the scheduler thread"
+        where = "the `dagfold scheduler` process" if split else "the scheduler thread"
+        notes = f"workers: {args.workers} {kind}; scheduler CPU = {where}"
         res = probe.result(system, args.workload, dag, status=status, seconds=dt if status == "ok" else args.limit,
                            done=done, meter=m, sched_cpu_s=sched, lat_ms=lat, limit_s=args.limit,
                            workers=args.workers, notes=notes,

@@ -191,17 +191,19 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
     if not q:
         return budget, False
     tier_name = opts.tiers[rank] if rank < len(opts.tiers) else ""
-    heap: list[tuple[float, int, str, int]] = []
-    weights: dict[str, float] = {}
+    fair = opts.fair_share
+    strict = opts.strict_tiers
+    usage, tenant_usage = st.usage, st.tenant_usage
+    shares: dict[str, float] = {}  # per tenant; usage changes in this loop only with a grant to that tenant
 
     def share(tenant: str) -> float:
-        if not opts.fair_share:
+        if not fair:
             return 0.0
-        w = weights.get(tenant)
-        if w is None:
-            w = weights[tenant] = opts.weight(tenant)
-        used_milli = st.usage.get((tier_name, tenant), 0) if opts.strict_tiers else st.tenant_usage.get(tenant, 0)
-        return used_milli / w
+        v = shares.get(tenant)
+        if v is None:
+            used_milli = usage.get((tier_name, tenant), 0) if strict else tenant_usage.get(tenant, 0)
+            v = shares[tenant] = used_milli / opts.weight(tenant)
+        return v
 
     feasible = feasible_shapes(st, rank)
     limit = ctx.examine_limit
@@ -210,36 +212,48 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
         limit = min(limit, 1 + (MAX_PREEMPTIONS_PER_PASS if can else 0))
         if blocked and not can:
             return budget, False
-    for tenant, lst in q.items():
-        heap.append((share(tenant), lst[0][0], tenant, 0))
+    lookahead = opts.tenant_lookahead
+    # The first ``lookahead`` entries of each tenant's queue, taken when the tenant is first reached: in
+    # this loop a queue changes only when one of these entries is granted (the copy is then retaken).
+    heads: dict[str, list[tuple[int, str]]] = {}
+    heap: list[tuple[float, int, str, int]] = [(share(tenant), lst[0][0], tenant, 0) for tenant, lst in q.items()]
     heapq.heapify(heap)
     failed: set[tuple[object, ...]] = set()
     excl = Exclusions(st, rank, ctx.now_ms)
     preemptions = 0
     examined = 0
     reserved = st.meta["reservations"]
-    lookahead = opts.tenant_lookahead
+    requests = st.requests
+    quotas = opts.tenant_quota_gpus
     while heap and budget > 0 and examined < limit:
         _, _, tenant, i = heapq.heappop(heap)
-        lst = q.get(tenant)
-        if lst is None or i >= len(lst) or i >= lookahead:
+        h = heads.get(tenant)
+        if h is None:
+            lst = q.get(tenant)
+            h = heads[tenant] = [] if lst is None else list(lst.islice(0, lookahead))
+        if i >= len(h):
             continue
         examined += 1
-        key = lst[i][1]
+        key = h[i][1]
         nxt = i + 1
-        r = st.requests[key]
         if key not in reserved:
-            quota = opts.quota_milli(tenant)
-            if quota is None or st.tenant_usage.get(tenant, 0) + r.total_milli() <= quota:
+            r = requests[key]
+            quota = opts.quota_milli(tenant) if quotas else None
+            if quota is None or tenant_usage.get(tenant, 0) + r.total_milli() <= quota:
                 pattern, excluded = excl.for_request(r)
                 fkey = (r.shape(), pattern)
                 if fkey not in failed:
+                    granted = False
                     if r.gpu_shape() in feasible:
                         budget -= 1
-                        if grant(ctx, r, excluded):
-                            nxt = i  # the granted entry left the queue
-                            lst = None
-                    if lst is not None:
+                        granted = grant(ctx, r, excluded)
+                    if granted:
+                        nxt = i  # the granted entry left the queue
+                        lst = q.get(tenant)
+                        h = heads[tenant] = [] if lst is None else list(lst.islice(0, lookahead))
+                        shares.pop(tenant, None)
+                        feasible = feasible_shapes(st, rank)  # capacity shrank
+                    else:
                         failed.add(fkey)
                         head = not blocked
                         blocked = True
@@ -253,9 +267,6 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
                             return budget, True
                         if not st.capacity.any_free():
                             break
-                    else:
-                        feasible = feasible_shapes(st, rank)  # capacity shrank
-        cur = q.get(tenant)
-        if cur is not None and nxt < len(cur):
-            heapq.heappush(heap, (share(tenant), cur[nxt][0], tenant, nxt))
+        if nxt < len(h):
+            heapq.heappush(heap, (share(tenant), h[nxt][0], tenant, nxt))
     return budget, False

@@ -33,46 +33,59 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
     """(hosts, victims) that make ``r`` fit once the victims stop, or None."""
     rank = st.rank(r.tier)
     ntiers = len(st.opts.tiers) + 1
-    g, milli = r.gpus, r.per_gpu_milli()
+    g, milli, cpu, mem = r.gpus, r.per_gpu_milli(), r.cpu, r.mem
     types = set(r.gpu_types)
     limit = st.opts.preempt_scan_limit
+    nodes, allocs, usage, weight, rank_of = st.nodes, st.allocs, st.usage, st.opts.weight, st.rank
+    excess: dict[tuple[str, str], float] = {}  # (tier, tenant) -> usage / weight, as _excess
     scanned = 0
     seen: set[str] = set()
     options: list[tuple[tuple[float, int, float], str, list[AllocView]]] = []
     for low in range(ntiers, rank, -1):
-        hosts = st.tier_nodes.get(low)
+        hosts = st.tier_hosts.get(low)
         if not hosts:
             continue
-        for nid in sorted(hosts):
+        for nid in hosts:  # sorted host IDs
             if nid in seen or nid in excluded:
                 continue
             seen.add(nid)
-            n = st.nodes[nid]
-            if n.state != "up" or (types and n.gpu_type not in types) or n.gpus < g:
+            n = nodes[nid]
+            if n.state != "up" or (types and n.gpu_type not in types) or len(n.free) < g:
                 continue
             scanned += 1
-            cands = [st.allocs[x] for x in n.allocs]
-            cands = [a for a in cands if a.state == "running" and st.rank(a.req.tier) > rank]
+            # (-tier rank, lost work, -fair-share excess, ID): the sort key of the victims on this host
+            cands: list[tuple[int, float, float, str, AllocView]] = []
+            for x in n.allocs:
+                a = allocs[x]
+                if a.state != "running":
+                    continue
+                q = a.req
+                ar = rank_of(q.tier)
+                if ar <= rank:
+                    continue
+                since = a.last_ckpt_ms if (q.checkpoint and a.last_ckpt_ms is not None) else a.granted_ms
+                lost = q.total_milli() / 1000 * max(0, now_ms - since) / 60000  # lost_work_gpu_min
+                tk = (q.tier, q.tenant)
+                ex = excess.get(tk)
+                if ex is None:
+                    ex = excess[tk] = usage.get(tk, 0) / weight(q.tenant)
+                cands.append((-ar, lost, -ex, a.id, a))
             if not cands:
                 continue
-            cands.sort(key=lambda a: (-st.rank(a.req.tier), lost_work_gpu_min(a, now_ms),
-                                      -_excess(st, a), a.id))
+            cands.sort()  # IDs are unique: the views themselves are never compared
             free = list(n.free)
             cpu_free, mem_free = n.cpu_free, n.mem_free
-            chosen: list[AllocView] = []
-            for a in cands:
+            for k, (_, _, _, _, a) in enumerate(cands):
                 for p in a.parts:
                     if p.node == nid:
                         for gi in p.gpus:
                             free[gi] += p.milli
                 cpu_free += a.req.cpu
                 mem_free += a.req.mem
-                chosen.append(a)
-                if part_fits(free, cpu_free, mem_free, g, milli, r.cpu, r.mem):
-                    lost = sum(lost_work_gpu_min(v, now_ms) for v in chosen)
-                    top = min(st.rank(v.req.tier) for v in chosen)
-                    options.append(((round(lost, 1), ntiers - top, -sum(_excess(st, v) for v in chosen)),
-                                    nid, chosen))
+                if part_fits(free, cpu_free, mem_free, g, milli, cpu, mem):
+                    chosen = cands[:k + 1]
+                    options.append(((round(sum(c[1] for c in chosen), 1), ntiers + max(c[0] for c in chosen),
+                                     -sum(-c[2] for c in chosen)), nid, [c[4] for c in chosen]))
                     break
             if scanned >= limit:
                 break

@@ -68,10 +68,12 @@ class Exclusions:
                 self.backfill.append((v["start_ms"] - now_ms - grace, v["nodes"]))
             else:
                 self.base.update(v["nodes"])
-        self.cache: dict[tuple[bool, ...], set[str]] = {}
+        self.cache: dict[tuple[bool, ...], set[str]] = {(): set(self.base)} if not self.backfill else {}
 
     def for_request(self, r: RequestView) -> tuple[tuple[bool, ...], set[str]]:
         """(pattern, hosts to avoid) for ``r``, which must not own a reservation of this tier."""
+        if not self.backfill:
+            return (), self.cache[()]
         mrt = r.max_runtime_ms
         pattern = tuple(mrt is None or mrt > slack for slack, _ in self.backfill)
         s = self.cache.get(pattern)

@@ -43,6 +43,7 @@ class PoolState:
         self.opts = opts
         self.txn: PartitionTransaction | None = None
         self.written: set[bytes] = set()
+        self._ranks: dict[str, int] = {}  # tier -> rank (a function of the options only)
         self._clear()
 
     def _clear(self) -> None:
@@ -64,6 +65,7 @@ class PoolState:
         self.usage: dict[tuple[str, str], int] = {}  # (tier, tenant) -> milli
         self.tenant_usage: dict[str, int] = {}  # tenant -> milli, all tiers (quotas)
         self.tier_nodes: dict[int, dict[str, int]] = {}  # rank -> host -> allocations of that rank
+        self.tier_hosts: dict[int, SortedList] = {}  # rank -> the hosts of tier_nodes[rank], sorted (victim scan)
         self.timers: dict[tuple[str, str], int] = {}
         self.timer_heap: list[tuple[int, str, str]] = []
         self.gpu_types: dict[str, int] = {}  # registered type -> max GPUs on one host
@@ -199,8 +201,11 @@ class PoolState:
 
     # -- derived indexes ----------------------------------------------------------
     def rank(self, tier: str) -> int:
-        r = self.opts.tier_rank(tier)
-        return len(self.opts.tiers) if r is None else r
+        r = self._ranks.get(tier)
+        if r is None:
+            known = self.opts.tier_rank(tier)
+            r = self._ranks[tier] = len(self.opts.tiers) if known is None else known
+        return r
 
     def _enqueue(self, r: RequestView) -> None:
         rank = self.rank(r.tier)
@@ -219,18 +224,26 @@ class PoolState:
     def link_alloc(self, a: AllocView) -> None:
         self.alloc_of_req[a.req.key] = a.id
         self.by_job.setdefault(a.req.job_id, set()).add(a.req.key)
-        tn = self.tier_nodes.setdefault(self.rank(a.req.tier), {})
+        rank = self.rank(a.req.tier)
+        tn = self.tier_nodes.setdefault(rank, {})
         for p in a.parts:
-            tn[p.node] = tn.get(p.node, 0) + 1
+            c = tn.get(p.node, 0)
+            tn[p.node] = c + 1
+            if not c:
+                hosts = self.tier_hosts.get(rank)
+                if hosts is None:
+                    hosts = self.tier_hosts[rank] = SortedList()
+                hosts.add(p.node)
 
     def unlink_alloc_nodes(self, a: AllocView) -> None:
-        tn = self.tier_nodes.get(self.rank(a.req.tier), {})
+        rank = self.rank(a.req.tier)
+        tn = self.tier_nodes.get(rank, {})
         for p in a.parts:
             c = tn.get(p.node, 0) - 1
             if c > 0:
                 tn[p.node] = c
-            else:
-                tn.pop(p.node, None)
+            elif tn.pop(p.node, None) is not None:
+                self.tier_hosts[rank].remove(p.node)
 
     def regroup(self) -> None:
         """Recompute the scoring groups (new profile or new inventory); scores are recomputed lazily."""
