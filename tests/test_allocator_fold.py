@@ -23,6 +23,7 @@ def names(h: AllocatorHarness, since: int = 0) -> list[str]:
 
 def harness(hosts: int = 2, gpus: int = 8, gpu_type: str = "H100", **opts: object) -> AllocatorHarness:
     opts.setdefault("lease_s", 3600.0)
+    opts.setdefault("orphan_grace_s", None)  # these heartbeats list no processes (orphans: their own test)
     h = AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), **opts))  # type: ignore[arg-type]
     for i in range(hosts):
         h.register(f"n{i}", gpu_type, gpus)
@@ -378,3 +379,23 @@ def test_the_scheduler_hears_of_grants_requeues_and_rejections() -> None:
     assert h.scheduler_commands[1]["reason"].startswith("16 GPUs per host requested")
     for c in h.scheduler_commands:
         default_codec().encode(c, validate_record=True)
+
+
+def test_an_allocation_its_first_host_never_runs_is_requeued_after_the_grace() -> None:
+    h = harness(hosts=2, orphan_grace_s=30.0)
+    h.request("lost-dispatch", task_id="t", gpus=8, checkpoint=True)
+    g = h.of_type("AllocationGranted")[-1]
+    node = g["hosts"][0]["node_id"]
+    h.now_ms += 20_000
+    h.heartbeat(node)  # not listed, but within the grace: the dispatch may still be on its way
+    assert g["alloc_id"] in h.fold.state.allocs
+    h.now_ms += 15_000
+    h.heartbeat(node)
+    ended = h.of_type("AllocationExpired")[-1]
+    assert ended["alloc_id"] == g["alloc_id"] and ended["requeued"] and "not running on" in ended["reason"]
+    assert h.of_type("AllocationGranted")[-1]["alloc_id"] != g["alloc_id"]  # placed again at once
+    assert [c["status"] for c in h.scheduler_commands] == ["granted", "requeued", "granted"]
+    listed = h.of_type("AllocationGranted")[-1]
+    h.now_ms += 60_000
+    h.heartbeat(listed["hosts"][0]["node_id"], allocations=[cmds.alloc_status(listed["alloc_id"], listed["epoch"])])
+    assert listed["alloc_id"] in h.fold.state.allocs  # a running allocation is left alone

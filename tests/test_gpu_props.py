@@ -278,7 +278,7 @@ FAULTS = st.lists(st.tuples(st.integers(0, 40), st.sampled_from(["crash", "resta
 
 
 @pytest.mark.filterwarnings("ignore")
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(nodes=st.lists(st.sampled_from([2, 4, 8]), min_size=2, max_size=4),
        specs=st.integers(1, 4).flatmap(lambda n: st.tuples(*[job_docs(i) for i in range(n)])),
        faults=FAULTS, dup_p=st.sampled_from([0.0, 0.05, 0.2]), seed=st.integers(0, 2**32 - 1))

@@ -39,6 +39,9 @@ class AllocatorOptions:
     lease_s: float = 30.0
     grace_s: float = 30.0  # preemption and drain: checkpoint request -> forced stop
     runtime_grace_s: float = 60.0  # an allocation is stopped at max_runtime_s + this
+    # An allocation its first host's heartbeats do not list this long after the grant is requeued
+    # (dispatch lost, process never started); None: never.
+    orphan_grace_s: float | None = 60.0
     reject_unfittable: bool = True  # RequestRejected when no registered node could ever hold it
     # Bounded work per decision (Slurm's bf_max_job_test idea): p99 decision time stays flat.
     pass_budget: int = 32  # placement attempts per scheduling pass

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dagfold.codec import Record
 from services.allocator import keys
 from services.allocator.ctx import Ctx
-from services.allocator.model import FULL, AllocView, RequestView
+from services.allocator.model import FULL, AllocView, NodeView, RequestView
 from services.allocator.options import DRAIN_HEALTH, STICKY_HEALTH
 from services.allocator.passes import schedule
 from services.allocator.placement import could_ever_fit
@@ -81,6 +81,30 @@ def _drain(ctx: Ctx, nid: str, reason: str) -> None:
         ctx.stop(a, f"node drained: {reason}", checkpoint=True, deadline_ms=deadline)
 
 
+def _end_orphans(ctx: Ctx, n: NodeView, listed: set[str]) -> bool:
+    """Requeue allocations whose first host does not run them long after their grant.
+
+    A grant reaches its hosts through the scheduler (TaskAllocation, then
+    GpuTaskDispatch); a dispatch lost on the way or a process that never
+    started would otherwise hold the GPUs for as long as the node heartbeats.
+    Only the first host counts: a gang's other parts may end before it.
+    """
+    grace = ctx.opts.orphan_grace_s
+    if grace is None:
+        return False
+    ended = False
+    for aid in list(n.allocs):
+        a = ctx.st.allocs[aid]
+        if a.parts[0].node != n.id or aid in listed or a.state == "preempting" \
+                or ctx.now_ms - a.granted_ms < grace * 1000:
+            continue
+        others = [p.node for p in a.parts if p.node != n.id]
+        _end(ctx, a, "AllocationExpired", f"not running on {n.id} {grace:g} s after its grant "
+             "(dispatch lost or process never started)", requeue=True, stop_nodes=others)
+        ended = True
+    return ended
+
+
 def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     st = ctx.st
     nid = cmd["node_id"]
@@ -109,6 +133,8 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
         health = "slow"
     ctx.event("NodeHeartbeatRecorded", node_id=nid, lease_deadline_ms=ctx.now_ms + int(ctx.opts.lease_s * 1000),
               health=health, perf=perf, checkpoints=ckpts)
+    if _end_orphans(ctx, n, {s["alloc_id"] for s in cmd["allocations"]}):
+        schedule(ctx)
     if n.state == "up" and health in DRAIN_HEALTH:
         detail = cmd["detail"] or health
         _drain(ctx, nid, f"{health}: {detail}")
