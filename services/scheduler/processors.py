@@ -252,6 +252,17 @@ def redrive_job(ctx: Ctx, cmd: Record) -> None:
     finish_job_if_done(ctx, job_id)
 
 
+def not_current(t: dict[str, Any] | None, j: dict[str, Any] | None, attempt: int) -> str | None:
+    """Why a record about ``attempt`` concerns no live attempt (unknown, job over, stale); None if it does."""
+    if t is None or j is None:
+        return "unknown job or task"
+    if j["state"] != "running":
+        return f"job is {j['state']}"
+    if attempt != t["attempt"]:
+        return f"stale attempt {attempt}; current attempt is {t['attempt']}"
+    return None
+
+
 def _report_target(ctx: Ctx, cmd: Record, report: str) -> dict[str, Any] | None:
     """The task if ``cmd`` comes from the current lease holder; else record why not and return None."""
     job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
@@ -274,8 +285,8 @@ def _report_target(ctx: Ctx, cmd: Record, report: str) -> dict[str, Any] | None:
 def task_started(ctx: Ctx, cmd: Record) -> None:
     job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
     t = get_task(ctx.txn, job_id, task_id)
-    j = get_job(ctx.txn, job_id)
-    if t is not None and j is not None and j["state"] == "running" and attempt == t["attempt"]:
+    why = not_current(t, get_job(ctx.txn, job_id), attempt)
+    if why is None and t is not None:
         if t["state"] == "runnable" and (not is_gpu(t) or t.get("alloc") == worker):
             ctx.event("LeaseGranted", job_id, task_id=task_id, attempt=attempt, worker_id=worker,
                       lease_deadline_ms=ctx.now_ms + lease_timeout_ms(ctx, t))
@@ -284,19 +295,13 @@ def task_started(ctx: Ctx, cmd: Record) -> None:
             ctx.event("ReportIgnored", job_id, task_id=task_id, attempt=attempt, worker_id=worker,
                       report="started", reason="duplicate start of the leased attempt")
             return
-    if t is None or j is None:
-        why = "unknown job or task"
-    elif j["state"] != "running":
-        why = f"job is {j['state']}"
-    elif attempt != t["attempt"]:
-        why = f"stale attempt {attempt}; current attempt is {t['attempt']}"
-    elif t["state"] == "running":
-        why = f"attempt {attempt} is already leased to {t['worker']}"
-    elif is_gpu(t) and t["state"] == "runnable":
-        why = f"allocation {worker} is not the attempt's grant ({t.get('alloc') or 'none yet'})"
-    else:
-        why = f"task is {t['state']}"
-    ctx.event("LeaseRejected", job_id, task_id=task_id, attempt=attempt, worker_id=worker, reason=why)
+        if t["state"] == "running":
+            why = f"attempt {attempt} is already leased to {t['worker']}"
+        elif t["state"] == "runnable":  # a GPU task: only its current grant may start it
+            why = f"allocation {worker} is not the attempt's grant ({t.get('alloc') or 'none yet'})"
+        else:
+            why = f"task is {t['state']}"
+    ctx.event("LeaseRejected", job_id, task_id=task_id, attempt=attempt, worker_id=worker, reason=why or "")
     if t is None or not is_gpu(t):  # a GPU process is stopped by its allocation's fencing, not by worker ID
         ctx.stop_task(worker, job_id, task_id, attempt, f"lease_rejected: {why}")
 
@@ -389,6 +394,19 @@ def _gpu_dispatch(ctx: Ctx, cmd: Record, t: dict[str, Any], tenant: str) -> None
             "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms}))
 
 
+def _allocation_mismatch(t: dict[str, Any], status: str, alloc: str | None) -> str | None:
+    """Why an allocation decision does not apply to the task's current attempt; None if it does."""
+    if not is_gpu(t):
+        return "task asks for no GPUs"
+    if status in ("granted", "rejected") and (t["state"] != "runnable" or t.get("alloc")):
+        return f"task is {t['state']} with allocation {t.get('alloc')}"
+    if status in ("requeued", "ended") and t.get("alloc") != alloc:
+        return f"allocation {alloc} is not the attempt's ({t.get('alloc')})"
+    if status not in ("granted", "rejected", "requeued", "ended"):
+        return f"unknown allocation status {status!r}"
+    return None
+
+
 def task_allocation(ctx: Ctx, cmd: Record) -> None:
     """The allocator's word on a GPU attempt's request: granted, requeued, rejected or ended.
 
@@ -401,21 +419,9 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
     t = get_task(ctx.txn, job_id, task_id)
     j = get_job(ctx.txn, job_id)
     alloc = cmd["alloc_id"]
-    why = None
-    if t is None or j is None:
-        why = "unknown job or task"
-    elif j["state"] != "running":
-        why = f"job is {j['state']}"
-    elif attempt != t["attempt"]:
-        why = f"stale attempt {attempt}; current attempt is {t['attempt']}"
-    elif not is_gpu(t):
-        why = "task asks for no GPUs"
-    elif status in ("granted", "rejected") and (t["state"] != "runnable" or t.get("alloc")):
-        why = f"task is {t['state']} with allocation {t.get('alloc')}"
-    elif status in ("requeued", "ended") and t.get("alloc") != alloc:
-        why = f"allocation {alloc} is not the attempt's ({t.get('alloc')})"
-    elif status not in ("granted", "rejected", "requeued", "ended"):
-        why = f"unknown allocation status {status!r}"
+    why = not_current(t, j, attempt)
+    if why is None and t is not None:
+        why = _allocation_mismatch(t, status, alloc)
     if why is not None or t is None or j is None:
         ctx.event("ReportIgnored", job_id, task_id=task_id, attempt=attempt, worker_id=alloc or "",
                   report=f"allocation {status}", reason=why or "")
