@@ -157,6 +157,10 @@ class PartitionTransaction:
     def delete(self, key: bytes) -> None:
         self.put(key, None)
 
+    def written_keys(self) -> set[bytes]:
+        """The keys this transaction has written (put or deleted) and not rolled back: a copy."""
+        return set(self._dirty)
+
     def savepoint(self) -> None:
         self._undo = []
 

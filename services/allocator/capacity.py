@@ -53,19 +53,27 @@ class CapacityIndex:
         self.types: dict[str, dict[L1, dict[Sig, SortedList]]] = {}
         self.where: dict[str, tuple[str, L1, Sig]] = {}
         self.free_milli: dict[str, int] = {}  # per type, over up hosts
+        self.version = 0  # bumped by every change (memos of what the index rules out compare it)
+        self.by_full: dict[str, list[int]] = {}  # per type: up hosts by their number of whole free GPUs
 
     def add(self, n: NodeView) -> None:
         if n.state != "up":
             return
+        self.version += 1
         l1, sig = signature(n)
         self.types.setdefault(n.gpu_type, {}).setdefault(l1, {}).setdefault(sig, SortedList()).add(n.id)
         self.where[n.id] = (n.gpu_type, l1, sig)
         self.free_milli[n.gpu_type] = self.free_milli.get(n.gpu_type, 0) + n.free_milli()
+        counts = self.by_full.setdefault(n.gpu_type, [])
+        while len(counts) <= l1[0]:
+            counts.append(0)
+        counts[l1[0]] += 1
 
     def remove(self, n: NodeView) -> None:
         loc = self.where.pop(n.id, None)
         if loc is None:
             return
+        self.version += 1
         t, l1, sig = loc
         by_l1 = self.types[t]
         sigs = by_l1[l1]
@@ -76,6 +84,7 @@ class CapacityIndex:
             if not sigs:
                 del by_l1[l1]
         self.free_milli[t] -= sum(sig[2])
+        self.by_full[t][l1[0]] -= 1
 
     def update(self, n: NodeView) -> None:
         self.remove(n)
@@ -108,6 +117,14 @@ class CapacityIndex:
     def hosts_with(self, allowed: tuple[str, ...], gpus: int, milli: int, need: int) -> bool:
         """Are there at least ``need`` up hosts that could hold one part (GPUs only; a necessary condition)?"""
         n = 0
+        if not (gpus == 1 and milli < FULL):  # whole GPUs (or none): counted by whole free GPUs
+            for t in self.type_names(allowed):
+                counts = self.by_full.get(t)
+                if counts and len(counts) > gpus:
+                    n += sum(counts[gpus:])
+                    if n >= need:
+                        return True
+            return False
         for t in self.type_names(allowed):
             for l1, sigs in self.types[t].items():
                 if l1_fits(l1, gpus, milli):

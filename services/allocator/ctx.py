@@ -14,7 +14,7 @@ from services.allocator.options import AllocatorOptions
 from services.allocator.state import PoolState
 
 
-@dataclass
+@dataclass(slots=True)
 class Ctx:
     st: PoolState
     now_ms: int

@@ -36,7 +36,7 @@ class AllocatorFold:
 
     def reload(self) -> None:
         """Rebuild the in-memory indexes from the committed store."""
-        self.state.txn = None
+        self.state.unbind()
         self.state.load(self.store)
 
     def process(self, txn: PartitionTransaction, command: Record, now_ms: int, offset: int) -> list[Output]:
@@ -51,12 +51,14 @@ class AllocatorFold:
         st = self.state
         st.bind(txn)
         ctx = Ctx(st, now_ms, offset, self.opts)
+        txn.savepoint()  # txn.atomic() without a context manager's cost (hundreds of thousands of commands)
         try:
-            with txn.atomic():
-                proc(ctx, command)
+            proc(ctx, command)
         except BaseException:
+            txn.rollback()
             st.load(self.store, txn)  # the in-memory indexes follow the rolled-back store
             raise
+        txn.release()
         self.last_attempts = ctx.attempts
         return ctx.out
 

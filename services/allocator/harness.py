@@ -63,6 +63,7 @@ class AllocatorHarness:
     def commit(self) -> None:
         if self._pending:
             self.txn.commit(applied_events=self.offset)
+            self.fold.state.unbind()  # the committed transaction is freed here, not in the next command
             self.txn = PartitionTransaction(self.store)
             self._pending = 0
 

@@ -120,7 +120,7 @@ def _tenant_share(ctx: Ctx, tier_name: str, tenant: str) -> float:
     if not ctx.opts.fair_share:
         return 0.0
     used = st.usage.get((tier_name, tenant), 0) if ctx.opts.strict_tiers else st.tenant_usage.get(tenant, 0)
-    return used / ctx.opts.weight(tenant)
+    return used / st.weight(tenant)
 
 
 def _owners_first(ctx: Ctx, rank: int) -> tuple[int, bool]:
@@ -132,25 +132,37 @@ def _owners_first(ctx: Ctx, rank: int) -> tuple[int, bool]:
     one is blocked too).
     """
     st = ctx.st
-    owners = sorted((v["made_ms"], k) for k, v in st.meta["reservations"].items() if v["rank"] == rank)
+    reservations = st.meta["reservations"]
+    if not reservations:
+        return 0, False
+    owners = sorted((v["made_ms"], k) for k, v in reservations.items() if v["rank"] == rank)
     used = 0
     blocked = False
     q = st.queues.get(rank, {})
     tier_name = ctx.opts.tiers[rank] if rank < len(ctx.opts.tiers) else ""
+    shares: dict[str, float] = {}  # _tenant_share, until a grant to that tenant
+
+    def share(tenant: str) -> float:
+        v = shares.get(tenant)
+        if v is None:
+            v = shares[tenant] = _tenant_share(ctx, tier_name, tenant)
+        return v
+
     for _, key in owners:
         r = st.requests.get(key)
-        v = st.meta["reservations"].get(key)
+        v = reservations.get(key)
         if r is None or v is None:
             continue
         if v["kind"] == "backfill" and ctx.opts.fair_share and len(q) > 1:
             # hysteresis for gangs: only when the owner is ahead by more than its own request
             size = r.total_milli() if r.total_milli() > FULL else 0
-            mine = _tenant_share(ctx, tier_name, r.tenant) - size / ctx.opts.weight(r.tenant)
-            if any(_tenant_share(ctx, tier_name, t) < mine - 1e-9 for t in q if t != r.tenant):
+            mine = share(r.tenant) - size / st.weight(r.tenant)
+            if any(share(t) < mine - 1e-9 for t in q if t != r.tenant):
                 ctx.event("ReservationCleared", **_ident(r), reason="fair share moved another tenant ahead")
                 continue
         used += 1
         if grant(ctx, r, excluded_for(st, r, ctx.now_ms)):
+            shares.pop(r.tenant, None)
             continue
         blocked = True
         if is_stale(st, v, ctx.now_ms):
@@ -191,19 +203,14 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
     if not q:
         return budget, False
     tier_name = opts.tiers[rank] if rank < len(opts.tiers) else ""
-    fair = opts.fair_share
-    strict = opts.strict_tiers
+    fair, strict = opts.fair_share, opts.strict_tiers
     usage, tenant_usage = st.usage, st.tenant_usage
-    shares: dict[str, float] = {}  # per tenant; usage changes in this loop only with a grant to that tenant
 
     def share(tenant: str) -> float:
         if not fair:
             return 0.0
-        v = shares.get(tenant)
-        if v is None:
-            used_milli = usage.get((tier_name, tenant), 0) if strict else tenant_usage.get(tenant, 0)
-            v = shares[tenant] = used_milli / opts.weight(tenant)
-        return v
+        used_milli = usage.get((tier_name, tenant), 0) if strict else tenant_usage.get(tenant, 0)
+        return used_milli / st.weight(tenant)
 
     feasible = feasible_shapes(st, rank)
     limit = ctx.examine_limit
@@ -213,11 +220,14 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
         if blocked and not can:
             return budget, False
     lookahead = opts.tenant_lookahead
-    # The first ``lookahead`` entries of each tenant's queue, taken when the tenant is first reached: in
+    # The first ``lookahead`` entries of each tenant's queue, copied when the tenant is first reached: in
     # this loop a queue changes only when one of these entries is granted (the copy is then retaken).
     heads: dict[str, list[tuple[int, str]]] = {}
+    # At most one entry per tenant: (share, seq, tenant, index). A tenant's share changes in this loop only
+    # with a grant to that tenant, in the iteration that popped its entry: otherwise the popped share is current.
     heap: list[tuple[float, int, str, int]] = [(share(tenant), lst[0][0], tenant, 0) for tenant, lst in q.items()]
     heapq.heapify(heap)
+    heappop, heappush = heapq.heappop, heapq.heappush
     failed: set[tuple[object, ...]] = set()
     excl = Exclusions(st, rank, ctx.now_ms)
     preemptions = 0
@@ -226,11 +236,11 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
     requests = st.requests
     quotas = opts.tenant_quota_gpus
     while heap and budget > 0 and examined < limit:
-        _, _, tenant, i = heapq.heappop(heap)
+        sh, _, tenant, i = heappop(heap)
         h = heads.get(tenant)
         if h is None:
             lst = q.get(tenant)
-            h = heads[tenant] = [] if lst is None else list(lst.islice(0, lookahead))
+            h = heads[tenant] = [] if lst is None else lst[:lookahead]
         if i >= len(h):
             continue
         examined += 1
@@ -240,18 +250,18 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
             r = requests[key]
             quota = opts.quota_milli(tenant) if quotas else None
             if quota is None or tenant_usage.get(tenant, 0) + r.total_milli() <= quota:
-                pattern, excluded = excl.for_request(r)
-                fkey = (r.shape(), pattern)
+                pattern = excl.pattern(r)
+                fkey = (r.shape_key, pattern)
                 if fkey not in failed:
                     granted = False
-                    if r.gpu_shape() in feasible:
+                    if r.gpu_shape_key in feasible:
                         budget -= 1
-                        granted = grant(ctx, r, excluded)
+                        granted = grant(ctx, r, excl.hosts(pattern))
                     if granted:
                         nxt = i  # the granted entry left the queue
                         lst = q.get(tenant)
-                        h = heads[tenant] = [] if lst is None else list(lst.islice(0, lookahead))
-                        shares.pop(tenant, None)
+                        h = heads[tenant] = [] if lst is None else lst[:lookahead]
+                        sh = share(tenant)
                         feasible = feasible_shapes(st, rank)  # capacity shrank
                     else:
                         failed.add(fkey)
@@ -268,5 +278,5 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
                         if not st.capacity.any_free():
                             break
         if nxt < len(h):
-            heapq.heappush(heap, (share(tenant), h[nxt][0], tenant, nxt))
+            heappush(heap, (sh, h[nxt][0], tenant, nxt))
     return budget, False

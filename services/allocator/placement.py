@@ -127,9 +127,16 @@ def fits_now(st: PoolState, r: RequestView) -> bool:
 
 
 def feasible_shapes(st: PoolState, rank: int) -> set[tuple[object, ...]]:
-    """GPU shapes queued in a tier that the capacity index does not rule out right now."""
+    """GPU shapes queued in a tier that the capacity index does not rule out right now (do not mutate:
+    the set is memoised until the capacity index or the tier's queued shapes change)."""
     cap = st.capacity
-    return {gs for gs in st.queued_shapes.get(rank, {}) if cap.hosts_with(gs[0], gs[1], gs[2], gs[3])}
+    stamp = (cap.version, st.shapes_version)
+    memo = st.feasible_memo.get(rank)
+    if memo is not None and memo[0] == stamp:
+        return memo[1]
+    out = {gs for gs in st.queued_shapes.get(rank, {}) if cap.hosts_with(gs[0], gs[1], gs[2], gs[3])}
+    st.feasible_memo[rank] = (stamp, out)
+    return out
 
 
 def could_ever_fit(st: PoolState, r: RequestView) -> str | None:

@@ -18,12 +18,14 @@ The scan is bounded by ``preempt_scan_limit`` hosts, lowest tiers first.
 
 from __future__ import annotations
 
-from services.allocator.model import AllocView, RequestView
-from services.allocator.reservations import part_fits
+import heapq
+
+from services.allocator.model import FULL, AllocView, RequestView
 from services.allocator.state import PoolState
 
 
 def lost_work_gpu_min(a: AllocView, now_ms: int) -> float:
+    """GPU-minutes of work ``a`` loses if stopped now (since its last checkpoint, or its start)."""
     since = a.last_ckpt_ms if (a.req.checkpoint and a.last_ckpt_ms is not None) else a.granted_ms
     return a.req.total_milli() / 1000 * max(0, now_ms - since) / 60000
 
@@ -34,10 +36,11 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
     rank = st.rank(r.tier)
     ntiers = len(st.opts.tiers) + 1
     g, milli, cpu, mem = r.gpus, r.per_gpu_milli(), r.cpu, r.mem
+    share_req = g == 1 and milli < FULL
     types = set(r.gpu_types)
     limit = st.opts.preempt_scan_limit
-    nodes, allocs, usage, weight, rank_of = st.nodes, st.allocs, st.usage, st.opts.weight, st.rank
-    excess: dict[tuple[str, str], float] = {}  # (tier, tenant) -> usage / weight, as _excess
+    nodes, allocs, usage, weight, rank_of, ranks = st.nodes, st.allocs, st.usage, st.weight, st.rank, st.ranks
+    excess: dict[tuple[str, str], float] = {}  # (tier, tenant) -> usage / weight, as share_excess
     scanned = 0
     seen: set[str] = set()
     options: list[tuple[tuple[float, int, float], str, list[AllocView]]] = []
@@ -53,18 +56,20 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
             if n.state != "up" or (types and n.gpu_type not in types) or len(n.free) < g:
                 continue
             scanned += 1
-            # (-tier rank, lost work, -fair-share excess, ID): the sort key of the victims on this host
+            # (-tier rank, lost work, -fair-share excess, ID): the order in which victims are added
             cands: list[tuple[int, float, float, str, AllocView]] = []
             for x in n.allocs:
                 a = allocs[x]
                 if a.state != "running":
                     continue
                 q = a.req
-                ar = rank_of(q.tier)
+                ar = ranks.get(q.tier)
+                if ar is None:
+                    ar = rank_of(q.tier)
                 if ar <= rank:
                     continue
                 since = a.last_ckpt_ms if (q.checkpoint and a.last_ckpt_ms is not None) else a.granted_ms
-                lost = q.total_milli() / 1000 * max(0, now_ms - since) / 60000  # lost_work_gpu_min
+                lost = q.total / 1000 * max(0, now_ms - since) / 60000  # lost_work_gpu_min
                 tk = (q.tier, q.tenant)
                 ex = excess.get(tk)
                 if ex is None:
@@ -72,20 +77,45 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
                 cands.append((-ar, lost, -ex, a.id, a))
             if not cands:
                 continue
-            cands.sort()  # IDs are unique: the views themselves are never compared
-            free = list(n.free)
+            if len(cands) > 1:
+                cands.sort()  # IDs are unique: the views themselves are never compared
+            # add victims until the part fits (reservations.part_fits). A whole-GPU part's GPUs are its own,
+            # so freeing it makes exactly its GPUs whole again: counted, until a GPU share needs the list.
+            nfree = n.free
+            full = nfree.count(FULL)
+            freed: list[int] = []  # GPUs made whole so far
+            free: list[int] | None = None
             cpu_free, mem_free = n.cpu_free, n.mem_free
-            for k, (_, _, _, _, a) in enumerate(cands):
+            for k, c in enumerate(cands):
+                a = c[4]
                 for p in a.parts:
-                    if p.node == nid:
-                        for gi in p.gpus:
-                            free[gi] += p.milli
+                    if p.node != nid:
+                        continue
+                    if free is None and p.milli == FULL:
+                        full += len(p.gpus)
+                        freed.extend(p.gpus)
+                        continue
+                    if free is None:
+                        free = list(nfree)
+                        for gi in freed:
+                            free[gi] += FULL
+                    for gi in p.gpus:
+                        free[gi] += p.milli
                 cpu_free += a.req.cpu
                 mem_free += a.req.mem
-                if part_fits(free, cpu_free, mem_free, g, milli, cpu, mem):
-                    chosen = cands[:k + 1]
-                    options.append(((round(sum(c[1] for c in chosen), 1), ntiers + max(c[0] for c in chosen),
-                                     -sum(-c[2] for c in chosen)), nid, [c[4] for c in chosen]))
+                if cpu_free < cpu or mem_free < mem:
+                    continue
+                if free is not None:
+                    ok = g == 0 or (max(free) >= milli if share_req else free.count(FULL) >= g)
+                else:
+                    ok = g == 0 or ((full > 0 or max(nfree) >= milli) if share_req else full >= g)
+                if ok:
+                    if k == 0:  # one victim (the common case): the same key without the sums
+                        options.append(((round(c[1], 1), ntiers + c[0], c[2]), nid, [a]))
+                    else:
+                        chosen = cands[:k + 1]
+                        options.append(((round(sum(c[1] for c in chosen), 1), ntiers + max(c[0] for c in chosen),
+                                         -sum(-c[2] for c in chosen)), nid, [c[4] for c in chosen]))
                     break
             if scanned >= limit:
                 break
@@ -93,8 +123,8 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
             break
     if len(options) < r.hosts:
         return None
-    options.sort(key=lambda o: (o[0], o[1]))
-    best = options[:r.hosts]
+    # by key, then host ID (unique: the victim lists are never compared)
+    best = [min(options)] if r.hosts == 1 else heapq.nsmallest(r.hosts, options)
     victims: dict[str, AllocView] = {}
     for _, _, vs in best:
         for v in vs:
@@ -102,5 +132,6 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
     return sorted(nid for _, nid, _ in best), [victims[k] for k in sorted(victims)]
 
 
-def _excess(st: PoolState, a: AllocView) -> float:
-    return st.usage.get((a.req.tier, a.req.tenant), 0) / st.opts.weight(a.req.tenant)
+def share_excess(st: PoolState, a: AllocView) -> float:
+    """How far ``a``'s tenant is into its tier: usage over weight (more is preempted first)."""
+    return st.usage.get((a.req.tier, a.req.tenant), 0) / st.weight(a.req.tenant)

@@ -15,6 +15,7 @@ the reservation found may be later than the optimum, never earlier than real.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from services.allocator.model import FULL, NodeView, RequestView
@@ -52,8 +53,11 @@ def excluded_for(st: PoolState, r: RequestView, now_ms: int) -> set[str]:
 class Exclusions:
     """The reserved hosts each request of one tier must avoid, computed once per pass.
 
-    Requests differ only in which backfill reservations they end before, so
-    the sets are cached by that pattern (usually one or two reservations)."""
+    A request must avoid a backfill reservation unless it ends before the
+    reservation's start, i.e. unless its ``max_runtime_s`` is within that
+    reservation's slack. Sorted by slack, the reservations a request must
+    avoid are a prefix, so requests differ only in the length of that prefix:
+    the sets are cached by it (usually one or two reservations)."""
 
     def __init__(self, st: PoolState, rank: int, now_ms: int) -> None:
         self.base: set[str] = set()
@@ -68,22 +72,28 @@ class Exclusions:
                 self.backfill.append((v["start_ms"] - now_ms - grace, v["nodes"]))
             else:
                 self.base.update(v["nodes"])
-        self.cache: dict[tuple[bool, ...], set[str]] = {(): set(self.base)} if not self.backfill else {}
+        self.backfill.sort(key=lambda b: b[0])
+        self.slacks = [slack for slack, _ in self.backfill]
+        self.cache: dict[int, set[str]] = {0: set(self.base)}
 
-    def for_request(self, r: RequestView) -> tuple[tuple[bool, ...], set[str]]:
-        """(pattern, hosts to avoid) for ``r``, which must not own a reservation of this tier."""
-        if not self.backfill:
-            return (), self.cache[()]
+    def pattern(self, r: RequestView) -> int:
+        """How many backfill reservations (by slack) ``r`` may not run past: requests with equal patterns
+        avoid the same hosts. ``r`` must not own a reservation of this tier."""
         mrt = r.max_runtime_ms
-        pattern = tuple(mrt is None or mrt > slack for slack, _ in self.backfill)
+        slacks = self.slacks
+        if not slacks:
+            return 0
+        return len(slacks) if mrt is None else bisect_left(slacks, mrt)  # reservations with slack < mrt
+
+    def hosts(self, pattern: int) -> set[str]:
+        """The hosts to avoid for a pattern (do not mutate: shared by the requests of that pattern)."""
         s = self.cache.get(pattern)
         if s is None:
             s = set(self.base)
-            for hit, (_, nodes) in zip(pattern, self.backfill, strict=True):
-                if hit:
-                    s.update(nodes)
+            for _, nodes in self.backfill[:pattern]:
+                s.update(nodes)
             self.cache[pattern] = s
-        return pattern, s
+        return s
 
 
 def time_when_fits(st: PoolState, n: NodeView, r: RequestView, now_ms: int) -> int:

@@ -282,13 +282,15 @@ class World:
             return
         now = self.now()
         allocs = []
-        for aid in sorted(self.node_allocs.get(node, ())):
+        on_node = self.node_allocs.get(node)
+        for aid in sorted(on_node) if on_node else ():
             j = self.alloc_job.get(aid)
             if j is None:
                 continue
-            ck = self.periodic_ckpt(j, j.progress(now))
-            ck_ms = None if not j.checkpoint or ck <= 0 else now - int((j.progress(now) - ck) / j.speed)
-            allocs.append(cmds.alloc_status(aid, j.epoch, progress=min(1.0, j.progress(now) / j.work_ms),
+            prog = j.progress(now)
+            ck = self.periodic_ckpt(j, prog)
+            ck_ms = None if not j.checkpoint or ck <= 0 else now - int((prog - ck) / j.speed)
+            allocs.append(cmds.alloc_status(aid, j.epoch, progress=min(1.0, prog / j.work_ms),
                                             last_checkpoint_ms=ck_ms,
                                             checkpoint_uri=None if ck_ms is None else f"ckpt://{j.id}/{int(ck)}"))
         self.process(cmds.node_heartbeat(self.opts.pool, node, incarnation=self.node_inc[node], ts_ms=now,

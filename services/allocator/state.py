@@ -17,7 +17,8 @@ Reads never go to the store in the hot path, and nothing here scans all hosts.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from bisect import bisect_left, insort
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sortedcontainers import SortedList
@@ -42,8 +43,10 @@ class PoolState:
     def __init__(self, opts: AllocatorOptions) -> None:
         self.opts = opts
         self.txn: PartitionTransaction | None = None
-        self.written: set[bytes] = set()
-        self._ranks: dict[str, int] = {}  # tier -> rank (a function of the options only)
+        self._put: Callable[[bytes, Any], None] = self._unbound_put  # the bound transaction's put
+        # tier -> rank (a function of the options only; unknown tiers are added when first seen)
+        self.ranks: dict[str, int] = {t: self.rank_of_tier(t) for t in opts.tiers}
+        self._weights: dict[str, float] = {}  # tenant -> weight (likewise)
         self._clear()
 
     def _clear(self) -> None:
@@ -60,8 +63,12 @@ class PoolState:
         self.alloc_of_req: dict[str, str] = {}
         self.by_job: dict[str, set[str]] = {}  # job -> request keys (queued or allocated)
         self.capacity = CapacityIndex()
-        self.queues: dict[int, dict[str, SortedList]] = {}  # tier rank -> tenant -> (seq, req key)
+        # tier rank -> tenant -> [(seq, req key)], sorted (bisect: appends at the end, reads at the head)
+        self.queues: dict[int, dict[str, list[tuple[int, str]]]] = {}
         self.queued_shapes: dict[int, dict[tuple[Any, ...], int]] = {}  # rank -> GPU shape -> queued requests
+        self.shapes_version = 0  # bumped when a GPU shape appears in or leaves queued_shapes
+        # rank -> ((capacity version, shapes version), the queued GPU shapes the capacity index does not rule out)
+        self.feasible_memo: dict[int, tuple[tuple[int, int], set[tuple[Any, ...]]]] = {}
         self.usage: dict[tuple[str, str], int] = {}  # (tier, tenant) -> milli
         self.tenant_usage: dict[str, int] = {}  # tenant -> milli, all tiers (quotas)
         self.tier_nodes: dict[int, dict[str, int]] = {}  # rank -> host -> allocations of that rank
@@ -81,12 +88,15 @@ class PoolState:
     def bind(self, txn: PartitionTransaction) -> None:
         if txn is not self.txn:
             self.txn = txn
-            self.written = set()
+            self._put = txn.put
 
-    def _put(self, key: bytes, value: Any) -> None:
-        assert self.txn is not None, "PoolState used outside a transaction"
-        self.txn.put(key, value)
-        self.written.add(key)
+    def unbind(self) -> None:
+        """Forget the transaction (it was dropped): writes fail until the next ``bind``."""
+        self.txn = None
+        self._put = self._unbound_put
+
+    def _unbound_put(self, key: bytes, value: Any) -> None:
+        raise AssertionError("PoolState used outside a transaction")
 
     # -- records ----------------------------------------------------------------
     def put_meta(self) -> None:
@@ -166,8 +176,10 @@ class PoolState:
         self._put(keys.request(r.key), None)
         rank = self.rank(r.tier)
         q = self.queues.get(rank, {}).get(r.tenant)
-        if q is not None and (r.seq, r.key) in q:
-            q.remove((r.seq, r.key))
+        item = (r.seq, r.key)
+        i = -1 if q is None else bisect_left(q, item)
+        if q is not None and i < len(q) and q[i] == item:
+            del q[i]
             if not q:
                 del self.queues[rank][r.tenant]
             shapes = self.queued_shapes[rank]
@@ -177,6 +189,7 @@ class PoolState:
                 shapes[gs] = c
             else:
                 del shapes[gs]
+                self.shapes_version += 1
         if not keep_job_link:
             self._unlink_job(r.job_id, r.key)
 
@@ -200,19 +213,32 @@ class PoolState:
             heapq.heappush(self.timer_heap, (due, kind, target))
 
     # -- derived indexes ----------------------------------------------------------
+    def weight(self, tenant: str) -> float:
+        """``opts.weight``, memoised."""
+        w = self._weights.get(tenant)
+        if w is None:
+            w = self._weights[tenant] = self.opts.weight(tenant)
+        return w
+
+    def rank_of_tier(self, tier: str) -> int:
+        known = self.opts.tier_rank(tier)
+        return len(self.opts.tiers) if known is None else known
+
     def rank(self, tier: str) -> int:
-        r = self._ranks.get(tier)
+        r = self.ranks.get(tier)
         if r is None:
-            known = self.opts.tier_rank(tier)
-            r = self._ranks[tier] = len(self.opts.tiers) if known is None else known
+            r = self.ranks[tier] = self.rank_of_tier(tier)
         return r
 
     def _enqueue(self, r: RequestView) -> None:
         rank = self.rank(r.tier)
-        self.queues.setdefault(rank, {}).setdefault(r.tenant, SortedList()).add((r.seq, r.key))
+        insort(self.queues.setdefault(rank, {}).setdefault(r.tenant, []), (r.seq, r.key))
         shapes = self.queued_shapes.setdefault(rank, {})
         gs = r.gpu_shape()
-        shapes[gs] = shapes.get(gs, 0) + 1
+        c = shapes.get(gs, 0)
+        shapes[gs] = c + 1
+        if not c:
+            self.shapes_version += 1
 
     def _unlink_job(self, job_id: str, key: str) -> None:
         s = self.by_job.get(job_id)
@@ -280,7 +306,7 @@ class PoolState:
     def load(self, store: Store, txn: PartitionTransaction | None = None) -> None:
         """Rebuild every view and index from the store (plus this transaction's writes, if given)."""
         self._clear()
-        written = self.written if txn is not None else set()
+        written = txn.written_keys() if txn is not None else set()
 
         def scan(prefix: bytes) -> Iterator[tuple[bytes, Any]]:
             end = keys.prefix_end(prefix)

@@ -1,0 +1,195 @@
+"""The allocator's derived in-memory indexes and its optimised searches against plain recomputations.
+
+The fold keeps indexes beside the store (sorted hosts per tier, hosts per number of
+whole free GPUs, memoised feasible shapes, per-tenant queues) and runs an optimised
+victim search. On random histories with GPU shares, CPU/memory, gangs, tiers,
+preemption and drains, every index must equal what a scan of the views gives, a fold
+opened on the committed store must rebuild the same indexes, and the victim search
+must return what the straightforward search (kept here as the reference) returns.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from services.allocator import passes
+from services.allocator.capacity import signature
+from services.allocator.fold import AllocatorFold
+from services.allocator.harness import AllocatorHarness
+from services.allocator.model import AllocView, RequestView
+from services.allocator.options import AllocatorOptions
+from services.allocator.placement import feasible_shapes
+from services.allocator.preemption import find_victims, lost_work_gpu_min, share_excess
+from services.allocator.reservations import Exclusions, excluded_for, part_fits
+from services.allocator.state import PoolState
+
+
+def reference_find_victims(st: PoolState, r: RequestView, now_ms: int,
+                           excluded: set[str]) -> tuple[list[str], list[AllocView]] | None:
+    """The victim search written plainly (as before its optimisation): the specification."""
+    rank = st.rank(r.tier)
+    ntiers = len(st.opts.tiers) + 1
+    g, milli = r.gpus, r.per_gpu_milli()
+    types = set(r.gpu_types)
+    scanned = 0
+    seen: set[str] = set()
+    options: list[tuple[tuple[float, int, float], str, list[AllocView]]] = []
+    for low in range(ntiers, rank, -1):
+        hosts = st.tier_nodes.get(low)
+        if not hosts:
+            continue
+        for nid in sorted(hosts):
+            if nid in seen or nid in excluded:
+                continue
+            seen.add(nid)
+            n = st.nodes[nid]
+            if n.state != "up" or (types and n.gpu_type not in types) or n.gpus < g:
+                continue
+            scanned += 1
+            cands = [st.allocs[x] for x in n.allocs]
+            cands = [a for a in cands if a.state == "running" and st.rank(a.req.tier) > rank]
+            if not cands:
+                continue
+            cands.sort(key=lambda a: (-st.rank(a.req.tier), lost_work_gpu_min(a, now_ms), -share_excess(st, a), a.id))
+            free = list(n.free)
+            cpu_free, mem_free = n.cpu_free, n.mem_free
+            chosen: list[AllocView] = []
+            for a in cands:
+                for p in a.parts:
+                    if p.node == nid:
+                        for gi in p.gpus:
+                            free[gi] += p.milli
+                cpu_free += a.req.cpu
+                mem_free += a.req.mem
+                chosen.append(a)
+                if part_fits(free, cpu_free, mem_free, g, milli, r.cpu, r.mem):
+                    lost = sum(lost_work_gpu_min(v, now_ms) for v in chosen)
+                    top = min(st.rank(v.req.tier) for v in chosen)
+                    excess = -sum(share_excess(st, v) for v in chosen)
+                    options.append(((round(lost, 1), ntiers - top, excess), nid, chosen))
+                    break
+            if scanned >= st.opts.preempt_scan_limit:
+                break
+        if scanned >= st.opts.preempt_scan_limit:
+            break
+    if len(options) < r.hosts:
+        return None
+    options.sort(key=lambda o: (o[0], o[1]))
+    best = options[:r.hosts]
+    victims = {v.id: v for _, _, vs in best for v in vs}
+    return sorted(nid for _, nid, _ in best), [victims[k] for k in sorted(victims)]
+
+
+def check_indexes(st: PoolState) -> None:
+    for rank, hosts in st.tier_nodes.items():
+        assert list(st.tier_hosts.get(rank, ())) == sorted(hosts)
+    assert all(not hosts or rank in st.tier_nodes for rank, hosts in st.tier_hosts.items())
+    by_full: dict[str, list[int]] = {}
+    for n in st.nodes.values():
+        if n.state == "up":
+            counts = by_full.setdefault(n.gpu_type, [])
+            k = signature(n)[0][0]
+            counts.extend([0] * (k + 1 - len(counts)))
+            counts[k] += 1
+    for t in set(by_full) | set(st.capacity.by_full):
+        got, want = st.capacity.by_full.get(t, []), by_full.get(t, [])
+        assert got[:len(want)] == want and not any(got[len(want):]), t
+    for rank, tenants in st.queues.items():
+        for tenant, q in tenants.items():
+            assert q == sorted((r.seq, r.key) for r in st.requests.values()
+                               if st.rank(r.tier) == rank and r.tenant == tenant)
+    for rank in st.queued_shapes:
+        fresh = {gs for gs in st.queued_shapes[rank] if st.capacity.hosts_with(gs[0], gs[1], gs[2], gs[3])}
+        assert feasible_shapes(st, rank) == fresh
+
+
+def check_exclusions(st: PoolState, now_ms: int) -> None:
+    grace = int(st.opts.runtime_grace_s * 1000)
+    for rank in st.queues:
+        excl = Exclusions(st, rank, now_ms)
+        for r in st.requests.values():
+            if st.rank(r.tier) != rank or r.key in st.meta["reservations"]:
+                continue
+            want: set[str] = set()
+            for v in st.meta["reservations"].values():
+                if v["rank"] > rank:
+                    continue
+                if v["kind"] == "backfill" and r.max_runtime_ms is not None \
+                        and now_ms + r.max_runtime_ms + grace <= v["start_ms"]:
+                    continue
+                want.update(v["nodes"])
+            assert excl.hosts(excl.pattern(r)) == want
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypatch: Any) -> None:
+    rng = random.Random(seed)
+    searches = [0, 0]
+
+    def checked(st: PoolState, r: RequestView, now_ms: int, excluded: set[str]) -> Any:
+        got = find_victims(st, r, now_ms, excluded)
+        want = reference_find_victims(st, r, now_ms, excluded)
+        assert (got is None) == (want is None)
+        if got is not None and want is not None:
+            assert got[0] == want[0] and [v.id for v in got[1]] == [v.id for v in want[1]]
+        searches[0] += 1
+        searches[1] += got is not None
+        return got
+
+    monkeypatch.setattr(passes, "find_victims", checked)
+    opts = replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, grace_s=20.0, orphan_grace_s=None,
+                   preempt_scan_limit=rng.choice([3, 8, 64]))
+    h = AllocatorHarness(opts=opts, commit_every=rng.choice([1, 7]))
+    for k in range(rng.randint(3, 10)):
+        h.register(f"n{k:02d}", rng.choice(["A", "B"]), rng.choice([4, 8]), cpu_milli=rng.choice([0, 16000]),
+                   memory_mib=rng.choice([0, 64000]))
+    st = h.fold.state
+    for i in range(250):
+        x = rng.random()
+        if x < 0.6:
+            share = rng.random() < 0.3
+            h.request(f"j{i}", tenant=rng.choice("abcd"), tier=rng.choice(["enterprise", "standard", "free", "free"]),
+                      gpus=1 if share else rng.choice([1, 2, 4, 8]),
+                      gpu_milli=rng.choice([250, 500]) if share else 1000,
+                      hosts=1 if share else rng.choice([1, 1, 2]), gpu_type=rng.choice([[], ["A"], ["B"]]),
+                      cpu_milli=rng.choice([0, 0, 2000]), memory_mib=rng.choice([0, 0, 8000]),
+                      max_runtime_s=rng.choice([None, 100, 1000]), checkpoint=rng.random() < 0.7)
+        elif x < 0.72 and st.allocs:
+            aid = rng.choice(sorted(st.allocs))
+            h.release(aid, "preempted" if st.allocs[aid].state == "preempting" else "completed")
+        elif x < 0.75 and st.requests:
+            h.cancel(st.requests[rng.choice(sorted(st.requests))].job_id)
+        elif x < 0.97:
+            for nid, n in sorted(st.nodes.items()):
+                if n.state != "lost":
+                    health = "throttled" if rng.random() < 0.02 else "ok"
+                    h.heartbeat(nid, health=health, allocations=[
+                        {"alloc_id": a, "epoch": st.allocs[a].epoch, "progress": 0.5,
+                         "last_checkpoint_ms": h.now_ms - rng.randint(0, 100_000), "checkpoint_uri": "c"}
+                        for a in n.allocs])
+        else:
+            h.register(f"n{rng.randrange(3):02d}", "A", 8)  # re-registration: its allocations end
+        h.advance(rng.randint(0, 30_000))
+        check_indexes(st)
+        check_exclusions(st, h.now_ms)
+        for k in range(3):  # the victim search for requests of every kind, not only those the pass made
+            share = rng.random() < 0.3
+            probe = RequestView(f"probe{k}", {
+                "job_id": f"probe{k}", "task_id": "gpu", "attempt": 1, "tenant": rng.choice("abcd"),
+                "tier": rng.choice(["enterprise", "standard"]), "gpus": 1 if share else rng.choice([1, 2, 4, 8]),
+                "gpu_type": rng.choice([[], ["A"]]), "hosts": 1 if share else rng.choice([1, 2]),
+                "gpu_milli": rng.choice([250, 500]) if share else 1000, "cpu_milli": rng.choice([0, 2000]),
+                "memory_mib": 0, "max_runtime_ms": None, "checkpoint": True, "submitted_ms": 0, "seq": 0,
+                "queued_ms": 0, "resume": None, "grants": 0})
+            checked(st, probe, h.now_ms, excluded_for(st, probe, h.now_ms))
+    h.commit()
+    fresh = AllocatorFold(h.store, h.opts).state
+    check_indexes(fresh)
+    assert {r: list(v) for r, v in fresh.tier_hosts.items() if v} == {r: list(v) for r, v in st.tier_hosts.items() if v}
+    assert fresh.queues == {r: t for r, t in st.queues.items() if t}
+    assert h.digest() == h.replayed_digest()
+    assert searches[1] > 0
