@@ -79,7 +79,7 @@ def read_reports(stack: Stack, cfg: Config, job_id: str) -> tuple[dict[str, floa
 def wait_groups_stable(bootstrap: str, groups: dict[str, int], timeout_s: float = 120.0) -> None:
     """Wait until each consumer group has its members and is stable: a worker process that joins during
     the measured run would rebalance the dispatch partitions (seconds of no progress) and be measured."""
-    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka import ConsumerGroupState, KafkaException
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
@@ -87,7 +87,11 @@ def wait_groups_stable(bootstrap: str, groups: dict[str, int], timeout_s: float 
     while time.monotonic() < deadline:
         ok = True
         for group, members in groups.items():
-            desc = admin.describe_consumer_groups([group])[group].result(timeout=10)
+            try:
+                desc = admin.describe_consumer_groups([group])[group].result(timeout=10)
+            except KafkaException:  # a fresh broker: the group coordinator is still loading
+                ok = False
+                continue
             assigned = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
             ok = ok and desc.state == ConsumerGroupState.STABLE and len(assigned) == members
         if ok:
