@@ -35,6 +35,7 @@ from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic, worker_group
 from dagfold.exceptions import LogError
 from dagfold.log import TopicPartition
+from dagfold.log.kafka import KafkaLog
 from services.scheduler.spec import parse_spec, to_job_spec
 from services.stack import Stack, StackOptions
 
@@ -74,31 +75,6 @@ def read_reports(stack: Stack, cfg: Config, job_id: str) -> tuple[dict[str, floa
                     dispatched.setdefault(rec["task_id"], r.timestamp_ms / 1000)
         c.close()
     return started, done, dispatched
-
-
-def wait_groups_stable(bootstrap: str, groups: dict[str, int], timeout_s: float = 120.0) -> None:
-    """Wait until each consumer group has its members and is stable: a worker process that joins during
-    the measured run would rebalance the dispatch partitions (seconds of no progress) and be measured."""
-    from confluent_kafka import ConsumerGroupState, KafkaException
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ok = True
-        for group, members in groups.items():
-            try:
-                desc = admin.describe_consumer_groups([group])[group].result(timeout=10)
-            except KafkaException:  # a fresh broker: the group coordinator is still loading
-                ok = False
-                continue
-            assigned = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
-            ok = ok and desc.state == ConsumerGroupState.STABLE and len(assigned) == members
-        if ok:
-            time.sleep(1.0)  # and stays so (a cooperative rebalance has a second round)
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"consumer groups not stable after {timeout_s} s: {groups}")
 
 
 def scheduler_tid() -> int:
@@ -154,7 +130,9 @@ def main() -> None:
             groups = {worker_group("default"): args.workers}
             if split:
                 groups[SCHEDULER_GROUP] = 1
-            wait_groups_stable(args.log[len("kafka://"):].split("?", 1)[0], groups)
+            assert isinstance(stack.log, KafkaLog)
+            if not stack.log.wait_groups_stable(groups):
+                raise RuntimeError(f"consumer groups not stable: {groups}")
         run_id = f"{os.getpid()}-{int(time.time() * 1000)}"
         warm = job_spec(load("warmup"), f"warmup-{run_id}")
         stack.sender.send(submit_job(warm, source="bench"))

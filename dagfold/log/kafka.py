@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, Message
+from confluent_kafka import OFFSET_INVALID, ConsumerGroupState, KafkaError, KafkaException, Message
 from confluent_kafka import Consumer as _CkConsumer
 from confluent_kafka import Producer as _CkProducer
 from confluent_kafka import TopicPartition as _CkTP
@@ -181,6 +181,29 @@ class KafkaLog:
         n = len(t.partitions)
         self._partitions[topic] = n
         return n
+
+    def wait_groups_stable(self, groups: Mapping[str, int], timeout_s: float = 120.0) -> bool:
+        """Wait until each consumer group is stable with this many members holding partitions.
+
+        For operators and benchmarks: a member that joins later rebalances the group's partitions
+        (seconds without progress on them). False if the groups did not settle in ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ok = True
+            for group, members in groups.items():
+                try:
+                    desc = self._admin.describe_consumer_groups([group])[group].result(timeout=10)
+                except KafkaException:  # a fresh broker: the group coordinator is still loading
+                    ok = False
+                    continue
+                holding = [m for m in desc.members if m.assignment and m.assignment.topic_partitions]
+                ok = ok and desc.state == ConsumerGroupState.STABLE and len(holding) == members
+            if ok:
+                time.sleep(1.0)  # and stays so: a cooperative rebalance has a second round
+                return True
+            time.sleep(0.2)
+        return False
 
     def end_offsets(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
         """High watermarks (after a transaction that includes its commit marker).
