@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
-from rocksdict import AccessType, Options, Rdict, WriteBatch
+from rocksdict import AccessType, Options, Rdict, ReadOptions, WriteBatch
 
 from dagfold.exceptions import FencedError, LogError
 from dagfold.log.base import AssignCallback, Consumer, LogRecord, TopicPartition, TopicSpec, partition_for
@@ -46,9 +46,18 @@ def _gkey(group: str, tp: TopicPartition) -> bytes:
     return b"g" + group.encode() + _SEP + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
 
 
-def _items(db: Rdict, start: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """Raw-mode iteration from ``start``; keys and values are bytes in raw mode."""
-    return cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start)))
+def _items(db: Rdict, start: bytes, end: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+    """Raw-mode iteration over [start, end); keys and values are bytes in raw mode.
+
+    The bound goes to RocksDB: without it, finding where a range stops reads the first record
+    past it, value included, and the record after a partition's last one may be a job spec of
+    tens of MiB (a JobAccepted on ``events``), copied on every poll of a caught-up consumer.
+    """
+    if end is None:
+        return cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start)))
+    opts = ReadOptions()
+    opts.set_iterate_upper_bound(end)
+    return cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start, read_opt=opts)))
 
 
 def _now_ms() -> int:
@@ -202,7 +211,7 @@ class EmbeddedLog:
             return []
         out: list[LogRecord] = []
         prefix = b"r" + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
-        for k, v in _items(self._db, _rkey(tp.topic, tp.partition, offset)):
+        for k, v in _items(self._db, _rkey(tp.topic, tp.partition, offset), _rkey(tp.topic, tp.partition, end)):
             if not k.startswith(prefix):
                 break
             off = int(_OFF.unpack(k[-8:])[0])
