@@ -54,10 +54,11 @@ def _items(db: Rdict, start: bytes, end: bytes | None = None) -> Iterator[tuple[
     tens of MiB (a JobAccepted on ``events``), copied on every poll of a caught-up consumer.
     """
     if end is None:
-        return cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start)))
-    opts = ReadOptions()
+        yield from cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start)))
+        return
+    opts = ReadOptions()  # must outlive the iterator (RocksDB keeps a pointer to the bound): a generator
     opts.set_iterate_upper_bound(end)
-    return cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start, read_opt=opts)))
+    yield from cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start, read_opt=opts)))
 
 
 def _now_ms() -> int:
