@@ -18,6 +18,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -53,6 +54,31 @@ def _logging(verbose: bool) -> None:
 
 def _config(log: str, data: Path | None, port: int | None = None) -> Config:
     return Config.from_env(log_url=log, data_dir=data, api_port=port)
+
+
+def serve_metrics(port: int | None, addr: str) -> None:
+    """Serve Prometheus /metrics on ``addr:port`` when a port is given; exit 1 if it cannot."""
+    if port is None:
+        return
+    from dagfold import metrics
+
+    try:
+        metrics.serve(port, addr)
+    except OSError as exc:
+        raise fail(f"cannot serve metrics on {addr}:{port}: {exc}", 1) from None
+
+
+def run_until_stopped(run: Callable[[threading.Event], None], *closing: Callable[[], None]) -> None:
+    """Run a service loop until SIGTERM or Ctrl-C, then close what it holds (the log last)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        run(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for close in closing:
+            close()
 
 
 def _load_spec_doc(file: Path) -> dict[str, Any]:
@@ -257,13 +283,7 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
     from services.worker.worker import Worker
 
     _logging(verbose)
-    if metrics_port is not None:
-        from dagfold import metrics
-
-        try:
-            metrics.serve(metrics_port, metrics_addr)
-        except OSError as exc:
-            raise fail(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {exc}", 1) from None
+    serve_metrics(metrics_port, metrics_addr)
     for module in handlers:
         try:
             importlib.import_module(module)
@@ -313,13 +333,7 @@ def callbacks(log: LogOpt = "embedded", data: DataOpt = None,
     from services.callbacks import CallbackNotifier
 
     _logging(verbose)
-    if metrics_port is not None:
-        from dagfold import metrics
-
-        try:
-            metrics.serve(metrics_port, metrics_addr)
-        except OSError as exc:
-            raise fail(f"cannot serve metrics on {metrics_addr}:{metrics_port}: {exc}", 1) from None
+    serve_metrics(metrics_port, metrics_addr)
     cfg = _config(log, data)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     lg = open_log(cfg.log_url, cfg.data_dir)
@@ -328,15 +342,7 @@ def callbacks(log: LogOpt = "embedded", data: DataOpt = None,
     except Exception as exc:  # a bad setting, or the ledger is in use by another process
         lg.close()
         raise fail(f"cannot start the callback notifier: {exc}", 1) from None
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        notifier.run(stop)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        notifier.close()
-        lg.close()
+    run_until_stopped(notifier.run, notifier.close, lg.close)
 
 
 # -- client commands ---------------------------------------------------------------

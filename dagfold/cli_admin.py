@@ -8,9 +8,7 @@ different ``--instance`` on Kafka, they share the partitions); ``replay`` and
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dagfold.cli import DataOpt, LogOpt, _config, _logging, app, err, fail, out
+from dagfold.cli import DataOpt, LogOpt, _config, _logging, app, err, fail, out, run_until_stopped
 
 
 def _parse_ts(value: str | None) -> int | None:
@@ -44,15 +42,7 @@ def scheduler(log: LogOpt = "embedded", data: DataOpt = None,
     _logging(verbose)
     cfg = _config(log, data)
     lg = open_log(cfg.log_url, cfg.data_dir)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    runner = SchedulerRunner(lg, cfg, instance)
-    try:
-        runner.run(stop)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        lg.close()
+    run_until_stopped(SchedulerRunner(lg, cfg, instance).run, lg.close)
 
 
 @app.command()

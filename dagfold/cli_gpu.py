@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from dagfold.cli import DataOpt, LogOpt, _config, _logging, app, fail, out
+from dagfold.cli import DataOpt, LogOpt, _config, _logging, app, fail, out, run_until_stopped
 
 PoolOpt = typer.Option("default", "--pool", help="GPU pool: the queue name of the GPU tasks it serves")
 
@@ -37,16 +37,9 @@ def allocator(pool: str = PoolOpt, log: LogOpt = "embedded", data: DataOpt = Non
     cfg = _config(log, data)
     lg = open_log(cfg.log_url, cfg.data_dir)
     lg.create_topics(cfg.core_topics())
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     runner = AllocatorRunner(lg, AllocatorOptions(pool=pool, lease_s=lease_s, grace_s=grace_s), cfg.data_dir)
     out.print(f"dagfold allocator: pool {pool} on {cfg.log_url}")
-    try:
-        runner.run(stop)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        lg.close()
+    run_until_stopped(runner.run, lg.close)
 
 
 def _sync_faults(devices: object, faults_file: Path) -> None:
