@@ -423,3 +423,47 @@ def test_position_reaches_the_end_offset_past_transaction_markers(log_backend: L
     assert seen == [b"v0", b"v1", b"v2"]
     txp.close()
     reader.close()
+
+
+def test_embedded_reads_from_the_in_memory_tail_equal_reads_from_disk(
+    tmp_path: Path, unique_topic: TopicName, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caught-up consumers read the newest records from memory; they must get exactly what a
+    reader of the data on disk (a reopened log, whose tail is empty) gets, across the tail's
+    trims, a record too large to keep in memory, and reads that start before the tail."""
+    from dagfold.log import embedded
+    from dagfold.log.embedded import EmbeddedLog
+
+    monkeypatch.setattr(embedded, "TAIL_RECORDS", 7)
+    monkeypatch.setattr(embedded, "TAIL_BYTES", 200)
+    monkeypatch.setattr(embedded, "TAIL_RECORD_MAX", 64)
+    topic = unique_topic("tail")
+    log = EmbeddedLog(tmp_path / "log")
+    log.create_topics([TopicSpec(topic, 2)])
+    tps = [TopicPartition(topic, p) for p in range(2)]
+    txp = log.transactional_producer("tx")
+    sizes = [3, 10, 40, 100, 5, 5, 30, 2, 70, 1, 1, 1, 50, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 60]
+    live: list[list[LogRecord]] = []
+    for i, n in enumerate(sizes):
+        txp.begin()
+        txp.send(topic, f"k{i}".encode(), bytes([65 + i % 26]) * n, partition=i % 2)
+        if i % 3 == 0:
+            txp.send(topic, b"x", f"second {i}".encode(), partition=(i + 1) % 2)
+        txp.commit({}, None)
+        # every start offset, every batch size, as the log stands after each transaction
+        live.append([r for tp in tps for off in range(log.end_offsets([tp])[tp] + 1)
+                     for size in (1, 3, 50) for r in log.read(tp, off, size)])
+    ends = log.end_offsets(tps)
+    log.close()
+
+    disk = EmbeddedLog(tmp_path / "log")
+    try:
+        assert disk.end_offsets(tps) == ends
+        assert not disk._tails  # a reopened log reads from RocksDB only
+        full = [r for tp in tps for off in range(ends[tp] + 1) for size in (1, 3, 50) for r in disk.read(tp, off, size)]
+        assert live[-1] == full
+        for upto in live:  # earlier views are prefixes of the final one, record for record
+            for r in upto:
+                assert disk.read(TopicPartition(r.topic, r.partition), r.offset, 1) == [r]
+    finally:
+        disk.close()

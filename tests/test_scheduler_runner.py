@@ -156,3 +156,61 @@ def test_a_fenced_instance_stops(env: Any) -> None:
     assert type(r1.error).__name__ == "FencedError"
     assert not any(e["type"] == "dagfold.event.JobAccepted" for e in decoded(log, EVENTS))
     r1.close()
+
+
+class _RecordingStore:
+    """A scheduler store that remembers where each range scan started."""
+
+    def __init__(self, store: PartitionStore) -> None:
+        self.store = store
+        self.starts: list[bytes] = []
+
+    def range(self, start: bytes, end: bytes) -> Any:
+        self.starts.append(start)
+        return self.store.range(start, end)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def test_timer_scans_start_at_a_floor_and_still_fire_every_due_timer(env: Any, tmp_path: Path) -> None:
+    """The due-timer scan starts a margin below the earliest timer the last scan left, not at the
+    index's start (which walks over every deleted lease timer of the job); new timers are always
+    found, and a full scan each minute finds anything below the floor."""
+    from services.scheduler import keys
+    from services.scheduler.runner import TIMER_SCAN_MARGIN_MS
+
+    log, cfg = env
+    runner = SchedulerRunner(log, cfg, "floor")
+    rec = _RecordingStore(PartitionStore(tmp_path / "p0"))
+    runner.stores[0] = rec  # type: ignore[assignment]
+
+    def put_timer(due: int, task: str, attempt: int | None = 1) -> None:
+        txn = PartitionTransaction(rec.store)
+        txn.put(keys.timer(due, "job-f", task, "lease"), attempt)
+        txn.commit()
+
+    def fired() -> list[tuple[str, int]]:
+        return sorted((c["task_id"], c["due_ms"]) for c in decoded(log, COMMANDS)
+                      if c["type"] == "dagfold.command.TimerFired")
+
+    put_timer(1_000_000, "later")
+    assert runner.fire_timers(900_000) == 0
+    assert rec.starts[-1] == keys.TIMER_PREFIX  # the first scan is a full one
+
+    put_timer(850_000, "new")  # due after the floor: a timer the fold set since
+    put_timer(100_000, "below")  # due long before the floor (cannot happen live; the full scan's case)
+    assert runner.fire_timers(905_000) == 1
+    assert rec.starts[-1] == keys.timers_due_until(0, 900_000 - TIMER_SCAN_MARGIN_MS)[0]
+    assert fired() == [("new", 850_000)]
+    put_timer(850_000, "new", None)  # the fold handled it: its index entry is deleted
+
+    assert runner.fire_timers(961_000) == 1  # a minute after the last full scan: from the start again
+    assert rec.starts[-1] == keys.TIMER_PREFIX
+    assert fired() == [("below", 100_000), ("new", 850_000)]
+    put_timer(100_000, "below", None)
+
+    assert runner.fire_timers(1_000_000) == 1
+    assert rec.starts[-1] == keys.timers_due_until(0, 100_000 - TIMER_SCAN_MARGIN_MS)[0]  # "below" was there
+    assert fired() == [("below", 100_000), ("later", 1_000_000), ("new", 850_000)]
+    runner.close()

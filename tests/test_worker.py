@@ -353,6 +353,7 @@ class _CheckingLog:
     def __init__(self, log: EmbeddedLog, fail_flushes: int = 0) -> None:
         self._log = log
         self.commits: list[dict[TopicPartition, int]] = []
+        self.waits: list[bool] = []  # per commit: did the worker wait for the log's answer
         self.flushes = 0
         self.fail_flushes = fail_flushes
         self.violations: list[str] = []
@@ -388,7 +389,7 @@ class _CheckingLog:
         outer = self
         orig = inner.commit
 
-        def commit(offsets: Mapping[TopicPartition, int]) -> None:
+        def commit(offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
             reported = {(r["job_id"], r["task_id"]) for r in commands(outer._log)
                         if r["type"] in (SUCCEEDED, FAILED)}
             for tp, nxt in offsets.items():
@@ -397,7 +398,8 @@ class _CheckingLog:
                     if (d["job_id"], d["task_id"]) not in reported:
                         outer.violations.append(f"{tp}@{rec.offset} committed before its report")
             outer.commits.append(dict(offsets))
-            orig(offsets)
+            outer.waits.append(wait)
+            orig(offsets, wait)
 
         inner.commit = commit  # type: ignore[method-assign]
         return inner
@@ -414,6 +416,12 @@ def test_offsets_committed_after_reports_and_not_rerun(elog: EmbeddedLog, start:
     w.close()
     assert wrapped.commits and not wrapped.violations
     assert sum(committed(elog).values()) == 20
+    # between batches the worker does not wait for its commits; when it stops, it commits again
+    # and waits, so what it committed without waiting is confirmed before another worker takes over
+    assert False in wrapped.waits
+    assert wrapped.waits[-1] is True
+    last_waited = wrapped.commits[-1]
+    assert last_waited == {tp: o for tp, o in committed(elog).items() if o}
 
     # A new worker in the same group resumes after the committed offsets.
     w2, _, _ = start(worker_id="w2")

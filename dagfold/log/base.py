@@ -125,8 +125,13 @@ class Consumer(Protocol):
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[LogRecord]:
         """Up to ``max_records`` committed records, waiting at most ``timeout_s``."""
 
-    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
-        """Store the group's next offsets (non-transactional consumers)."""
+    def commit(self, offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
+        """Store the group's next offsets (non-transactional consumers).
+
+        ``wait=False`` returns before the log confirms: for consumers whose effects are
+        durable already and fenced on redelivery (workers), so the next poll is not
+        held up by a round trip. A failed commit then only means a redelivery.
+        """
 
     def committed(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
         """The group's committed next offsets; 0 where none."""

@@ -65,6 +65,52 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+TAIL_RECORDS = 4096  # per partition, the newest records kept in memory for caught-up consumers
+TAIL_BYTES = 4 << 20  # and at most this many value bytes of them
+TAIL_RECORD_MAX = 256 << 10  # a record larger than this is read from RocksDB (a job spec)
+
+
+class _Tail:
+    """The newest records of one partition, in memory: what consumers that keep up ask for.
+
+    Reading them from RocksDB meant a new iterator and a seek per partition and poll, whose
+    cost grows with the memtables and level-0 files a write-heavy run piles up (at 1M tasks a
+    worker spent most of its time there). Records are appended in offset order after their
+    batch is written, so the tail is always a contiguous run ending at the high watermark.
+    """
+
+    __slots__ = ("base", "records", "nbytes", "head")
+
+    def __init__(self, base: int) -> None:
+        self.base = base  # offset of records[head]
+        self.records: list[LogRecord] = []
+        self.head = 0  # records before it are dropped (compacted away in bulk, not one by one)
+        self.nbytes = 0
+
+    def append(self, rec: LogRecord) -> None:
+        if len(rec.value or b"") > TAIL_RECORD_MAX:
+            self.records, self.head, self.nbytes, self.base = [], 0, 0, rec.offset + 1
+            return
+        if not self.records or self.head == len(self.records):
+            self.records, self.head, self.base = [], 0, rec.offset
+        self.records.append(rec)
+        self.nbytes += len(rec.value or b"")
+        while len(self.records) - self.head > TAIL_RECORDS or self.nbytes > TAIL_BYTES:
+            self.nbytes -= len(self.records[self.head].value or b"")
+            self.head += 1
+            self.base += 1
+        if self.head > TAIL_RECORDS:
+            del self.records[: self.head]
+            self.head = 0
+
+    def read(self, offset: int, max_records: int) -> list[LogRecord] | None:
+        """Records from ``offset`` on, or None if the tail does not reach back that far."""
+        if offset < self.base or self.head == len(self.records):
+            return None
+        i = self.head + offset - self.base
+        return self.records[i : i + max_records]
+
+
 class EmbeddedLog:
     """The embedded backend (see module docstring)."""
 
@@ -89,6 +135,7 @@ class EmbeddedLog:
         self._cond = threading.Condition(self._lock)
         self._topics: dict[str, TopicSpec] = {}
         self._hwm: dict[TopicPartition, int] = {}
+        self._tails: dict[TopicPartition, _Tail] = {}
         self._epochs: dict[str, int] = {}
         self._groups: dict[str, _Group] = {}
         self._closed = False
@@ -177,10 +224,12 @@ class EmbeddedLog:
             ts = _now_ms()
             last: dict[TopicPartition, int] = {}
             next_off: dict[TopicPartition, int] = {}
+            written: list[LogRecord] = []
             for topic, partition, key, value in records:
                 tp = TopicPartition(topic, partition)
                 off = next_off.get(tp, self._hwm[tp])
                 wb.put(_rkey(topic, partition, off), _HDR.pack(ts, len(key)) + key + value)
+                written.append(LogRecord(topic, partition, off, key, value, ts))
                 next_off[tp] = off + 1
                 last[tp] = off
             if offsets:
@@ -190,6 +239,12 @@ class EmbeddedLog:
                     wb.put(_gkey(group, tp), _OFF.pack(off))
             if not wb.is_empty():
                 self._db.write(wb)
+            for rec in written:
+                tp = TopicPartition(rec.topic, rec.partition)
+                tail = self._tails.get(tp)
+                if tail is None:
+                    tail = self._tails[tp] = _Tail(rec.offset)
+                tail.append(rec)
             self._hwm.update(next_off)
             if next_off:
                 self._cond.notify_all()
@@ -210,6 +265,12 @@ class EmbeddedLog:
         end = self._hwm.get(tp, 0)
         if offset >= end:
             return []
+        tail = self._tails.get(tp)
+        if tail is not None:
+            with self._lock:  # appends move the tail's window: read it whole
+                cached = tail.read(offset, max_records)
+            if cached is not None:
+                return cached
         out: list[LogRecord] = []
         prefix = b"r" + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
         for k, v in _items(self._db, _rkey(tp.topic, tp.partition, offset), _rkey(tp.topic, tp.partition, end)):
@@ -377,7 +438,8 @@ class EmbeddedConsumer:
                 break
         return out
 
-    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+    def commit(self, offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
+        """A local write: done at once either way, ``wait`` has nothing to wait for."""
         if self._group is None:
             raise LogError("commit needs a consumer group")
         self._log.commit_offsets(self._group.name, offsets)

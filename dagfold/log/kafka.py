@@ -574,12 +574,15 @@ class KafkaConsumer:
                 self._manual[TopicPartition(topic, partition)] = offset + 1
         return out
 
-    def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+    def commit(self, offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
         if self.group_id is None:
             raise LogError("commit needs a consumer group")
         if not offsets:
             return
         try:
+            if not wait:  # failures surface through the client's log (offset_commit_cb is not set)
+                self.raw.commit(offsets=[_ck(tp, o) for tp, o in offsets.items()], asynchronous=True)
+                return
             result = self.raw.commit(offsets=[_ck(tp, o) for tp, o in offsets.items()], asynchronous=False)
         except KafkaException as exc:
             raise LogError(f"offset commit failed: {exc}") from exc

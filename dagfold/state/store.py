@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -179,17 +178,6 @@ class PartitionTransaction:
 
     def release(self) -> None:
         self._undo = None
-
-    @contextmanager
-    def atomic(self) -> Iterator[None]:
-        """All writes inside the block stay, or (on an exception) none of them: one command's fold."""
-        self.savepoint()
-        try:
-            yield
-        except BaseException:
-            self.rollback()
-            raise
-        self.release()
 
     def commit(self, applied_events: int | None = None) -> None:
         if not self._open:

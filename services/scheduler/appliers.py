@@ -10,7 +10,7 @@ edges)) and an outcome's notification of its direct dependents (O(out-degree)).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dagfold.codec import Record
@@ -25,13 +25,33 @@ Applier = Callable[[PartitionTransaction, Record], None]
 
 
 def get_job(txn: PartitionTransaction, job_id: str) -> dict[str, Any] | None:
+    """The job record as a copy to change and put back (appliers)."""
     j = txn.get(keys.job(job_id))
     return None if j is None else dict(j)
 
 
 def get_task(txn: PartitionTransaction, job_id: str, task_id: str) -> dict[str, Any] | None:
+    """The task record as a copy to change and put back (appliers)."""
     t = txn.get(keys.task(job_id, task_id))
     return None if t is None else dict(t)
+
+
+def read_job(txn: PartitionTransaction, job_id: str) -> Mapping[str, Any] | None:
+    """The job record itself, to decide from (processors): no copy, so never change it.
+
+    Stored records are replaced on every change, never changed in place, so what
+    this returns stays the state as it was when read, exactly like a copy would.
+    Processors read a task about ten times per command; copying each read was a
+    fifth of the fold's time.
+    """
+    j: Mapping[str, Any] | None = txn.get(keys.job(job_id))
+    return j
+
+
+def read_task(txn: PartitionTransaction, job_id: str, task_id: str) -> Mapping[str, Any] | None:
+    """The task record itself, to decide from (see ``read_job``)."""
+    t: Mapping[str, Any] | None = txn.get(keys.task(job_id, task_id))
+    return t
 
 
 def get_dependents(txn: PartitionTransaction, job_id: str, task_id: str) -> list[str]:

@@ -47,9 +47,10 @@ def timer(due_ms: int, job_id: str, task_id: str, kind: str) -> bytes:
     return f"T{S}{due_ms:016d}{S}{job_id}{S}{task_id}{S}{kind}".encode()
 
 
-def timers_due_until(now_ms: int) -> tuple[bytes, bytes]:
-    """Key range of timers due at or before ``now_ms``."""
-    return TIMER_PREFIX, f"T{S}{now_ms + 1:016d}".encode()
+def timers_due_until(now_ms: int, since_ms: int = 0) -> tuple[bytes, bytes]:
+    """Key range of timers due at or before ``now_ms`` (and not before ``since_ms``)."""
+    start = TIMER_PREFIX if since_ms <= 0 else f"T{S}{since_ms:016d}".encode()
+    return start, f"T{S}{now_ms + 1:016d}".encode()
 
 
 def parse_timer(key: bytes) -> tuple[int, str, str, str]:

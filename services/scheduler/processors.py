@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,8 +27,8 @@ from services.scheduler.appliers import (
     TERMINAL,
     apply_event,
     get_dependents,
-    get_job,
-    get_task,
+    read_job,
+    read_task,
 )
 from services.scheduler.retry import backoff_ms, should_retry
 from services.scheduler.validation import validate_job_spec
@@ -59,7 +59,7 @@ class Ctx:
             "task_id": task_id, "attempt": attempt, "reason": reason, "ts_ms": self.now_ms}))
 
 
-def stop_attempt(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], reason: str) -> None:
+def stop_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], reason: str) -> None:
     """Stop the task's current attempt wherever it is: a worker's (StopTask to the lease holder), or a
     GPU attempt's (CancelRequest to its pool: drops the queued request or releases the allocation,
     whose agents the allocator stops)."""
@@ -79,14 +79,14 @@ def spec_hash(spec: Record) -> str:
     return hashlib.sha256(buf.getvalue()).hexdigest()
 
 
-def lease_timeout_ms(ctx: Ctx, t: dict[str, Any]) -> int:
+def lease_timeout_ms(ctx: Ctx, t: Mapping[str, Any]) -> int:
     hb = (t["timeouts"] or {}).get("heartbeat_s") or ctx.opts.lease_timeout_s
     return int(hb * 1000)
 
 
 # -- trigger rules -------------------------------------------------------------
 
-def evaluate_rule(t: dict[str, Any]) -> str:
+def evaluate_rule(t: Mapping[str, Any]) -> str:
     """'run', 'skip' or 'wait' for a pending task, from its upstream outcome counts (Airflow semantics)."""
     rule, rem, ok, bad, skip = t["rule"], t["rem"], t["ok"], t["bad"], t["skip"]
     if rule == "all_success":
@@ -102,12 +102,12 @@ def evaluate_rule(t: dict[str, Any]) -> str:
     raise ValueError(f"unknown trigger rule {rule!r}")
 
 
-def is_gpu(t: dict[str, Any]) -> bool:
+def is_gpu(t: Mapping[str, Any]) -> bool:
     """A task that asks for GPUs goes to its pool's allocator, not to a worker queue."""
     return bool(t["resources"] and t["resources"]["gpus"] > 0)
 
 
-def dispatch(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], attempt: int, tenant: str) -> None:
+def dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt: int, tenant: str) -> None:
     """Make an attempt runnable: a TaskDispatched event and a reference on its queue.
 
     A GPU task's queue names its GPU pool: the attempt is an allocation request
@@ -116,7 +116,7 @@ def dispatch(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], attempt: in
     """
     ctx.event("TaskDispatched", job_id, task_id=task_id, attempt=attempt, queue=t["queue"])
     if is_gpu(t):
-        j = get_job(ctx.txn, job_id)
+        j = read_job(ctx.txn, job_id)
         tier = j["tier"] if j is not None else "standard"
         req = alloc_cmds.from_resources(t["queue"], job_id, task_id, attempt, tenant, tier, t["resources"],
                                         ctx.now_ms)
@@ -134,14 +134,14 @@ def dispatch(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], attempt: in
 
 def propagate(ctx: Ctx, job_id: str, task_id: str, outcome: str) -> None:
     """After ``task_id`` reached a terminal outcome, run or skip the dependents it decides."""
-    j = get_job(ctx.txn, job_id)
+    j = read_job(ctx.txn, job_id)
     if j is None or j["state"] != "running":
         return
     work = [(task_id, outcome)]
     while work:
         up, up_outcome = work.pop()
         for d in get_dependents(ctx.txn, job_id, up):
-            dt = get_task(ctx.txn, job_id, d)
+            dt = read_task(ctx.txn, job_id, d)
             if dt is None or dt["state"] != "pending" or dt["rule"] == "always":
                 continue
             decision = evaluate_rule(dt)
@@ -157,7 +157,7 @@ def propagate(ctx: Ctx, job_id: str, task_id: str, outcome: str) -> None:
 
 
 def finish_job_if_done(ctx: Ctx, job_id: str) -> None:
-    j = get_job(ctx.txn, job_id)
+    j = read_job(ctx.txn, job_id)
     if j is None or j["state"] != "running" or j["open"] > 0:
         return
     if j["failed"] == 0:
@@ -171,7 +171,7 @@ def finish_job_if_done(ctx: Ctx, job_id: str) -> None:
 def cancel_open_tasks(ctx: Ctx, job_id: str, reason: str) -> None:
     """Cancel every task that has not finished (O(tasks) once per job); running ones are told to stop."""
     for tid in ctx.txn.get(keys.task_list(job_id)) or []:
-        t = get_task(ctx.txn, job_id, tid)
+        t = read_task(ctx.txn, job_id, tid)
         if t is None or t["state"] in TERMINAL:
             continue
         stop_attempt(ctx, job_id, tid, t, reason)
@@ -190,7 +190,7 @@ def submit_job(ctx: Ctx, cmd: Record) -> None:
     h = spec_hash(spec)
     key = spec["idempotency_key"]
     first = ctx.txn.get(keys.idempotency(spec["tenant"], key)) if key else None
-    existing = get_job(ctx.txn, first or job_id)
+    existing = read_job(ctx.txn, first or job_id)
     if existing is not None:
         if existing["hash"] == h:
             ctx.event("SubmissionDeduplicated", job_id, idempotency_key=key or "")
@@ -204,14 +204,14 @@ def submit_job(ctx: Ctx, cmd: Record) -> None:
     ctx.event("JobAccepted", job_id, spec=spec, spec_hash=h)
     for ts in spec["tasks"]:
         if not ts["depends_on"] or ts["trigger_rule"] == "always":
-            t = get_task(ctx.txn, job_id, ts["task_id"])
+            t = read_task(ctx.txn, job_id, ts["task_id"])
             assert t is not None
             dispatch(ctx, job_id, ts["task_id"], t, 1, spec["tenant"])
 
 
 def cancel_job(ctx: Ctx, cmd: Record) -> None:
     job_id = cmd["job_id"]
-    j = get_job(ctx.txn, job_id)
+    j = read_job(ctx.txn, job_id)
     if j is None or j["state"] in JOB_TERMINAL:
         return  # unknown or finished: a no-op, the command stays in the log for the audit
     cancel_open_tasks(ctx, job_id, f"job cancelled: {cmd['reason']}")
@@ -224,19 +224,19 @@ REDRIVABLE = frozenset({"failed", "succeeded_partial", "cancelled"})
 def redrive_job(ctx: Ctx, cmd: Record) -> None:
     """Re-run a finished job from its failed, skipped and cancelled tasks; history stays in the log."""
     job_id = cmd["job_id"]
-    j = get_job(ctx.txn, job_id)
+    j = read_job(ctx.txn, job_id)
     if j is None or j["state"] not in REDRIVABLE:
         return  # nothing to redrive; the API answers 409 before sending
     reopen = []
     for tid in ctx.txn.get(keys.task_list(job_id)) or []:
-        t = get_task(ctx.txn, job_id, tid)
+        t = read_task(ctx.txn, job_id, tid)
         if t is not None and t["state"] in ("failed", "skipped", "cancelled"):
             reopen.append(tid)
     if not reopen:
         return
     ctx.event("JobRedriven", job_id, task_ids=reopen)
     for tid in reopen:
-        t = get_task(ctx.txn, job_id, tid)
+        t = read_task(ctx.txn, job_id, tid)
         assert t is not None
         if t["state"] != "pending":
             continue  # skipped meanwhile, downstream of a task skipped again below
@@ -252,7 +252,7 @@ def redrive_job(ctx: Ctx, cmd: Record) -> None:
     finish_job_if_done(ctx, job_id)
 
 
-def not_current(t: dict[str, Any] | None, j: dict[str, Any] | None, attempt: int) -> str | None:
+def not_current(t: Mapping[str, Any] | None, j: Mapping[str, Any] | None, attempt: int) -> str | None:
     """Why a record about ``attempt`` concerns no live attempt (unknown, job over, stale); None if it does."""
     if t is None or j is None:
         return "unknown job or task"
@@ -263,10 +263,10 @@ def not_current(t: dict[str, Any] | None, j: dict[str, Any] | None, attempt: int
     return None
 
 
-def _report_target(ctx: Ctx, cmd: Record, report: str) -> dict[str, Any] | None:
+def _report_target(ctx: Ctx, cmd: Record, report: str) -> Mapping[str, Any] | None:
     """The task if ``cmd`` comes from the current lease holder; else record why not and return None."""
     job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
-    t = get_task(ctx.txn, job_id, task_id)
+    t = read_task(ctx.txn, job_id, task_id)
     if t is None:
         why = "unknown job or task"
     elif attempt != t["attempt"]:
@@ -284,8 +284,8 @@ def _report_target(ctx: Ctx, cmd: Record, report: str) -> dict[str, Any] | None:
 
 def task_started(ctx: Ctx, cmd: Record) -> None:
     job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
-    t = get_task(ctx.txn, job_id, task_id)
-    why = not_current(t, get_job(ctx.txn, job_id), attempt)
+    t = read_task(ctx.txn, job_id, task_id)
+    why = not_current(t, read_job(ctx.txn, job_id), attempt)
     if why is None and t is not None:
         if t["state"] == "runnable" and (not is_gpu(t) or t.get("alloc") == worker):
             ctx.event("LeaseGranted", job_id, task_id=task_id, attempt=attempt, worker_id=worker,
@@ -324,7 +324,7 @@ def task_succeeded(ctx: Ctx, cmd: Record) -> None:
     propagate(ctx, job_id, task_id, "succeeded")
 
 
-def fail_attempt(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], *, worker: str, reason: str,
+def fail_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], *, worker: str, reason: str,
                  exit_code: int | None = None, error_type: str | None = None, retryable: bool = True,
                  stdout_tail: str = "", stderr_tail: str = "") -> None:
     """The current attempt failed: schedule a retry per policy, or fail the task for good."""
@@ -339,7 +339,7 @@ def fail_attempt(ctx: Ctx, job_id: str, task_id: str, t: dict[str, Any], *, work
         ctx.event("TaskRetryScheduled", job_id, task_id=task_id, attempt=attempt, next_attempt=attempt + 1,
                   retry_at_ms=ctx.now_ms + backoff_ms(t["retry"], job_id, task_id, run_attempt), reason=reason)
         return
-    j = get_job(ctx.txn, job_id)
+    j = read_job(ctx.txn, job_id)
     if j is not None and j["policy"] == "fail_fast" and j["state"] == "running":
         cancel_open_tasks(ctx, job_id, f"fail_fast: task {task_id} failed")
         finish_job_if_done(ctx, job_id)
@@ -361,8 +361,8 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
     job_id, task_id, attempt, kind = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["timer"]
     if task_id is None:
         return
-    t = get_task(ctx.txn, job_id, task_id)
-    j = get_job(ctx.txn, job_id)
+    t = read_task(ctx.txn, job_id, task_id)
+    j = read_job(ctx.txn, job_id)
     if t is None or j is None or j["state"] != "running" or t["attempt"] != attempt:
         return
     due = (t.get("timers") or {}).get(kind)
@@ -382,7 +382,7 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
         fail_attempt(ctx, job_id, task_id, t, worker="", reason="schedule_to_start_timeout", retryable=False)
 
 
-def _gpu_dispatch(ctx: Ctx, cmd: Record, t: dict[str, Any], tenant: str) -> None:
+def _gpu_dispatch(ctx: Ctx, cmd: Record, t: Mapping[str, Any], tenant: str) -> None:
     """The grant's hosts get the attempt on control, keyed by node; the first host reports it."""
     lease_s = lease_timeout_ms(ctx, t) / 1000
     for i, h in enumerate(cmd["hosts"]):
@@ -394,7 +394,7 @@ def _gpu_dispatch(ctx: Ctx, cmd: Record, t: dict[str, Any], tenant: str) -> None
             "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms}))
 
 
-def _allocation_mismatch(t: dict[str, Any], status: str, alloc: str | None) -> str | None:
+def _allocation_mismatch(t: Mapping[str, Any], status: str, alloc: str | None) -> str | None:
     """Why an allocation decision does not apply to the task's current attempt; None if it does."""
     if not is_gpu(t):
         return "task asks for no GPUs"
@@ -416,8 +416,8 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
     (its success crossed a preemption) gets one now.
     """
     job_id, task_id, attempt, status = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["status"]
-    t = get_task(ctx.txn, job_id, task_id)
-    j = get_job(ctx.txn, job_id)
+    t = read_task(ctx.txn, job_id, task_id)
+    j = read_job(ctx.txn, job_id)
     alloc = cmd["alloc_id"]
     why = not_current(t, j, attempt)
     if why is None and t is not None:

@@ -42,6 +42,10 @@ from services.scheduler.timers import due_timers
 log = logging.getLogger("dagfold.scheduler")
 
 TIMER_REFIRE_MS = 5000
+# Timer scans start this far below the earliest timer the last scan left (or its time): new
+# timers are due at or after the fold's clock, which a wall-clock step back could move earlier.
+TIMER_SCAN_MARGIN_MS = 60_000
+TIMER_FULL_SCAN_MS = 60_000  # and from the index's start once a minute, whatever happened
 
 
 def now_ms() -> int:
@@ -60,6 +64,8 @@ class SchedulerRunner:
         self.stores: dict[int, PartitionStore] = {}
         self._known_topics: set[str] = set()
         self._fired: dict[bytes, int] = {}
+        self._timer_floor: dict[int, int] = {}  # per partition: no timer is due before this
+        self._full_scan_ms = 0
         self.folded = 0
         self.ready = threading.Event()
         self.consumer = log_.consumer(SCHEDULER_GROUP, client_id=f"scheduler-{instance_id}")
@@ -77,11 +83,13 @@ class SchedulerRunner:
                 n = catch_up(self.log, store, self.fold, tp.partition)
                 log.info("partition %d restored (%d events applied)", tp.partition, n)
                 self.stores[tp.partition] = store
+                self._timer_floor.pop(tp.partition, None)  # its restored timers may be due long ago
         self.ready.set()
 
     def _on_revoke(self, tps: list[TopicPartition]) -> None:
         for tp in tps:
             store = self.stores.pop(tp.partition, None)
+            self._timer_floor.pop(tp.partition, None)
             if store is not None:
                 store.close()
 
@@ -198,14 +206,20 @@ class SchedulerRunner:
     def fire_timers(self, now: int) -> int:
         """Write a TimerFired command for every due timer (at-least-once; the fold drops stale ones)."""
         sent = 0
-        for store in list(self.stores.values()):
-            for k, cmd in due_timers(store, now):
+        full = now - self._full_scan_ms >= TIMER_FULL_SCAN_MS
+        if full:
+            self._full_scan_ms = now
+        for p, store in list(self.stores.items()):
+            earliest = now
+            for k, cmd in due_timers(store, now, 0 if full else self._timer_floor.get(p, 0)):
+                earliest = min(earliest, cmd["due_ms"])
                 fired = self._fired.get(k)
                 if fired is not None and now - fired < TIMER_REFIRE_MS:
                     continue
                 self.timer_producer.send(COMMANDS, cmd["job_id"].encode(), self.codec.encode(cmd))
                 self._fired[k] = now
                 sent += 1
+            self._timer_floor[p] = earliest - TIMER_SCAN_MARGIN_MS
         if sent:
             self.timer_producer.flush()
             metrics.TIMERS_FIRED.inc(sent)

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from dagfold import codec, metrics
@@ -178,6 +178,7 @@ class Worker:
         self._lock = threading.Lock()
         self._running: _Running | None = None
         self._stopped: OrderedDict[AttemptKey, str] = OrderedDict()
+        self._pending: dict[TopicPartition, int] = {}  # offsets committed without waiting for the log
         self._closed = False
         self.crashed = False  # stopped by WorkerCrashed (fault injection)
         # counters (read them as attributes; Prometheus metrics come later)
@@ -246,6 +247,7 @@ class Worker:
             try:
                 if not self.crashed:
                     self._producer.flush()
+                    self._commit_pending()
             except LogError:
                 log.exception("final flush failed", extra={"worker_id": self.worker_id})
             log.info("worker stopped", extra={"worker_id": self.worker_id, **self.stats()})
@@ -308,7 +310,9 @@ class Worker:
         log.info("assigned %s", [tp.partition for tp in tps], extra={"worker_id": self.worker_id})
 
     def _on_revoke(self, tps: list[TopicPartition]) -> None:
-        # Offsets are committed after every batch, before the next poll, so nothing is pending here.
+        # Offsets are committed after every batch, before the next poll; make sure the last ones
+        # arrived before the partitions' next owner reads from them.
+        self._commit_pending(tps)
         log.info("revoked %s", [tp.partition for tp in tps], extra={"worker_id": self.worker_id})
 
     # -- control --------------------------------------------------------------
@@ -417,14 +421,28 @@ class Worker:
             except Exception:
                 log.warning("seek %s to %d failed", tp, off, exc_info=True, extra={"worker_id": self.worker_id})
 
-    def _commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+    def _commit(self, offsets: Mapping[TopicPartition, int], wait: bool = False) -> None:
+        """Commit without waiting: the reports are durable already (flushed), so the next poll need
+        not wait a round trip for it (on Kafka that wait was on every dependency hop). A commit
+        lost this way means a redelivery, which the scheduler fences; partitions that leave this
+        worker, and the worker's own stop, commit and wait (``_commit_pending``)."""
         if not offsets:
             return
+        self._pending.update(offsets)
         try:
-            self._consumer.commit(offsets)
+            self._consumer.commit(offsets, wait=wait)
         except LogError as exc:
             # The reports are durable; a redelivery only repeats work the scheduler fences.
             log.warning("offset commit failed: %s", exc, extra={"worker_id": self.worker_id})
+            return
+        if wait:
+            for tp in offsets:
+                self._pending.pop(tp, None)
+
+    def _commit_pending(self, tps: Sequence[TopicPartition] | None = None) -> None:
+        """Commit and wait for the last offsets committed without waiting (all, or of ``tps``)."""
+        offsets = {tp: o for tp, o in self._pending.items() if tps is None or tp in tps}
+        self._commit(offsets, wait=True)
 
     def _send(self, topic: str, key: bytes, rec: Record) -> None:
         self._producer.send(topic, key, self._codec.encode(rec))
