@@ -26,13 +26,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, UrlConstraints, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from projections.jobs import history_prefix
-from projections.keys import decode_cursor
 from services.api.auth import Principal
 from services.api.context import ApiContext
 from services.api.errors import ApiError
 from services.api.routes_jobs import CancelIn, _read_body, request_cancel, submit_spec
-from services.api.sse import job_stream
+from services.api.sse import stream_response
+from services.scheduler.processors import is_gpu
 from services.scheduler.spec import JobSpecIn, RetryPolicyIn, SpecError, parse_spec
 
 TASK_ID = "run"
@@ -123,10 +122,6 @@ def parse_gpu_job(body: bytes) -> GpuJobIn:
         raise ApiError(422, "invalid_gpu_job", _reason(exc)) from None
 
 
-def is_gpu_task(task: dict[str, Any]) -> bool:
-    return task.get("handler") == HANDLER or bool((task.get("resources") or {}).get("gpus"))
-
-
 def links(job_id: str) -> dict[str, str]:
     base = f"/v1/gpu-jobs/{job_id}"
     return {"self": base, "events": base + "/events", "cancel": base + "/cancel", "job": f"/v1/jobs/{job_id}",
@@ -141,7 +136,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         """The job and its GPU task; 404 when the job is not visible or not a GPU job."""
         job = ctx.job_for(job_id, principal)
         tasks = ctx.rm.get_tasks(job_id, limit=1).items if job.get("total_tasks") == 1 else []
-        if not tasks or not is_gpu_task(tasks[0]):
+        if not tasks or not is_gpu(tasks[0]):
             raise ApiError(404, "not_found", f"job {job_id!r} is not a GPU job (see /v1/jobs/{job_id})")
         return job, tasks[0]
 
@@ -231,13 +226,8 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         last_event_id: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
         _, task = await run_in_threadpool(gpu_job_for, job_id, principal)
-        cursor = last_event_id or after
-        if cursor:
-            decode_cursor(cursor, history_prefix(job_id))  # 400 before the stream starts
-        stream = job_stream(ctx.rm, job_id, cursor, request.is_disconnected, poll_s=ctx.sse_poll_s,
-                            max_s=timeout_s, progress_task=task["task_id"])
-        return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return stream_response(ctx.rm, job_id, last_event_id or after, request.is_disconnected,
+                               poll_s=ctx.sse_poll_s, max_s=timeout_s, progress_task=task["task_id"])
 
     @r.post("/v1/gpu-jobs/{job_id}/cancel", status_code=202, summary="Cancel a GPU job")
     def cancel_gpu_job(job_id: str, principal: Caller,

@@ -18,13 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from dagfold.codec import make
-from projections.jobs import TERMINAL_JOB_STATES, Page, history_prefix
-from projections.keys import decode_cursor
+from projections.jobs import TERMINAL_JOB_STATES, Page
 from services.api.auth import Principal
 from services.api.context import ApiContext, now_ms, parse_time_ms
 from services.api.errors import ApiError
 from services.api.graph import graph_json, layout
-from services.api.sse import job_stream
+from services.api.sse import stream_response
 from services.scheduler.processors import spec_hash
 from services.scheduler.spec import JobSpecIn, SpecError, load_spec_text, parse_spec, to_job_spec
 from services.scheduler.validation import validate_job_spec
@@ -259,13 +258,8 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         last_event_id: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
         await run_in_threadpool(ctx.job_for, job_id, principal)
-        cursor = last_event_id or after
-        if cursor:
-            decode_cursor(cursor, history_prefix(job_id))  # 400 before the stream starts
-        stream = job_stream(ctx.rm, job_id, cursor, request.is_disconnected, poll_s=ctx.sse_poll_s,
-                            max_s=timeout_s)
-        return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return stream_response(ctx.rm, job_id, last_event_id or after, request.is_disconnected,
+                               poll_s=ctx.sse_poll_s, max_s=timeout_s)
 
     # -- control -----------------------------------------------------------------
     @r.post("/v1/jobs/{job_id}/cancel", status_code=202, summary="Cancel a job")

@@ -23,8 +23,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+
 from dagfold import metrics
-from projections.jobs import TERMINAL_JOB_STATES, ReadModel
+from projections.jobs import TERMINAL_JOB_STATES, ReadModel, history_prefix
+from projections.keys import decode_cursor
 
 PAGE = 500
 
@@ -85,3 +88,15 @@ async def job_stream(rm: ReadModel, job_id: str, cursor: str | None, is_disconne
             await asyncio.sleep(poll_s)
     finally:
         metrics.SSE_STREAMS.dec()
+
+
+def stream_response(rm: ReadModel, job_id: str, cursor: str | None, is_disconnected: Callable[[], Any], *,
+                    poll_s: float, max_s: float | None, progress_task: str | None = None) -> StreamingResponse:
+    """The SSE response of a job route: a bad cursor is a 400 here, before the stream starts
+    (after that, the status line is sent and an error could only end the stream)."""
+    if cursor:
+        decode_cursor(cursor, history_prefix(job_id))
+    stream = job_stream(rm, job_id, cursor, is_disconnected, poll_s=poll_s, max_s=max_s,
+                        progress_task=progress_task)
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
