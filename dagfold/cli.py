@@ -31,8 +31,10 @@ from dagfold.config import Config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="dagfold: an event-sourced scheduler for DAG and GPU jobs.")
-out = Console()
-err = Console(stderr=True)
+# soft_wrap: lines are never broken at the console width. Piped to a file or a script, rich
+# assumes 80 columns and split "submitted <long file name>: <job id>" across two lines.
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 LogOpt = Annotated[str, typer.Option("--log", help="embedded (default) or kafka://HOST:PORT")]
 DataOpt = Annotated[Path | None, typer.Option("--data", help="data folder (state, projections, embedded log)")]

@@ -18,6 +18,15 @@ def test_run_diamond_succeeds() -> None:
     assert "succeeded" in r.stdout and "load" in r.stdout
 
 
+def test_output_lines_are_not_broken_at_a_narrow_terminal_width() -> None:
+    """Scripts read job IDs from the output: a line must not be split at the console width
+    (rich assumed 80 columns when piped and broke long "submitted <file>: <id>" lines)."""
+    r = dagfold("run", "examples/diamond.yaml", env={"COLUMNS": "30"})
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.splitlines()[0]
+    assert line.startswith("job ") and line.endswith(": succeeded") and len(line) > 30, r.stdout
+
+
 def test_run_cycle_is_rejected_naming_the_cycle() -> None:
     r = dagfold("run", "examples/cycle.yaml")
     assert r.returncode == 2
