@@ -2,8 +2,9 @@
 
 Loads the job list, follows a running job whose graph recolours live (server-sent events, no reload),
 opens a failed task's reason, and visits the operations and cluster pages; then renders the cluster page
-over events of the GPU allocator's own fold (virtual time). Saves the screenshots that docs/operations.md
-shows (docs/img/*.png).
+over events of the GPU allocator's own fold (virtual time). Saves screenshots of each page to a temporary
+folder, so that a test run leaves the tree as it was; ``DAGFOLD_SCREENSHOT_DIR=docs/img`` refreshes the
+ones docs/operations.md shows.
 
 Chromium is Debian's (``make browser`` installs it); Playwright only drives it (no ``playwright install``).
 """
@@ -16,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ import httpx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IMG = Path(os.environ.get("DAGFOLD_SCREENSHOT_DIR", str(ROOT / "docs" / "img")))  # the docs' screenshots
+IMG = Path(os.environ.get("DAGFOLD_SCREENSHOT_DIR", str(Path(tempfile.gettempdir()) / "dagfold-screenshots")))
 CHROMIUM = os.environ.get("DAGFOLD_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
