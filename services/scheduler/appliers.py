@@ -61,6 +61,8 @@ def get_dependents(txn: PartitionTransaction, job_id: str, task_id: str) -> list
 def _set_timer(txn: PartitionTransaction, job_id: str, task_id: str, t: dict[str, Any],
                kind: str, due: int | None, attempt: int) -> None:
     """Replace the task's timer of this kind (the index is keyed by due time)."""
+    if due is None and kind not in (t.get("timers") or ()):
+        return  # no timer to clear: most calls (no timeouts set), and the record stays as it is
     timers = dict(t.get("timers") or {})
     old = timers.pop(kind, None)
     if old is not None:

@@ -17,6 +17,8 @@ Leases live in the task record (worker, lease deadline) and in the timers table.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 S = "\x1f"
 
 
@@ -28,7 +30,9 @@ def task_list(job_id: str) -> bytes:
     return f"l{S}{job_id}".encode()
 
 
+@lru_cache(maxsize=1 << 16)
 def task(job_id: str, task_id: str) -> bytes:
+    """Cached: a command reads and writes its task and the task's dependents about 15 times."""
     return f"t{S}{job_id}{S}{task_id}".encode()
 
 
