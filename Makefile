@@ -11,7 +11,7 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch browser bench bench-peers chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch browser bench bench-peers bench-scale chaos lint clean
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ bench: install kafka-fetch
 bench-peers: install kafka-fetch
 	bench/peers/setup.sh
 	$(BIN)/python -m bench.peers
+
+# Synthetic layered DAGs of 1k to 1M tasks on the embedded stack (about 10 minutes; 6 GiB at 1M)
+bench-scale: install
+	$(BIN)/python -m bench.scale
 
 # The long chaos run: >= 1,000 faults on a 3-broker cluster; the short run is part of `make test`
 chaos: install kafka-fetch

@@ -227,8 +227,9 @@ def write_docs(doc: dict[str, Any]) -> None:
     plot(rows, report.IMG / "bench-scale.png")
     report.replace_section("scale", f"""## Scale: 1k to 1M tasks (issue 7)
 
-Measured {doc['when']} by `.venv/bin/python -m bench.scale` on the machine of the peers table (load average
-when it began: {'/'.join(str(x) for x in doc['load_before'])}). Synthetic layered DAGs, {WIDTH} tasks wide, each task
+Measured {doc['when']} by `make bench-scale` (`.venv/bin/python -m bench.scale`) on the machine of the peers table
+(load average when it began: {'/'.join(str(x) for x in doc['load_before'])}). Synthetic layered DAGs,
+{WIDTH} tasks wide, each task
 depending on {FAN_IN} tasks of the level above, noop tasks, through the embedded stack (scheduler, projector and
 2 workers in one process). Each size runs in a fresh process.
 
