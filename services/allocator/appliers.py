@@ -130,7 +130,7 @@ def _allocation_granted(st: PoolState, e: Record) -> None:
         st.put_node(n)
     st.put_alloc(a)
     st.link_alloc(a)
-    st.add_usage(r.tier, r.tenant, r.total_milli())
+    st.add_usage(r.tier, r.tenant, r.total_milli)
     if r.max_runtime_ms is not None:
         st.set_timer("runtime", a.id, a.granted_ms + r.max_runtime_ms + int(st.opts.runtime_grace_s * 1000))
     st.meta["epoch"] = max(st.meta["epoch"], e["epoch"])
@@ -154,7 +154,7 @@ def _allocation_ended(st: PoolState, e: Record) -> None:
         n.allocs.remove(a.id)
         st.put_node(n)
     st.unlink_alloc_nodes(a)
-    st.add_usage(r.tier, r.tenant, -r.total_milli())
+    st.add_usage(r.tier, r.tenant, -r.total_milli)
     st.set_timer("runtime", a.id, None)
     st.set_timer("grace", a.id, None)
     st.drop_alloc(a)

@@ -79,9 +79,9 @@ class Part:
 class RequestView:
     """A request for a gang: ``hosts`` hosts, each with ``gpus`` GPUs (or a ``milli`` share of one)."""
 
-    __slots__ = ("attempt", "checkpoint", "cpu", "gpu_shape_key", "gpu_types", "gpus", "grants", "hosts",
-                 "job_id", "key", "max_runtime_ms", "mem", "milli", "queued_ms", "resume", "seq", "shape_key",
-                 "submitted_ms", "task_id", "tenant", "tier", "total")
+    __slots__ = ("attempt", "checkpoint", "cpu", "gpu_shape", "gpu_types", "gpus", "grants", "hosts",
+                 "job_id", "key", "max_runtime_ms", "mem", "milli", "queued_ms", "resume", "seq", "shape",
+                 "submitted_ms", "task_id", "tenant", "tier", "total_milli")
 
     def __init__(self, key: str, r: dict[str, Any]) -> None:
         self.key = key
@@ -103,26 +103,17 @@ class RequestView:
         self.queued_ms: int = r["queued_ms"]
         self.resume: str | None = r["resume"]
         self.grants: int = r["grants"]
-        # the shape never changes: its keys are computed once (``shape()``, ``gpu_shape()``)
+        # The shape never changes, so what derives from it is computed once, here.
         per_gpu = self.milli if self.gpus == 1 else FULL
-        self.total = self.hosts * self.gpus * per_gpu  # total_milli()
-        self.shape_key: tuple[Any, ...] = (self.gpu_types, self.gpus, self.milli, self.hosts, self.cpu, self.mem)
-        self.gpu_shape_key: tuple[tuple[str, ...], int, int, int] = (self.gpu_types, self.gpus, per_gpu, self.hosts)
+        # GPU milli the whole gang holds: the DRF and quota currency
+        self.total_milli = self.hosts * self.gpus * per_gpu
+        # requests with equal shapes fit or fail alike (placement depends on nothing else)
+        self.shape: tuple[Any, ...] = (self.gpu_types, self.gpus, self.milli, self.hosts, self.cpu, self.mem)
+        # the GPU part of the shape: what the capacity index can rule out without looking at hosts
+        self.gpu_shape: tuple[tuple[str, ...], int, int, int] = (self.gpu_types, self.gpus, per_gpu, self.hosts)
 
     def per_gpu_milli(self) -> int:
         return self.milli if self.gpus == 1 else FULL
-
-    def total_milli(self) -> int:
-        """GPU milli the whole gang holds: the DRF and quota currency."""
-        return self.total
-
-    def shape(self) -> tuple[Any, ...]:
-        """Requests with equal shapes fit or fail alike (placement depends on nothing else)."""
-        return self.shape_key
-
-    def gpu_shape(self) -> tuple[tuple[str, ...], int, int, int]:
-        """The GPU part of the shape: what the capacity index can rule out without looking at hosts."""
-        return self.gpu_shape_key
 
     def record(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "task_id": self.task_id, "attempt": self.attempt, "tenant": self.tenant,

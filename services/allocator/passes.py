@@ -116,6 +116,7 @@ def _blocked(ctx: Ctx, r: RequestView, rank: int, *, head: bool, preempt: bool) 
 
 
 def _tenant_share(ctx: Ctx, tier_name: str, tenant: str) -> float:
+    """The tenant's usage over its weight: in this tier with strict tiers, else over all tiers."""
     st = ctx.st
     if not ctx.opts.fair_share:
         return 0.0
@@ -155,7 +156,7 @@ def _owners_first(ctx: Ctx, rank: int) -> tuple[int, bool]:
             continue
         if v["kind"] == "backfill" and ctx.opts.fair_share and len(q) > 1:
             # hysteresis for gangs: only when the owner is ahead by more than its own request
-            size = r.total_milli() if r.total_milli() > FULL else 0
+            size = r.total_milli if r.total_milli > FULL else 0
             mine = share(r.tenant) - size / st.weight(r.tenant)
             if any(share(t) < mine - 1e-9 for t in q if t != r.tenant):
                 ctx.event("ReservationCleared", **_ident(r), reason="fair share moved another tenant ahead")
@@ -203,14 +204,10 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
     if not q:
         return budget, False
     tier_name = opts.tiers[rank] if rank < len(opts.tiers) else ""
-    fair, strict = opts.fair_share, opts.strict_tiers
-    usage, tenant_usage = st.usage, st.tenant_usage
+    tenant_usage = st.tenant_usage
 
     def share(tenant: str) -> float:
-        if not fair:
-            return 0.0
-        used_milli = usage.get((tier_name, tenant), 0) if strict else tenant_usage.get(tenant, 0)
-        return used_milli / st.weight(tenant)
+        return _tenant_share(ctx, tier_name, tenant)
 
     feasible = feasible_shapes(st, rank)
     limit = ctx.examine_limit
@@ -249,12 +246,12 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
         if key not in reserved:
             r = requests[key]
             quota = opts.quota_milli(tenant) if quotas else None
-            if quota is None or tenant_usage.get(tenant, 0) + r.total_milli() <= quota:
+            if quota is None or tenant_usage.get(tenant, 0) + r.total_milli <= quota:
                 pattern = excl.pattern(r)
-                fkey = (r.shape_key, pattern)
+                fkey = (r.shape, pattern)
                 if fkey not in failed:
                     granted = False
-                    if r.gpu_shape_key in feasible:
+                    if r.gpu_shape in feasible:
                         budget -= 1
                         granted = grant(ctx, r, excl.hosts(pattern))
                     if granted:

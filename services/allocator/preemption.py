@@ -27,7 +27,7 @@ from services.allocator.state import PoolState
 def lost_work_gpu_min(a: AllocView, now_ms: int) -> float:
     """GPU-minutes of work ``a`` loses if stopped now (since its last checkpoint, or its start)."""
     since = a.last_ckpt_ms if (a.req.checkpoint and a.last_ckpt_ms is not None) else a.granted_ms
-    return a.req.total_milli() / 1000 * max(0, now_ms - since) / 60000
+    return a.req.total_milli / 1000 * max(0, now_ms - since) / 60000
 
 
 def find_victims(st: PoolState, r: RequestView, now_ms: int,
@@ -39,8 +39,8 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
     share_req = g == 1 and milli < FULL
     types = set(r.gpu_types)
     limit = st.opts.preempt_scan_limit
-    nodes, allocs, usage, weight, rank_of, ranks = st.nodes, st.allocs, st.usage, st.weight, st.rank, st.ranks
-    excess: dict[tuple[str, str], float] = {}  # (tier, tenant) -> usage / weight, as share_excess
+    nodes, allocs, rank_of = st.nodes, st.allocs, st.rank
+    excess: dict[tuple[str, str], float] = {}  # (tier, tenant) -> share_excess, once per scan
     scanned = 0
     seen: set[str] = set()
     options: list[tuple[tuple[float, int, float], str, list[AllocView]]] = []
@@ -63,18 +63,14 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
                 if a.state != "running":
                     continue
                 q = a.req
-                ar = ranks.get(q.tier)
-                if ar is None:
-                    ar = rank_of(q.tier)
+                ar = rank_of(q.tier)
                 if ar <= rank:
                     continue
-                since = a.last_ckpt_ms if (q.checkpoint and a.last_ckpt_ms is not None) else a.granted_ms
-                lost = q.total / 1000 * max(0, now_ms - since) / 60000  # lost_work_gpu_min
                 tk = (q.tier, q.tenant)
                 ex = excess.get(tk)
                 if ex is None:
-                    ex = excess[tk] = usage.get(tk, 0) / weight(q.tenant)
-                cands.append((-ar, lost, -ex, a.id, a))
+                    ex = excess[tk] = share_excess(st, a)
+                cands.append((-ar, lost_work_gpu_min(a, now_ms), -ex, a.id, a))
             if not cands:
                 continue
             if len(cands) > 1:

@@ -182,8 +182,8 @@ def request_allocation(ctx: Ctx, cmd: Record) -> None:
     probe = RequestView(key, {**ident, **fields, "seq": 0, "queued_ms": ctx.now_ms, "resume": None, "grants": 0})
     if why is None:
         quota = ctx.opts.quota_milli(cmd["tenant"])
-        if quota is not None and probe.total_milli() > quota:
-            why = f"asks for {probe.total_milli() / 1000:g} GPUs; tenant quota is {quota / 1000:g}"
+        if quota is not None and probe.total_milli > quota:
+            why = f"asks for {probe.total_milli / 1000:g} GPUs; tenant quota is {quota / 1000:g}"
     if why is None and ctx.opts.reject_unfittable:
         why = could_ever_fit(st, probe)
     if why is not None:

@@ -183,7 +183,7 @@ class PoolState:
             if not q:
                 del self.queues[rank][r.tenant]
             shapes = self.queued_shapes[rank]
-            gs = r.gpu_shape()
+            gs = r.gpu_shape
             c = shapes[gs] - 1
             if c:
                 shapes[gs] = c
@@ -234,7 +234,7 @@ class PoolState:
         rank = self.rank(r.tier)
         insort(self.queues.setdefault(rank, {}).setdefault(r.tenant, []), (r.seq, r.key))
         shapes = self.queued_shapes.setdefault(rank, {})
-        gs = r.gpu_shape()
+        gs = r.gpu_shape
         c = shapes.get(gs, 0)
         shapes[gs] = c + 1
         if not c:
