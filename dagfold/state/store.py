@@ -8,7 +8,7 @@ what makes a replayed store byte-for-byte equal to the live one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -128,7 +128,7 @@ def state_digest(store: Store) -> str:
 class PartitionTransaction:
     """Read-your-writes view of a store; ``commit`` writes one atomic batch.
 
-    ``savepoint``/``rollback`` undo the writes of a single command whose
+    ``atomically`` (``savepoint``/``rollback`` underneath) undoes the writes of a single command whose
     processing raised, so one poison record cannot corrupt the batch.
     """
 
@@ -178,6 +178,19 @@ class PartitionTransaction:
 
     def release(self) -> None:
         self._undo = None
+
+    def atomically(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)``: all its writes stay, or (if it raises) none of them: one command's fold.
+
+        A plain call, not a context manager: a generator-based one per command cost 5% of the
+        scheduler's fold."""
+        self.savepoint()
+        try:
+            fn(*args)
+        except BaseException:
+            self.rollback()
+            raise
+        self.release()
 
     def commit(self, applied_events: int | None = None) -> None:
         if not self._open:

@@ -51,14 +51,11 @@ class AllocatorFold:
         st = self.state
         st.bind(txn)
         ctx = Ctx(st, now_ms, offset, self.opts)
-        txn.savepoint()  # txn.atomic() without a context manager's cost (hundreds of thousands of commands)
         try:
-            proc(ctx, command)
+            txn.atomically(proc, ctx, command)
         except BaseException:
-            txn.rollback()
             st.load(self.store, txn)  # the in-memory indexes follow the rolled-back store
             raise
-        txn.release()
         self.last_attempts = ctx.attempts
         return ctx.out
 

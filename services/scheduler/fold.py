@@ -29,13 +29,7 @@ class SchedulerFold:
         if proc is None:
             raise UnknownCommandError(f"{command['type']} is not a scheduler command")
         ctx = Ctx(txn, now_ms, offset, self.opts)
-        txn.savepoint()  # savepoint/rollback by hand: a context manager per command cost 5% of the fold
-        try:
-            proc(ctx, command)
-        except BaseException:
-            txn.rollback()
-            raise
-        txn.release()
+        txn.atomically(proc, ctx, command)
         return ctx.out
 
     @staticmethod
