@@ -1,0 +1,70 @@
+"""The Kafka transactional producer's error handling, against a scripted client (no broker).
+
+librdkafka leaves an abort that failed (e.g. timed out flushing while a broker was
+down) in progress until ``abort_transaction`` is called again; every
+``begin_transaction`` meanwhile fails with _CONFLICT. A chaos run caught a scheduler
+looping on that for minutes while it held its partitions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from dagfold.exceptions import LogError
+from dagfold.log.kafka import KafkaTransactionalProducer
+
+
+class ScriptedProducer:
+    """Just enough of confluent_kafka.Producer: the first abort times out, as with a broker down."""
+
+    def __init__(self) -> None:
+        self.aborts_to_fail = 1
+        self.abort_in_progress = False
+        self.calls: list[str] = []
+
+    def init_transactions(self, timeout: float) -> None:
+        self.calls.append("init")
+
+    def begin_transaction(self) -> None:
+        self.calls.append("begin")
+        if self.abort_in_progress:
+            raise KafkaException(KafkaError(KafkaError._CONFLICT, "Conflicting abort_transaction API call is "
+                                            "already in progress", retriable=True))
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append("produce")
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "commit timed out", txn_requires_abort=True))
+
+    def abort_transaction(self, timeout: float) -> None:
+        self.calls.append("abort")
+        self.abort_in_progress = True
+        if self.aborts_to_fail:
+            self.aborts_to_fail -= 1
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to flush all outstanding messages",
+                                            retriable=True))
+        self.abort_in_progress = False
+
+
+class OnePartition:
+    def _resolve_partition(self, topic: str, key: bytes, partition: int | None) -> int:
+        return 0
+
+
+def test_a_failed_abort_is_completed_before_the_next_transaction_begins() -> None:
+    client = ScriptedProducer()
+    p = KafkaTransactionalProducer(OnePartition(), client)  # type: ignore[arg-type]
+    p.begin()
+    p.send("events", b"k", b"v")
+    with pytest.raises(LogError, match="aborted"):
+        p.commit({})  # the commit fails, and so does the abort after it
+    assert client.abort_in_progress
+
+    p.begin()  # completes the pending abort, then begins
+    assert not client.abort_in_progress
+    assert client.calls == ["init", "begin", "produce", "commit", "abort", "abort", "begin"]
