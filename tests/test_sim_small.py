@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.allocator.cli import parse_seeds, sim_app
+from dagfold.cli.sim import parse_seeds, sim_app
 from services.allocator.traces import DEFAULT_DATA
 
 needs_data = pytest.mark.skipif(not (DEFAULT_DATA / "openb").is_dir(), reason="shared/data/openb not present")

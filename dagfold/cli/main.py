@@ -12,75 +12,42 @@ running API over HTTP. Every client command takes ``--api``, ``--api-key``
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from dagfold.config import Config
-
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="dagfold: an event-sourced scheduler for DAG and GPU jobs.")
-# soft_wrap: lines are never broken at the console width. Piped to a file or a script, rich
-# assumes 80 columns and split "submitted <long file name>: <job id>" across two lines.
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
-
-LogOpt = Annotated[str, typer.Option("--log", help="embedded (default) or kafka://HOST:PORT")]
-DataOpt = Annotated[Path | None, typer.Option("--data", help="data folder (state, projections, embedded log)")]
-ApiOpt = Annotated[str, typer.Option("--api", envvar="DAGFOLD_API", help="API base URL")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
-DEFAULT_API = "http://127.0.0.1:8080"
-EXIT = {"succeeded": 0, "succeeded_partial": 0, "failed": 1, "cancelled": 1, "rejected": 2}
-
-
-def fail(msg: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {msg}")
-    return typer.Exit(code)
-
-
-def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-def _config(log: str, data: Path | None, port: int | None = None) -> Config:
-    return Config.from_env(log_url=log, data_dir=data, api_port=port)
-
-
-def serve_metrics(port: int | None, addr: str) -> None:
-    """Serve Prometheus /metrics on ``addr:port`` when a port is given; exit 1 if it cannot."""
-    if port is None:
-        return
-    from dagfold import metrics
-
-    try:
-        metrics.serve(port, addr)
-    except OSError as exc:
-        raise fail(f"cannot serve metrics on {addr}:{port}: {exc}", 1) from None
-
-
-def run_until_stopped(run: Callable[[threading.Event], None], *closing: Callable[[], None]) -> None:
-    """Run a service loop until SIGTERM or Ctrl-C, then close what it holds (the log last)."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        run(stop)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for close in closing:
-            close()
+from dagfold.cli.common import (
+    DEFAULT_API,
+    EXIT,
+    ApiOpt,
+    DataOpt,
+    JsonOpt,
+    KeyOpt,
+    LogOpt,
+    _config,
+    _dur,
+    _get_all,
+    _headers,
+    _logging,
+    _print_json,
+    _request,
+    _table,
+    _ts,
+    app,
+    err,
+    fail,
+    out,
+    run_until_stopped,
+    serve_metrics,
+)
 
 
 def _load_spec_doc(file: Path) -> dict[str, Any]:
@@ -350,75 +317,6 @@ def callbacks(log: LogOpt = "embedded", data: DataOpt = None,
 # -- client commands ---------------------------------------------------------------
 # They talk to a running API. --api-key (or DAGFOLD_API_KEY) is sent as a bearer
 # token when the API has keys configured; every command takes --json.
-
-KeyOpt = Annotated[str | None, typer.Option("--api-key", envvar="DAGFOLD_API_KEY",
-                                            help="API key (Authorization: Bearer); needed when the API has keys")]
-
-
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-
-def _request(method: str, api: str, path: str, api_key: str | None = None, **kw: Any) -> Any:
-    headers = {**_headers(api_key), **kw.pop("headers", {})}
-    try:
-        r = httpx.request(method, api.rstrip("/") + path, timeout=30, headers=headers, **kw)
-    except httpx.HTTPError as exc:
-        raise fail(f"cannot reach the API at {api}: {exc}", 1) from None
-    if r.status_code >= 400:
-        try:
-            e = r.json()["error"]
-            msg = f"{e['code']}: {e['reason']}"
-        except Exception:
-            msg = r.text[:500]
-        if r.status_code == 429 and r.headers.get("retry-after"):
-            msg += f" (retry after {r.headers['retry-after']} s)"
-        raise fail(f"HTTP {r.status_code}: {msg}", 2 if r.status_code in (400, 413, 422) else 1)
-    return r.json()
-
-
-def _get_all(api: str, path: str, key: str, api_key: str | None = None,
-             params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    cursor = None
-    while True:
-        q: dict[str, Any] = {**(params or {}), "limit": 1000}
-        if cursor:
-            q["cursor"] = cursor
-        page = _request("GET", api, path, api_key, params=q)
-        items.extend(page[key])
-        cursor = page.get("next_cursor")
-        if not cursor:
-            return items
-
-
-def _print_json(data: Any) -> None:
-    out.print_json(json.dumps(data, default=str))
-
-
-def _ts(ms: int | None) -> str:
-    if ms is None:
-        return ""
-    return time.strftime("%H:%M:%S", time.localtime(ms / 1000)) + f".{ms % 1000:03d}"
-
-
-def _dur(ms: int | float | None) -> str:
-    if ms is None:
-        return ""
-    s = ms / 1000
-    if s < 60:
-        return f"{s:.2f}s" if s < 10 else f"{s:.1f}s"
-    return f"{int(s // 60)}m{int(s % 60):02d}s" if s < 3600 else f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
-
-
-def _table(*cols: str) -> Table:
-    t = Table()
-    for c in cols:
-        t.add_column(c, justify="right" if c in {"#", "runnable", "running", "retrying", "tasks", "count", "gpus",
-                                                  "overdue", "open jobs", "allocated", "free", "share",
-                                                  "progress", "duration", "attempt"} else "left")
-    return t
-
 
 @app.command()
 def submit(file: Path, wait: bool = typer.Option(False, "--wait"), api: ApiOpt = DEFAULT_API,
@@ -723,13 +621,9 @@ def main() -> None:
     app()
 
 
-from dagfold import cli_admin as _cli_admin  # noqa: E402,F401  (registers scheduler, replay, audit)
-from dagfold import cli_gpu as _cli_gpu  # noqa: E402,F401  (registers allocator, agent)
-from services.allocator.cli import sim_app  # noqa: E402  (the allocator core in virtual time)
+# The other command groups register on the same app when this module is imported.
+from dagfold.cli import admin as _admin  # noqa: E402,F401  (scheduler, replay, audit)
+from dagfold.cli import gpu as _gpu  # noqa: E402,F401  (allocator, agent)
+from dagfold.cli.sim import sim_app  # noqa: E402  (the allocator core in virtual time)
 
 app.add_typer(sim_app, name="sim", help="Simulate the GPU allocator in virtual time (fgd, openb, day).")
-
-if __name__ == "__main__":  # `python -m dagfold.cli`: run the imported module's app, on which cli_admin registered
-    from dagfold.cli import main as _main
-
-    _main()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from dagfold.cli import DataOpt, LogOpt, _config, _logging, app, fail, out, run_until_stopped
+from dagfold.cli.common import DataOpt, LogOpt, _config, _logging, app, fail, out, run_until_stopped
 
 PoolOpt = typer.Option("default", "--pool", help="GPU pool: the queue name of the GPU tasks it serves")
 

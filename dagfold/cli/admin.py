@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dagfold.cli import DataOpt, LogOpt, _config, _logging, app, err, fail, out, run_until_stopped
+from dagfold.cli.common import DataOpt, LogOpt, _config, _logging, app, err, fail, out, run_until_stopped
 
 
 def _parse_ts(value: str | None) -> int | None:

@@ -1,0 +1,5 @@
+"""``python -m dagfold.cli``."""
+
+from dagfold.cli import main
+
+main()

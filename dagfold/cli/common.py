@@ -1,0 +1,146 @@
+"""What every ``dagfold`` command shares: the Typer app, consoles, options, errors, the
+service loop, and the HTTP client helpers of the client commands.
+
+The CLI is the top layer: it imports services and projections, and nothing imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dagfold.config import Config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="dagfold: an event-sourced scheduler for DAG and GPU jobs.")
+# soft_wrap: lines are never broken at the console width. Piped to a file or a script, rich
+# assumes 80 columns and split "submitted <long file name>: <job id>" across two lines.
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+LogOpt = Annotated[str, typer.Option("--log", help="embedded (default) or kafka://HOST:PORT")]
+DataOpt = Annotated[Path | None, typer.Option("--data", help="data folder (state, projections, embedded log)")]
+ApiOpt = Annotated[str, typer.Option("--api", envvar="DAGFOLD_API", help="API base URL")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
+DEFAULT_API = "http://127.0.0.1:8080"
+EXIT = {"succeeded": 0, "succeeded_partial": 0, "failed": 1, "cancelled": 1, "rejected": 2}
+
+
+def fail(msg: str, code: int = 2) -> typer.Exit:
+    err.print(f"[red]error:[/red] {msg}")
+    return typer.Exit(code)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _config(log: str, data: Path | None, port: int | None = None) -> Config:
+    return Config.from_env(log_url=log, data_dir=data, api_port=port)
+
+
+def serve_metrics(port: int | None, addr: str) -> None:
+    """Serve Prometheus /metrics on ``addr:port`` when a port is given; exit 1 if it cannot."""
+    if port is None:
+        return
+    from dagfold import metrics
+
+    try:
+        metrics.serve(port, addr)
+    except OSError as exc:
+        raise fail(f"cannot serve metrics on {addr}:{port}: {exc}", 1) from None
+
+
+def run_until_stopped(run: Callable[[threading.Event], None], *closing: Callable[[], None]) -> None:
+    """Run a service loop until SIGTERM or Ctrl-C, then close what it holds (the log last)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        run(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for close in closing:
+            close()
+
+
+KeyOpt = Annotated[str | None, typer.Option("--api-key", envvar="DAGFOLD_API_KEY",
+                                            help="API key (Authorization: Bearer); needed when the API has keys")]
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _request(method: str, api: str, path: str, api_key: str | None = None, **kw: Any) -> Any:
+    headers = {**_headers(api_key), **kw.pop("headers", {})}
+    try:
+        r = httpx.request(method, api.rstrip("/") + path, timeout=30, headers=headers, **kw)
+    except httpx.HTTPError as exc:
+        raise fail(f"cannot reach the API at {api}: {exc}", 1) from None
+    if r.status_code >= 400:
+        try:
+            e = r.json()["error"]
+            msg = f"{e['code']}: {e['reason']}"
+        except Exception:
+            msg = r.text[:500]
+        if r.status_code == 429 and r.headers.get("retry-after"):
+            msg += f" (retry after {r.headers['retry-after']} s)"
+        raise fail(f"HTTP {r.status_code}: {msg}", 2 if r.status_code in (400, 413, 422) else 1)
+    return r.json()
+
+
+def _get_all(api: str, path: str, key: str, api_key: str | None = None,
+             params: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        q: dict[str, Any] = {**(params or {}), "limit": 1000}
+        if cursor:
+            q["cursor"] = cursor
+        page = _request("GET", api, path, api_key, params=q)
+        items.extend(page[key])
+        cursor = page.get("next_cursor")
+        if not cursor:
+            return items
+
+
+def _print_json(data: Any) -> None:
+    out.print_json(json.dumps(data, default=str))
+
+
+def _ts(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    return time.strftime("%H:%M:%S", time.localtime(ms / 1000)) + f".{ms % 1000:03d}"
+
+
+def _dur(ms: int | float | None) -> str:
+    if ms is None:
+        return ""
+    s = ms / 1000
+    if s < 60:
+        return f"{s:.2f}s" if s < 10 else f"{s:.1f}s"
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s < 3600 else f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def _table(*cols: str) -> Table:
+    t = Table()
+    for c in cols:
+        t.add_column(c, justify="right" if c in {"#", "runnable", "running", "retrying", "tasks", "count", "gpus",
+                                                  "overdue", "open jobs", "allocated", "free", "share",
+                                                  "progress", "duration", "attempt"} else "left")
+    return t
+
