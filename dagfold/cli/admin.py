@@ -48,43 +48,77 @@ def scheduler(log: LogOpt = "embedded", data: DataOpt = None,
 @app.command()
 def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the rebuilt state"),
            log: LogOpt = "embedded", data: DataOpt = None,
-           from_ts: str | None = typer.Option(None, "--from", help="only events at or after (ISO or ms)"),
-           to_ts: str | None = typer.Option(None, "--to", help="only events at or before: state as of then"),
+           from_ts: str | None = typer.Option(None, "--from", help=(
+               "report the events at or after this time (ISO or ms); state is still rebuilt from the start")),
+           to_ts: str | None = typer.Option(None, "--to", help="stop at this time (ISO or ms): the state as of then"),
            job: str | None = typer.Option(None, "--job", help="only this job"),
+           events_file: Path | None = typer.Option(None, "--events", help=(
+               "also write each event of the window to this file, one JSON object a line")),
            verify_live: bool = typer.Option(False, "--verify", help="compare with the live state in --data"),
            as_json: bool = typer.Option(False, "--json")) -> None:
-    """Rebuild scheduler state and the read model from the events log into --out."""
+    """Rebuild scheduler state and the read model from the events log into --out.
+
+    State is always rebuilt from the start of the log (a job accepted before --from is kept);
+    --from/--to choose the window of events reported, --to also ends the replay (state as of then).
+    Serve the result read-only with `dagfold serve OUT`.
+    """
     import json
 
     from dagfold.config import EVENTS
     from dagfold.exceptions import DagfoldError
-    from dagfold.log import TopicPartition, open_log
+    from dagfold.log import LogRecord, TopicPartition, open_log
     from services.scheduler.replay import ReplayFilter, verify
     from services.scheduler.replay import replay as do_replay
 
     cfg = _config(log, data)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise fail(f"{out_dir} is not empty; replay needs a fresh folder")
-    filt = ReplayFilter(_parse_ts(from_ts), _parse_ts(to_ts), job)
-    if verify_live and (filt.from_ms is not None or filt.to_ms is not None):
-        raise fail("--verify compares a full replay; drop --from/--to")
+    try:
+        filt = ReplayFilter(_parse_ts(from_ts), _parse_ts(to_ts), job)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if verify_live and filt.to_ms is not None:
+        raise fail("--verify compares with the live state, which is past --to; drop --to")
     try:
         lg = open_log(cfg.log_url, cfg.data_dir, read_only=True)
     except DagfoldError as exc:
         raise fail(str(exc), 1) from None
+    sink = None
+    fh = None
+    if events_file is not None:
+        try:
+            fh = events_file.open("w")
+        except OSError as exc:
+            lg.close()
+            raise fail(f"cannot write {events_file}: {exc}") from None
+
+        def sink(r: LogRecord, ev: dict[str, object]) -> None:
+            assert fh is not None
+            row = {"partition": r.partition, "offset": r.offset, "timestamp_ms": r.timestamp_ms,
+                   "job_id": r.key.decode(errors="replace") if r.key else None,
+                   **{k: (v.hex() if isinstance(v, bytes) else v) for k, v in ev.items()}}
+            fh.write(json.dumps(row, default=str) + "\n")
     try:
         total = sum(lg.end_offsets([TopicPartition(EVENTS, p) for p in range(cfg.partitions)]).values())
         t0 = time.perf_counter()
         with Progress(TextColumn("replay"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=err, disable=as_json) as bar:
             task = bar.add_task("events", total=total)
-            result = do_replay(lg, out_dir, cfg.partitions, filt, lambda n: bar.advance(task, n))
+            result = do_replay(lg, out_dir, cfg.partitions, filt, lambda n: bar.advance(task, n),
+                               on_window_event=sink)
         dt = time.perf_counter() - t0
     finally:
         lg.close()
+        if fh is not None:
+            fh.close()
+    by_type = dict(sorted(result.window_by_type.items()))
+    window = {"from_ms": filt.from_ms, "to_ms": filt.to_ms, "events": result.window,
+              "jobs": len(result.window_jobs), "by_type": by_type,
+              "offsets": {str(p): list(r) for p, r in sorted(result.window_offsets.items())}}
     report: dict[str, object] = {"applied": result.total, "seconds": round(dt, 3),
                                  "events_per_s": round(result.total / dt) if dt else None,
-                                 "undecodable": result.skipped_undecodable, "out": str(out_dir)}
+                                 "undecodable": result.skipped_undecodable, "out": str(out_dir),
+                                 "window": window}
     diffs = []
     if verify_live:
         diffs = verify(cfg.data_dir, out_dir, cfg.partitions, job)
@@ -93,6 +127,10 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
         out.print_json(json.dumps(report))
     else:
         out.print(f"replayed {result.total} events in {dt:.2f}s into {out_dir}")
+        if filt.from_ms is not None or filt.to_ms is not None:
+            out.print(f"window [{from_ts or 'start'}, {to_ts or 'end'}]: {result.window} events of "
+                      f"{len(result.window_jobs)} job(s): "
+                      + (", ".join(f"{k}={v}" for k, v in by_type.items()) or "none"))
         if verify_live:
             out.print("verify: no difference" if not diffs else f"verify: {len(diffs)} difference(s)")
             for d in diffs:
@@ -103,7 +141,9 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
 
 @app.command()
 def audit(job_id: str, log: LogOpt = "embedded", data: DataOpt = None,
-          fmt: str = typer.Option("json", "--format", help="json or csv")) -> None:
+          fmt: str = typer.Option("json", "--format", help="json or csv"),
+          since: str | None = typer.Option(None, "--since", help="only records at or after (ISO or ms)"),
+          until: str | None = typer.Option(None, "--until", help="only records at or before (ISO or ms)")) -> None:
     """Export a job's complete timeline: every command and event with partition, offset and cause."""
     from dagfold.audit import job_timeline, to_csv, to_json
     from dagfold.exceptions import DagfoldError
@@ -111,6 +151,9 @@ def audit(job_id: str, log: LogOpt = "embedded", data: DataOpt = None,
 
     if fmt not in ("json", "csv"):
         raise fail("--format must be json or csv")
+    since_ms, until_ms = _parse_ts(since), _parse_ts(until)
+    if since_ms is not None and until_ms is not None and since_ms > until_ms:
+        raise fail(f"the window is empty: --since ({since}) is after --until ({until})")
     cfg = _config(log, data)
     try:
         lg = open_log(cfg.log_url, cfg.data_dir, read_only=True)
@@ -122,6 +165,49 @@ def audit(job_id: str, log: LogOpt = "embedded", data: DataOpt = None,
         lg.close()
     if not rows:
         raise fail(f"no record of job {job_id} in the log", 1)
+    rows = [r for r in rows if (since_ms is None or r["timestamp_ms"] >= since_ms)
+            and (until_ms is None or r["timestamp_ms"] <= until_ms)]
     sys.stdout.write(to_json(rows) if fmt == "json" else to_csv(rows))
 
 
+
+
+@app.command()
+def serve(folder: Path = typer.Argument(..., help="a folder written by `dagfold replay --out` (or a stopped "
+                                                   "stack's --data)"),
+          port: int = typer.Option(8080, "--port"),
+          host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+          auth_file: Path | None = typer.Option(None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
+                                                help="API keys per tenant (YAML/JSON); without it the API is open"),
+          verbose: bool = typer.Option(False, "-v")) -> None:
+    """Serve a replayed folder read-only: the API and the dashboard over its read model.
+
+    No scheduler, no workers, no log: every write (submit, cancel, redrive) is refused with
+    HTTP 405 read_only.
+    """
+    import uvicorn
+
+    from projections.jobs import ReadModel
+    from projections.store import Store
+    from services.api.app import create_app
+    from services.api.auth import AuthConfig, AuthConfigError
+
+    _logging(verbose)
+    proj = folder / "projections"
+    if not proj.is_dir():
+        raise fail(f"{folder} has no read model (projections/): give a folder written by `dagfold replay --out`")
+    try:
+        auth = AuthConfig.from_env(auth_file) if auth_file is not None else AuthConfig.from_env()
+    except AuthConfigError as exc:
+        raise fail(str(exc)) from None
+    try:
+        store = Store(proj)
+    except Exception as exc:  # RocksDB refuses a folder that a running stack holds
+        raise fail(f"cannot open {proj}: {exc} (is a stack still running on it?)", 1) from None
+    cfg = _config("embedded", folder, port)
+    api = create_app(None, ReadModel(store), cfg, auth=auth, read_only=True)
+    out.print(f"dagfold serve: {folder} read-only at http://{host}:{port}")
+    try:
+        uvicorn.run(api, host=host, port=port, log_level="warning")
+    finally:
+        store.close()

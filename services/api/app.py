@@ -18,6 +18,7 @@ Every error is JSON ``{"error": {"code": ..., "reason": ...}}``.
 # No "from __future__ import annotations": FastAPI must see the route signatures'
 # Annotated[..., Depends(local)] objects, which string annotations would hide.
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -80,9 +81,31 @@ class RequestMetrics:
                 metrics.API_LATENCY.labels(route).observe(time.perf_counter() - started)
 
 
-def create_app(log: Log, read_model: ReadModel, config: Config, *, max_body_bytes: int | None = None,
+class ReadOnly:
+    """ASGI middleware of a read-only API (``dagfold serve`` of a replayed folder): only GET, HEAD and
+    OPTIONS pass; every write (a submission, a cancel, a redrive) gets a 405 naming the reason."""
+
+    ALLOWED = frozenset({"GET", "HEAD", "OPTIONS"})
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in self.ALLOWED:
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps({"error": {"code": "read_only", "reason": (
+            "this API serves a replayed folder read-only (no scheduler, no log): submit to the live API")}}).encode()
+        await send({"type": "http.response.start", "status": 405, "headers": [
+            (b"content-type", b"application/json"), (b"allow", b"GET, HEAD, OPTIONS"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_body_bytes: int | None = None,
                auth: AuthConfig | None = None, admission: AdmissionConfig | None = None,
-               sse_poll_s: float = 0.25, callbacks: CallbackLedger | None = None) -> FastAPI:
+               sse_poll_s: float = 0.25, callbacks: CallbackLedger | None = None,
+               read_only: bool = False) -> FastAPI:
     """The API over ``log`` (commands out) and ``read_model`` (queries in).
 
     ``auth`` defaults to ``AuthConfig.from_env()`` (``DAGFOLD_AUTH_FILE``,
@@ -91,7 +114,10 @@ def create_app(log: Log, read_model: ReadModel, config: Config, *, max_body_byte
     ``max_body_bytes`` defaults to the submission limit ``config.scheduler.limits.max_spec_bytes``.
     ``callbacks``: the callback notifier's ledger, when it runs in this process (GPU job status shows
     delivery states from it).
+    ``read_only`` (``log`` may then be None): reads only, every write refused with 405 ``read_only``.
     """
+    if log is None and not read_only:
+        raise ValueError("an API without a log must be read-only")
     auth_config = auth if auth is not None else AuthConfig.from_env()
     adm_config = admission if admission is not None else AdmissionConfig.from_env(auth_config.limits)
     ops = OperatorModel(read_model.store)
@@ -122,11 +148,13 @@ def create_app(log: Log, read_model: ReadModel, config: Config, *, max_body_byte
     app.state.ctx = ctx
     app.state.sender = ctx.sender
     app.add_middleware(RequestMetrics)
+    if read_only:
+        app.add_middleware(ReadOnly)
     errors.install(app)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness")
     def healthz() -> dict[str, Any]:
-        return {"status": "ok"}
+        return {"status": "ok", "read_only": True} if read_only else {"status": "ok"}
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics (an admin key when auth is on)",
              response_class=Response, responses={200: {"content": {"text/plain": {}}}})

@@ -33,8 +33,8 @@ logger = logging.getLogger("dagfold.api")
 class CommandSender:
     """The API's producer, shared by request threads; ``send`` returns once the record is durable."""
 
-    def __init__(self, log: Log) -> None:
-        self._log = log
+    def __init__(self, log: Log | None) -> None:
+        self._log = log  # None: a read-only API (dagfold serve), every send refused
         self._producer: Producer | None = None
         self._lock = threading.Lock()
 
@@ -43,6 +43,8 @@ class CommandSender:
             value = default_codec().encode(record)
         except CodecError as exc:
             raise ApiError(400, "invalid_spec", str(exc)) from None
+        if self._log is None:
+            raise ApiError(405, "read_only", "this API is read-only: it has no command log")
         with self._lock:
             try:
                 if self._producer is None:
@@ -65,7 +67,7 @@ class CommandSender:
 
 @dataclass
 class ApiContext:
-    log: Log
+    log: Log | None  # None: a read-only API
     rm: ReadModel
     config: Config
     sender: CommandSender

@@ -11,6 +11,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dagfold.codec import default_codec
 from dagfold.config import EVENTS
@@ -27,33 +28,60 @@ Progress = Callable[[int], None]
 
 @dataclass(frozen=True)
 class ReplayFilter:
-    """Which events to apply: a log-time window (ms) and/or one job."""
+    """What to rebuild and what to report: one job (or all), and a log-time window [from_ms, to_ms].
+
+    State is always rebuilt from the start of the log: every event of the chosen job(s) up to
+    ``to_ms`` is applied, so a job accepted before ``from_ms`` is in the rebuilt state and read
+    model. ``from_ms`` only selects which of the applied events are *reported* (the audit window).
+    ``to_ms`` ends each partition at its first event later than ``to_ms`` (a prefix of the log by
+    offset, so the state is exactly "the partition as of then", even if a failover left a
+    timestamp out of order).
+    """
 
     from_ms: int | None = None
     to_ms: int | None = None
     job_id: str | None = None
 
-    def accepts(self, rec: LogRecord) -> bool:
-        if self.from_ms is not None and rec.timestamp_ms < self.from_ms:
-            return False
-        if self.to_ms is not None and rec.timestamp_ms > self.to_ms:
-            return False
+    def __post_init__(self) -> None:
+        if self.from_ms is not None and self.to_ms is not None and self.from_ms > self.to_ms:
+            raise ValueError(f"the window is empty: --from ({self.from_ms}) is after --to ({self.to_ms})")
+
+    def of_job(self, rec: LogRecord) -> bool:
         return self.job_id is None or rec.key == self.job_id.encode()
+
+    def past_end(self, rec: LogRecord) -> bool:
+        return self.to_ms is not None and rec.timestamp_ms > self.to_ms
+
+    def in_window(self, rec: LogRecord) -> bool:
+        return self.from_ms is None or rec.timestamp_ms >= self.from_ms
 
 
 @dataclass
 class ReplayResult:
+    """``applied``: events folded per partition (from the start); ``window``: those in [from, to]."""
+
     applied: dict[int, int] = field(default_factory=dict)
     skipped_undecodable: int = 0
+    window: int = 0
+    window_by_type: dict[str, int] = field(default_factory=dict)
+    window_jobs: set[str] = field(default_factory=set)
+    window_offsets: dict[int, tuple[int, int]] = field(default_factory=dict)  # partition -> (first, last)
 
     @property
     def total(self) -> int:
         return sum(self.applied.values())
 
 
+WindowSink = Callable[[LogRecord, dict[str, Any]], None]
+
+
 def replay(log: Log, out_dir: Path, partitions: int, filt: ReplayFilter = ReplayFilter(),
-           progress: Progress | None = None, with_read_model: bool = True) -> ReplayResult:
-    """Apply the events topic into fresh stores under ``out_dir`` (scheduler/pNNNN, projections)."""
+           progress: Progress | None = None, with_read_model: bool = True,
+           on_window_event: WindowSink | None = None) -> ReplayResult:
+    """Apply the events topic into fresh stores under ``out_dir`` (scheduler/pNNNN, projections).
+
+    ``on_window_event`` is called with each applied event inside the window (record and decoded event).
+    """
     codec = default_codec()
     result = ReplayResult()
     projector = None
@@ -68,25 +96,46 @@ def replay(log: Log, out_dir: Path, partitions: int, filt: ReplayFilter = Replay
             store = PartitionStore(out_dir / "scheduler" / f"p{p:04d}")
             n = 0
             for recs in read_to_end(log, TopicPartition(EVENTS, p)):
-                chosen = [r for r in recs if filt.accepts(r)]
+                end = next((i for i, r in enumerate(recs) if filt.past_end(r)), None)
+                batch = recs if end is None else recs[:end]
+                chosen = [r for r in batch if filt.of_job(r)]
                 txn = PartitionTransaction(store)
                 for r in chosen:
                     try:
-                        SchedulerFold.apply(txn, codec.decode(r.value))
+                        ev = codec.decode(r.value)
                     except CodecError:
                         result.skipped_undecodable += 1
-                txn.commit(applied_events=recs[-1].offset)
+                        continue
+                    SchedulerFold.apply(txn, ev)
+                    if filt.in_window(r):
+                        _count_window(result, p, r, ev)
+                        if on_window_event is not None:
+                            on_window_event(r, ev)
+                if batch:
+                    txn.commit(applied_events=batch[-1].offset)
                 if projector is not None and chosen:
                     projector.apply_records(chosen)
                 n += len(chosen)
                 if progress:
                     progress(len(recs))
+                if end is not None:
+                    break  # the rest of this partition is after --to
             result.applied[p] = n
             store.close()
     finally:
         if projector is not None:
             projector.close()
     return result
+
+
+def _count_window(result: ReplayResult, p: int, r: LogRecord, ev: dict[str, Any]) -> None:
+    result.window += 1
+    t = str(ev["type"]).rsplit(".", 1)[-1]
+    result.window_by_type[t] = result.window_by_type.get(t, 0) + 1
+    if r.key:
+        result.window_jobs.add(r.key.decode(errors="replace"))
+    first = result.window_offsets.get(p, (r.offset, r.offset))[0]
+    result.window_offsets[p] = (first, r.offset)
 
 
 def job_digest(store: Store, job_id: str) -> str:
