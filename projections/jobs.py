@@ -575,6 +575,14 @@ APPLIERS: dict[str, Applier] = {
 
 
 # -- history ----------------------------------------------------------------
+def _within(prefix: str, at_ms: object, ts_ms: object) -> str:
+    """``prefix 30s``: how long after the event a deadline falls (readable, unlike raw epoch ms)."""
+    if not isinstance(at_ms, int) or not isinstance(ts_ms, int):
+        return ""
+    s = max(at_ms - ts_ms, 0) / 1000
+    return prefix + (f"{s:.3g}s" if s < 60 else f"{s / 60:.3g}min" if s < 3600 else f"{s / 3600:.3g}h")
+
+
 def _detail(kind: str, ev: Record) -> str:
     g = ev.get
     if kind == "JobAccepted":
@@ -592,8 +600,8 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "TaskRequeued":
         ck = g("checkpoint_uri")
         return f"{g('alloc_id')} ended: {g('reason')}; waits for GPUs again" + (f" (checkpoint {ck})" if ck else "")
-    if kind == "LeaseGranted":
-        return f"worker {g('worker_id')}, lease until {g('lease_deadline_ms')}"
+    if kind == "LeaseGranted":  # a duration, not the deadline's raw epoch ms
+        return f"worker {g('worker_id')}" + _within(", lease ", g("lease_deadline_ms"), g("ts_ms"))
     if kind == "LeaseExtended":
         p = g("progress")
         return f"worker {g('worker_id')}" + (f", progress {p:g}" if isinstance(p, float | int) else "")
@@ -606,11 +614,13 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "TaskFailed":
         code = g("exit_code")
         etype = g("error_type")
-        extra = "".join([f", exit code {code}" if code is not None else "",
-                         f", {etype}" if etype else ""])
-        return f"{g('reason')}{extra}" + ("" if g("final", True) else " (will retry)")
+        why = str(g("reason") or "")
+        # each fact once: the worker's reason often already says "exit code 3"
+        extra = "".join([f", exit code {code}" if code is not None and f"exit code {code}" not in why else "",
+                         f", {etype}" if etype and etype not in why else ""])
+        return f"{why}{extra}" + ("" if g("final", True) else " (will retry)")
     if kind == "TaskRetryScheduled":
-        return f"attempt {g('next_attempt')} at {g('retry_at_ms')}: {g('reason')}"
+        return f"attempt {g('next_attempt')}" + _within(" in ", g("retry_at_ms"), g("ts_ms")) + f": {g('reason')}"
     if kind == "JobSucceeded":
         return "partial success" if g("partial") else "all tasks succeeded"
     if kind == "JobRedriven":

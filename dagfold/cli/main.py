@@ -11,18 +11,20 @@ running API over HTTP. Every client command takes ``--api``, ``--api-key``
 
 from __future__ import annotations
 
+import enum
 import json
 import shutil
 import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from dagfold.cli.common import (
     DEFAULT_API,
@@ -41,6 +43,7 @@ from dagfold.cli.common import (
     _request,
     _table,
     _ts,
+    _when,
     app,
     err,
     fail,
@@ -48,6 +51,7 @@ from dagfold.cli.common import (
     run_until_stopped,
     serve_metrics,
 )
+from projections.jobs import APPLIERS as _JOB_APPLIERS
 
 
 def _load_spec_doc(file: Path) -> dict[str, Any]:
@@ -76,20 +80,67 @@ def _to_job_spec(doc: dict[str, Any]) -> dict[str, Any]:
     return spec
 
 
-def print_summary(job: dict[str, Any], tasks: list[dict[str, Any]], as_json: bool) -> None:
+STDERR_TAIL_LINES = 15
+MAX_FAILURES_SHOWN = 20
+
+
+def failure_details(tasks: list[dict[str, Any]],
+                    attempts_of: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each failed task's last attempt: reason, exit code, worker and output tails (the first
+    ``MAX_FAILURES_SHOWN``), so that a failure explains itself without another command."""
+    found: list[dict[str, Any]] = []
+    for t in tasks:
+        if t["state"] != "failed":
+            continue
+        attempts_list = attempts_of(t["task_id"])
+        last = attempts_list[-1] if attempts_list else {}
+        found.append({"task_id": t["task_id"], "attempt": last.get("attempt", t.get("attempt")),
+                      "reason": last.get("reason") or t.get("reason"),
+                      "exit_code": last.get("exit_code", t.get("exit_code")),
+                      "error_type": last.get("error_type", t.get("error_type")),
+                      "worker_id": last.get("worker_id", t.get("worker_id")),
+                      "stderr_tail": last.get("stderr_tail") or "", "stdout_tail": last.get("stdout_tail") or ""})
+        if len(found) >= MAX_FAILURES_SHOWN:
+            break
+    return found
+
+
+def _print_failure(f: dict[str, Any]) -> None:
+    reason = f.get("reason") or "failed"
+    if f.get("exit_code") is not None and f"exit code {f['exit_code']}" not in reason:
+        reason += f" (exit code {f['exit_code']})"
+    where = f" on {f['worker_id']}" if f.get("worker_id") else ""
+    out.print(Text.assemble(("✗ ", "red"), (str(f["task_id"]), "bold red"),
+                            f" failed, attempt {f.get('attempt')}{where}: {reason}"))
+    for stream in ("stderr", "stdout"):
+        tail = (f.get(f"{stream}_tail") or "").rstrip("\n")
+        if not tail:
+            continue
+        lines = tail.splitlines()[-STDERR_TAIL_LINES:]
+        out.print(f"  [dim]{stream} (last {len(lines)} lines):[/dim]")
+        for line in lines:
+            out.print(Text("  │ " + line), highlight=False)
+        break  # stderr when there is some, else stdout
+
+
+def print_summary(job: dict[str, Any], tasks: list[dict[str, Any]], as_json: bool,
+                  failures: list[dict[str, Any]] | None = None) -> None:
     if as_json:
-        out.print_json(json.dumps({"job": job, "tasks": tasks}, default=str))
+        out.print_json(json.dumps({"job": job, "tasks": tasks, "failures": failures or []}, default=str))
         return
-    t = Table(title=f"job {job['job_id']}: {job['state']}")
+    name = f" ({job['name']})" if job.get("name") else ""
+    t = Table(title=f"job {job['job_id']}{name}: {job['state']}")
     for col in ("task", "state", "attempt", "reason"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     shown = tasks if len(tasks) <= 40 else [x for x in tasks if x["state"] != "succeeded"][:40]
     for x in shown:
         t.add_row(x["task_id"], x["state"], str(x.get("attempt", "")), (x.get("reason") or "")[:80])
     if shown:
         out.print(t)
     else:
-        out.print(f"job {job['job_id']}: {job['state']}")
+        out.print(f"job {job['job_id']}{name}: {job['state']}")
+    for f in failures or []:
+        _print_failure(f)
     counts = ", ".join(f"{k}={v}" for k, v in (job.get("counts") or {}).items() if v)
     dur = job.get("duration_ms")
     out.print(f"tasks: {job.get('total_tasks', len(tasks))} ({counts})"
@@ -180,7 +231,8 @@ def submit_examples(stack: Any) -> None:
 
 
 def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, timeout: float,
-               as_json: bool) -> int:
+               as_json: bool, keep: bool = False) -> int:
+    from dagfold.cli.follow import JobView, follow, local_events
     from dagfold.commands import submit_job
     from services.stack import Stack, StackOptions
 
@@ -191,21 +243,34 @@ def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, 
     cfg = _config(log, data)
     queues = tuple(sorted({t["queue"] for t in spec["tasks"]}))
     stack = Stack(cfg, StackOptions(workers=workers, queues=queues, api=False))
+    job_id = spec["job_id"]
+    code = 1
     try:
         stack.start()
         stack.sender.send(submit_job(spec, source="cli"))
-        job = stack.wait_job(spec["job_id"], timeout)
+        first = {"job_id": job_id, "name": spec.get("name"), "state": "submitted", "total_tasks": len(spec["tasks"]),
+                 "finished_tasks": 0, "counts": {}}
+        job = follow(local_events(stack.read_model, job_id, lambda: not stack.failed, timeout),
+                     JobView(first, err, enabled=not as_json))
         if stack.failed:
             raise fail(f"a component failed: {stack.errors[0]!r}", 1)
         if job is None or job["state"] not in EXIT:
-            raise fail(f"job {spec['job_id']} did not finish within {timeout}s", 1)
-        tasks = stack.read_model.get_tasks(spec["job_id"], limit=1000).items
-        print_summary(job, tasks, as_json)
-        return EXIT[job["state"]]
+            raise fail(f"job {job_id} did not finish within {timeout}s", 1)
+        tasks = list(stack.read_model.get_tasks(job_id, limit=1000).items)
+        failures = failure_details(tasks, lambda task: stack.read_model.get_attempts(job_id, task))
+        print_summary(job, tasks, as_json, failures)
+        code = EXIT[job["state"]]
+        return code
     finally:
         stack.stop()
         if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if keep:
+                err.print(f"data kept in {tmp} (its state, projections and log; "
+                          f"`dagfold up --data {tmp}` serves it)", markup=False, highlight=False)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if code != 0 and not as_json:
+                    err.print("[dim]the temporary data folder is deleted; `run --keep` keeps it[/dim]")
 
 
 @app.command()
@@ -214,6 +279,7 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
         time_scale: float = typer.Option(0.0, "--time-scale", help="sleep runtimeInSeconds x this (0: noop)"),
         log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Option(2, "--workers"),
         timeout: float = typer.Option(3600, "--timeout"), as_json: JsonOpt = False,
+        keep: bool = typer.Option(False, "--keep", help="keep the temporary data folder and print its path"),
         verbose: bool = typer.Option(False, "-v")) -> None:
     """Run one job to its end in a temporary stack; exit 0 succeeded, 1 failed/cancelled, 2 rejected."""
     _logging(verbose)
@@ -230,7 +296,7 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
         assert file is not None
         doc = _load_spec_doc(file)
     spec = _to_job_spec(doc)
-    raise typer.Exit(_run_stack(spec, log, data, workers, timeout, as_json))
+    raise typer.Exit(_run_stack(spec, log, data, workers, timeout, as_json, keep))
 
 
 @app.command()
@@ -318,8 +384,36 @@ def callbacks(log: LogOpt = "embedded", data: DataOpt = None,
 # They talk to a running API. --api-key (or DAGFOLD_API_KEY) is sent as a bearer
 # token when the API has keys configured; every command takes --json.
 
+def _follow_api(api: str, api_key: str | None, job: dict[str, Any], timeout: float, as_json: bool,
+                json_lines: bool = False) -> dict[str, Any]:
+    """Follow a job through the API's event stream with the live view (``watch``, ``submit --wait``)."""
+    from dagfold.cli.follow import JobView, follow, sse_events
+
+    job_id = job["job_id"]
+
+    def print_line(event: tuple[str, dict[str, Any]]) -> None:
+        print(json.dumps({"event": event[0], "data": event[1]}), flush=True)
+
+    events = sse_events(api, job_id, _headers(api_key), timeout,
+                        lambda: _request("GET", api, f"/v1/jobs/{job_id}", api_key))
+    return follow(events, JobView(job, err, enabled=not as_json), print_line if json_lines else None)
+
+
+def _job_failures(api: str, api_key: str | None, job_id: str, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from urllib.parse import quote
+
+    def attempts_of(task_id: str) -> list[dict[str, Any]]:
+        path = f"/v1/jobs/{quote(job_id, safe='')}/tasks/{quote(task_id, safe='')}/attempts"
+        return list(_request("GET", api, path, api_key)["attempts"])
+
+    return failure_details(tasks, attempts_of)
+
+
 @app.command()
-def submit(file: Path, wait: bool = typer.Option(False, "--wait"), api: ApiOpt = DEFAULT_API,
+def submit(file: Path, wait: bool = typer.Option(False, "--wait", "--watch",
+                                                  help="follow the job to its end: live progress, then the summary "
+                                                       "with each failed task's reason and stderr"),
+           api: ApiOpt = DEFAULT_API,
            api_key: KeyOpt = None, as_json: JsonOpt = False, timeout: float = typer.Option(3600, "--timeout")) -> None:
     """Submit a job spec; with --wait, follow it to its end (exit code as for `run`).
 
@@ -335,19 +429,15 @@ def submit(file: Path, wait: bool = typer.Option(False, "--wait"), api: ApiOpt =
     if not wait:
         _print_json(res) if as_json else out.print(job_id)
         return
-    deadline = time.monotonic() + timeout
-    job = None
-    while time.monotonic() < deadline:
-        try:
-            job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
-        except typer.Exit:
-            job = None
-        if job and job["state"] in EXIT:
-            break
-        time.sleep(0.2)
-    if not job or job["state"] not in EXIT:
+    if not as_json:
+        err.print(f"submitted {file}: {job_id}", markup=False, highlight=False)
+    first = {"job_id": job_id, "name": res.get("name"), "state": res.get("state", "submitted"),
+             "total_tasks": res.get("total_tasks") or 0, "finished_tasks": 0, "counts": {}}
+    job = _follow_api(api, api_key, first, timeout, as_json)
+    if job["state"] not in EXIT:
         raise fail(f"job {job_id} did not finish within {timeout}s", 1)
-    print_summary(job, _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key), as_json)
+    tasks = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key)
+    print_summary(job, tasks, as_json, _job_failures(api, api_key, job_id, tasks))
     raise typer.Exit(EXIT[job["state"]])
 
 
@@ -400,50 +490,10 @@ def watch(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_jso
     Exits when the job ends, with the exit code of `run` (0 succeeded, 1 failed/cancelled, 2 rejected).
     With --json, prints each event as one JSON line instead.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
-    params: dict[str, str] = {"timeout_s": str(timeout)} if timeout > 0 else {}
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[counts]}"), TimeElapsedColumn(), console=out,
-                        disable=as_json)
-    bar = progress.add_task(job_id[:36], total=job["total_tasks"] or 1, completed=job["finished_tasks"],
-                            counts="")
-    last_id = None
-    deadline = time.monotonic() + timeout if timeout > 0 else None
-    with progress:
-        while job["state"] not in EXIT:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise fail(f"job {job_id} still {job['state']} after {timeout}s", 1)
-            try:
-                q = {**params, **({"after": last_id} if last_id else {})}
-                with httpx.stream("GET", f"{api.rstrip('/')}/v1/jobs/{job_id}/events", params=q,
-                                  headers=_headers(api_key), timeout=httpx.Timeout(30, read=60)) as r:
-                    if r.status_code >= 400:
-                        raise fail(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}", 1)
-                    event = None
-                    for line in r.iter_lines():
-                        if line.startswith("id: "):
-                            last_id = line[4:]
-                        elif line.startswith("event: "):
-                            event = line[7:]
-                        elif line.startswith("data: ") and event:
-                            data = json.loads(line[6:])
-                            if as_json:
-                                print(json.dumps({"event": event, "data": data}), flush=True)
-                            if event == "job":
-                                job = data
-                                counts = " ".join(f"{k}={v}" for k, v in job["counts"].items()
-                                                  if v and k != "succeeded")
-                                progress.update(bar, total=job["total_tasks"] or 1, completed=job["finished_tasks"],
-                                                description=f"{job_id[:36]} {job['state']}", counts=counts)
-                            elif event == "history" and data["type"] == "TaskFailed" and not as_json:
-                                progress.console.print(f"[red]{data.get('task_id')}[/red] #{data.get('attempt')}: "
-                                                       f"{data.get('detail')}")
-            except httpx.HTTPError:
-                time.sleep(1.0)  # reconnect and resume after the last event
-            if job["state"] not in EXIT:
-                job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
+    job = _follow_api(api, api_key, job, timeout, as_json, json_lines=as_json)
+    if job["state"] not in EXIT:
+        raise fail(f"job {job_id} still {job['state']} after {timeout}s", 1)
     if not as_json:
         out.print(f"{job_id}: {job['state']}" + (f" — {job['reason']}" if job.get("reason") else ""))
     raise typer.Exit(EXIT[job["state"]])
@@ -603,17 +653,30 @@ def redrive(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_j
     _print_json(res) if as_json else out.print(f"redrive requested for {job_id}")
 
 
+# --type choices: every event type of a job history (the jobs read model folds each of them)
+EventType = enum.Enum("EventType", {k.rsplit(".", 1)[-1]: k.rsplit(".", 1)[-1]  # type: ignore[misc]
+                                     for k in _JOB_APPLIERS}, type=str)
+
+
 @app.command()
-def history(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
-    """Show a job's history: every event with its time, attempt and reason."""
+def history(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+            types: list[EventType] = typer.Option([], "--type", help="only events of this type; repeatable"),
+            task: str | None = typer.Option(None, "--task", help="only events of this task")) -> None:
+    """Show a job's history: every event with its time (absolute and relative), task, attempt and detail.
+
+    Example: dagfold history JOB --type TaskFailed --type TaskRetryScheduled
+    """
     items = _get_all(api, f"/v1/jobs/{job_id}/history", "events", api_key)
+    wanted = {t.value for t in types}
+    items = [x for x in items if (not wanted or x["type"] in wanted) and (task is None or x.get("task_id") == task)]
     if as_json:
         _print_json(items)
         return
+    now = int(time.time() * 1000)
     t = _table("time", "event", "task", "attempt", "detail")
     for x in items:
-        t.add_row(_ts(x["ts_ms"]), x["type"].rsplit(".", 1)[-1], x.get("task_id") or "", str(x.get("attempt") or ""),
-                  (x.get("detail") or "")[:100])
+        t.add_row(_when(x["ts_ms"], now), x["type"].rsplit(".", 1)[-1], x.get("task_id") or "",
+                  str(x.get("attempt") or ""), x.get("detail") or "")
     out.print(t)
 
 
