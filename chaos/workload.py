@@ -86,9 +86,8 @@ def wfcommons_job(job_id: str, path: Path, rng: random.Random, ms_scale: float =
     """A WfCommons workflow: its tasks and edges, each task sleeping ``runtime * ms_scale`` ms (capped)."""
     wf = read_workflow(path)
     tasks = []
-    for t in wf["tasks"]:
-        runtime = float(t.get("runtimeInSeconds") or t.get("runtime") or 0.0)
-        tasks.append(_task(t["name"], list(t.get("parents") or []), rng, ms=min(max_ms, runtime * ms_scale),
+    for t in wf.tasks:
+        tasks.append(_task(t.id, list(t.parents), rng, ms=min(max_ms, t.runtime_s * ms_scale),
                            flaky=rng.random() < 0.03))
     name = path.name.split(".json")[0]
     doc = {"id": job_id, "retry": RETRY, "timeouts": TIMEOUTS, "labels": {"chaos": "wfcommons", "workflow": name},

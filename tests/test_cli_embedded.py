@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -53,7 +54,9 @@ def test_run_bad_input_is_a_clear_error(tmp_path: Path) -> None:
 def test_run_montage_workflow() -> None:
     r = dagfold("run", "--wfcommons", str(WF / "montage-chameleon-2mass-05d-001.json.gz"), "--json")
     assert r.returncode == 0, r.stderr
-    assert '"state": "succeeded"' in r.stdout and "1738" in r.stdout
+    res = json.loads(r.stdout)
+    assert res["job"]["state"] == "succeeded" and res["job"]["total_tasks"] == 1738
+    assert len(res["tasks"]) == 1738  # every task, not the first page of 1,000
 
 
 def test_up_submit_wait_history_and_client_commands(tmp_path: Path) -> None:

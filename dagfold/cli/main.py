@@ -65,6 +65,17 @@ def _load_spec_doc(file: Path) -> dict[str, Any]:
         raise fail(str(exc)) from None
 
 
+def _wfcommons_doc(path: Path, time_scale: float) -> dict[str, Any]:
+    from dagfold.wfcommons import WorkflowError, workflow_spec
+
+    if not 0 <= time_scale <= 1000:
+        raise fail("--time-scale must be in [0, 1000]")
+    try:
+        return workflow_spec(path, time_scale)
+    except WorkflowError as exc:
+        raise fail(str(exc)) from None
+
+
 def _to_job_spec(doc: dict[str, Any]) -> dict[str, Any]:
     from dagfold.config import Limits
     from services.scheduler.spec import SpecError, parse_spec, to_job_spec
@@ -230,6 +241,18 @@ def submit_examples(stack: Any) -> None:
         out.print(f"submitted {name}: {spec['job_id']}")
 
 
+def _all_tasks(read_model: Any, job_id: str) -> list[dict[str, Any]]:
+    """Every task of the job, page by page (a page is at most 1,000)."""
+    tasks: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page = read_model.get_tasks(job_id, limit=1000, cursor=cursor)
+        tasks += page.items
+        cursor = page.next_cursor
+        if cursor is None:
+            return tasks
+
+
 def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, timeout: float,
                as_json: bool, keep: bool = False) -> int:
     from dagfold.cli.follow import JobView, follow, local_events
@@ -256,7 +279,7 @@ def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, 
             raise fail(f"a component failed: {stack.errors[0]!r}", 1)
         if job is None or job["state"] not in EXIT:
             raise fail(f"job {job_id} did not finish within {timeout}s", 1)
-        tasks = list(stack.read_model.get_tasks(job_id, limit=1000).items)
+        tasks = _all_tasks(stack.read_model, job_id)
         failures = failure_details(tasks, lambda task: stack.read_model.get_attempts(job_id, task))
         print_summary(job, tasks, as_json, failures)
         code = EXIT[job["state"]]
@@ -286,12 +309,7 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
     if (file is None) == (wfcommons is None):
         raise fail("give a job spec FILE or --wfcommons PATH")
     if wfcommons is not None:
-        from dagfold.wfcommons import WorkflowError, workflow_spec
-
-        try:
-            doc = workflow_spec(wfcommons, time_scale)
-        except WorkflowError as exc:
-            raise fail(str(exc)) from None
+        doc = _wfcommons_doc(wfcommons, time_scale)
     else:
         assert file is not None
         doc = _load_spec_doc(file)
@@ -410,27 +428,39 @@ def _job_failures(api: str, api_key: str | None, job_id: str, tasks: list[dict[s
 
 
 @app.command()
-def submit(file: Path, wait: bool = typer.Option(False, "--wait", "--watch",
-                                                  help="follow the job to its end: live progress, then the summary "
-                                                       "with each failed task's reason and stderr"),
+def submit(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON)")] = None,
+           wfcommons: Path | None = typer.Option(None, "--wfcommons", help="a WfCommons workflow JSON(.gz), any "
+                                                 "schema 1.0-1.6"),
+           time_scale: float = typer.Option(0.0, "--time-scale", help="with --wfcommons: sleep runtime x this "
+                                            "(0: noop)"),
+           wait: bool = typer.Option(False, "--wait", "--watch",
+                                     help="follow the job to its end: live progress, then the summary "
+                                          "with each failed task's reason and stderr"),
            api: ApiOpt = DEFAULT_API,
            api_key: KeyOpt = None, as_json: JsonOpt = False, timeout: float = typer.Option(3600, "--timeout")) -> None:
-    """Submit a job spec; with --wait, follow it to its end (exit code as for `run`).
+    """Submit a job spec (or a WfCommons workflow); with --wait, follow it to its end (exit code as for `run`).
 
     A repeated submission of the same spec (same job ID or idempotency key) returns the existing job.
     """
-    try:
-        body = file.read_bytes()
-    except OSError as exc:
-        raise fail(f"cannot read {file}: {exc}") from None
-    ctype = "application/json" if file.suffix == ".json" else "application/yaml"
+    if (file is None) == (wfcommons is None):
+        raise fail("give a job spec FILE or --wfcommons PATH")
+    if wfcommons is not None:
+        body = json.dumps(_wfcommons_doc(wfcommons, time_scale)).encode()
+        ctype = "application/json"
+    else:
+        assert file is not None
+        try:
+            body = file.read_bytes()
+        except OSError as exc:
+            raise fail(f"cannot read {file}: {exc}") from None
+        ctype = "application/json" if file.suffix == ".json" else "application/yaml"
     res = _request("POST", api, "/v1/jobs", api_key, content=body, headers={"content-type": ctype})
     job_id = res["job_id"]
     if not wait:
         _print_json(res) if as_json else out.print(job_id)
         return
     if not as_json:
-        err.print(f"submitted {file}: {job_id}", markup=False, highlight=False)
+        err.print(f"submitted {file or wfcommons}: {job_id}", markup=False, highlight=False)
     first = {"job_id": job_id, "name": res.get("name"), "state": res.get("state", "submitted"),
              "total_tasks": res.get("total_tasks") or 0, "finished_tasks": 0, "counts": {}}
     job = _follow_api(api, api_key, first, timeout, as_json)
