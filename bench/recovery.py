@@ -16,7 +16,7 @@ Measured, with the real runner (``SchedulerRunner``, in this process, on the log
   SubmitJob on partition 0): group join, catch-up of the tail, fold, transaction;
 * restart with empty local state (full rebuild): the same with no store at all;
   catch-up applies the whole history;
-* catch-up throughput (events/s applied by ``runner.catch_up``) for both;
+* catch-up throughput (events/s applied by ``processor.catch_up``) for both;
 * replay throughput: ``services.scheduler.replay.replay`` of the events topic
   into fresh stores (scheduler state only, and with the read model), events/s;
   the state rebuilt from the log equals the fold's own state (digest).
@@ -45,10 +45,10 @@ from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, EVENTS, Config
 from dagfold.localkafka import LocalKafka, free_base_port
-from dagfold.log import Log, open_log, partition_for
+from dagfold.log import Log, TopicPartition, open_log, partition_for
+from dagfold.processor import processor as processor_mod
 from dagfold.state import PartitionStore
 from dagfold.state.store import applied_events_offset, state_digest
-from services.scheduler import runner as runner_mod
 from services.scheduler.harness import FoldHarness
 from services.scheduler.replay import replay
 from services.scheduler.runner import SchedulerRunner
@@ -118,26 +118,26 @@ def produce(log: Log, batches: Iterator[list[dict[str, Any]]], instance: str) ->
 
 
 class _Timed:
-    """Wraps runner.catch_up to time the catch-up of partition 0."""
+    """Wraps processor.catch_up to time the catch-up of partition 0."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.events = 0
-        self._orig = runner_mod.catch_up
+        self._orig = processor_mod.catch_up
 
     def __enter__(self) -> _Timed:
-        def timed(log_: Log, store: PartitionStore, fold: Any, partition: int, **kw: Any) -> int:
+        def timed(log_: Log, store: PartitionStore, fold: Any, tp: TopicPartition, *args: Any) -> int:
             t = time.perf_counter()
-            n = self._orig(log_, store, fold, partition, **kw)
-            if partition == 0:
+            n = self._orig(log_, store, fold, tp, *args)
+            if tp.partition == 0:
                 self.seconds, self.events = time.perf_counter() - t, n
             return n
 
-        runner_mod.catch_up = timed  # type: ignore[assignment]
+        processor_mod.catch_up = timed  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        runner_mod.catch_up = self._orig  # type: ignore[assignment]
+        processor_mod.catch_up = self._orig  # type: ignore[assignment]
 
 
 def restart(log: Log, data: Path, probe_id: str) -> dict[str, Any]:
@@ -183,7 +183,7 @@ def run(backend: str, n_events: int, tail: int, work: Path) -> dict[str, Any]:
         local = work / "local"
         store = PartitionStore(local / "scheduler" / "p0000")
         t = time.perf_counter()
-        built = runner_mod.catch_up(log, store, h.fold, 0)
+        built = processor_mod.catch_up(log, store, h.fold, TopicPartition(EVENTS, 0))
         build_s = time.perf_counter() - t
         # Correctness: the state rebuilt from the log alone equals the fold's own state.
         rebuilt_equals_fold = state_digest(store) == h.digest()
@@ -253,7 +253,7 @@ def write_docs(results: dict[str, Any]) -> None:
         "written; time from constructing the runner to the first command after the restart folded and "
         "committed (a SubmitJob on partition 0): group join, catch-up of the tail, fold, transaction;",
         "* **restart, empty state**: the same without any store (full rebuild from the events topic);",
-        "* **catch-up**: events/s applied by `runner.catch_up` during the full rebuild;",
+        "* **catch-up**: events/s applied by `processor.catch_up` during the full rebuild;",
         "* **replay**: `services.scheduler.replay.replay` of the whole events topic into fresh stores, "
         "scheduler state alone and with the read model (what `dagfold replay` does), events/s.",
         "",

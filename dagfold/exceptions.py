@@ -15,3 +15,21 @@ class LogError(DagfoldError):
 
 class FencedError(LogError):
     """This writer was fenced by a newer instance (zombie); it must stop writing."""
+
+
+class TransactionAbortedError(LogError):
+    """A log transaction failed and is known to have committed nothing (it was aborted)."""
+
+
+class CommitUnknownError(LogError):
+    """A log transaction's commit failed with an outcome the backend cannot tell.
+
+    ``committed`` is True when the backend knows the transaction committed but not
+    where its records landed (Kafka: the commit succeeded, delivery reports are
+    missing); None when it may or may not have committed (a commit that timed out or
+    ran out of retries). Either way the writer must reconcile from the log.
+    """
+
+    def __init__(self, message: str, committed: bool | None = None) -> None:
+        super().__init__(message)
+        self.committed = committed

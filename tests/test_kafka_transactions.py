@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from dagfold.exceptions import LogError
+from dagfold.exceptions import CommitUnknownError, LogError, TransactionAbortedError
+from dagfold.log import kafka as kafka_mod
 from dagfold.log.kafka import KafkaTransactionalProducer
 
 
@@ -68,3 +69,51 @@ def test_a_failed_abort_is_completed_before_the_next_transaction_begins() -> Non
     p.begin()  # completes the pending abort, then begins
     assert not client.abort_in_progress
     assert client.calls == ["init", "begin", "produce", "commit", "abort", "abort", "begin"]
+
+
+class CommitFaults(ScriptedProducer):
+    """commit_transaction: ``mode`` "timeout" keeps timing out (retriable, outcome unknown);
+    "no-reports" commits but never serves the records' delivery reports."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+        if self.mode == "timeout":
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "commit timed out", retriable=True))
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+
+def test_a_commit_that_keeps_timing_out_reports_an_unknown_outcome() -> None:
+    client = CommitFaults("timeout")
+    p = KafkaTransactionalProducer(OnePartition(), client)  # type: ignore[arg-type]
+    p.begin()
+    p.send("events", b"k", b"v")
+    with pytest.raises(CommitUnknownError) as info:
+        p.commit({})
+    assert info.value.committed is None
+    assert "abort" not in client.calls  # an abort would be a guess: the broker may have committed it
+
+
+def test_a_commit_without_delivery_reports_says_it_committed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kafka_mod, "_TIMEOUT_S", 0.05)
+    client = CommitFaults("no-reports")
+    p = KafkaTransactionalProducer(OnePartition(), client)  # type: ignore[arg-type]
+    p.begin()
+    p.send("events", b"k", b"v")
+    with pytest.raises(CommitUnknownError, match="committed but 1 delivery report") as info:
+        p.commit({})
+    assert info.value.committed is True
+
+
+def test_an_abortable_commit_error_says_nothing_committed() -> None:
+    client = ScriptedProducer()
+    client.aborts_to_fail = 0
+    p = KafkaTransactionalProducer(OnePartition(), client)  # type: ignore[arg-type]
+    p.begin()
+    with pytest.raises(TransactionAbortedError):
+        p.commit({})

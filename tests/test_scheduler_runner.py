@@ -177,8 +177,8 @@ def test_timer_scans_start_at_a_floor_and_still_fire_every_due_timer(env: Any, t
     """The due-timer scan starts a margin below the earliest timer the last scan left, not at the
     index's start (which walks over every deleted lease timer of the job); new timers are always
     found, and a full scan each minute finds anything below the floor."""
+    from dagfold.processor.timers import SCAN_MARGIN_MS as TIMER_SCAN_MARGIN_MS
     from services.scheduler import keys
-    from services.scheduler.runner import TIMER_SCAN_MARGIN_MS
 
     log, cfg = env
     runner = SchedulerRunner(log, cfg, "floor")

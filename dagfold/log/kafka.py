@@ -12,7 +12,10 @@ Choices that keep it equal to the embedded backend:
   partitions that were added or taken away, as the embedded coordinator does.
 * A transactional producer that was fenced (or hit any fatal error, which for a
   transactional producer means it can no longer write) raises ``FencedError``;
-  an abortable error aborts the transaction and raises ``LogError``.
+  an abortable error aborts the transaction and raises ``TransactionAbortedError``
+  (nothing committed); a commit whose outcome librdkafka cannot tell (it timed out,
+  ran out of retries, or committed without every delivery report) raises
+  ``CommitUnknownError``, and the writer reconciles from the log.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from confluent_kafka import Producer as _CkProducer
 from confluent_kafka import TopicPartition as _CkTP
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
-from dagfold.exceptions import FencedError, LogError
+from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
 from dagfold.log.base import (
     MAX_RECORD_BYTES,
     AssignCallback,
@@ -410,7 +413,7 @@ class KafkaTransactionalProducer:
             raise FencedError(f"transaction {what} failed, producer fenced: {err}") from cause
         if err is not None and err.txn_requires_abort() and self._open:
             self._abort_quietly()
-            raise LogError(f"transaction {what} failed and was aborted: {err}") from cause
+            raise TransactionAbortedError(f"transaction {what} failed and was aborted: {err}") from cause
         raise LogError(f"transaction {what} failed: {exc}") from cause
 
     def _abort_quietly(self) -> None:
@@ -467,15 +470,30 @@ class KafkaTransactionalProducer:
                 raise LogError("offsets committed without a Kafka consumer in a group")
             meta = consumer.raw.consumer_group_metadata()
             ck_offsets = [_ck(tp, off) for tp, off in offsets.items()]
-            self._call(lambda: self._p.send_offsets_to_transaction(ck_offsets, meta, _TIMEOUT_S), "offsets")
-        self._call(lambda: self._p.commit_transaction(_TIMEOUT_S), "commit")
+        try:
+            if offsets:
+                self._call(lambda: self._p.send_offsets_to_transaction(ck_offsets, meta, _TIMEOUT_S), "offsets")
+            self._call(lambda: self._p.commit_transaction(_TIMEOUT_S), "commit")
+        except (FencedError, TransactionAbortedError):
+            raise
+        except LogError as exc:
+            # Neither fenced nor aborted: librdkafka may still complete this commit (a retriable
+            # timeout leaves it in progress). The writer replaces this producer, whose successor's
+            # init_transactions finishes or aborts it, and reads the outcome from the log.
+            self._open = False
+            raise CommitUnknownError(f"transaction commit outcome unknown: {exc}") from exc
         self._open = False
         # Committed, so every record was delivered: collect the remaining delivery reports.
         deadline = time.monotonic() + _TIMEOUT_S
-        while self._delivered < self._sent and time.monotonic() < deadline:
-            _serve(self._p, 0.01, flush=False)
+        try:
+            while self._delivered < self._sent and time.monotonic() < deadline:
+                _serve(self._p, 0.01, flush=False)
+        except KafkaException as exc:
+            raise CommitUnknownError(f"transaction committed, then serving its delivery reports failed: {exc}",
+                                     committed=True) from exc
         if self._delivered < self._sent:
-            raise LogError(f"transaction committed but {self._sent - self._delivered} delivery report(s) missing")
+            raise CommitUnknownError(f"transaction committed but {self._sent - self._delivered} delivery "
+                                     "report(s) missing", committed=True)
         return dict(self._last)
 
     def abort(self) -> None:

@@ -32,6 +32,9 @@ class SchedulerFold:
         txn.atomically(proc, ctx, command)
         return ctx.out
 
+    def reload(self) -> None:
+        """Nothing to rebuild: this fold keeps no state outside the transaction."""
+
     @staticmethod
     def apply(txn: PartitionTransaction, event: Record) -> None:
         """Replay one event (catch-up after restart, audit rebuild)."""

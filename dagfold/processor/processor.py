@@ -1,0 +1,375 @@
+"""The partition processor: the one runtime around every fold (scheduler, allocator).
+
+Per poll of the fold's commands topic (Kafka Streams' ``StreamTask``, Restate's partition
+processor):
+
+1. decode each record, check its key and partition (``ProcessorSpec.admit``), or
+   dead-letter it with the reason;
+2. fold it into its partition's ``PartitionTransaction`` with ``atomically`` (a command
+   whose fold raises leaves no write and is dead-lettered);
+3. produce the outputs (events to the partition's events partition, everything else by key)
+   in ONE log transaction that also commits the consumed command offsets;
+4. write each partition's state and its applied-events offset in one RocksDB batch.
+
+What a failure in 3 means is decided by the transaction's status (``LogTransaction``):
+
+* ABORTED (nothing committed): drop the state transactions, reload the folds' derived
+  indexes, rewind the consumer to the committed offsets; the batch is read again.
+* UNKNOWN (it may have committed): drop the state transactions, replace the transactional
+  producer (on Kafka its successor's ``init_transactions`` completes or aborts the pending
+  transaction), catch the touched partitions' state up to the events topic's end, then
+  rewind to the committed offsets. If it committed, catch-up applied its events and the
+  committed offsets are past the batch; if not, neither. Either way nothing is lost and
+  nothing is decided twice. Until that reconciliation succeeds nothing else is processed.
+* fenced (a newer instance took the transactional id): stop.
+
+A crash between 3 and 4 is the UNKNOWN case seen from a restart: on assignment each
+partition's store is caught up from its events first. Timers go through the log
+(``timers``): due-timer scans write timer commands, folded like any other command.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dagfold import metrics
+from dagfold.clock import now_ms
+from dagfold.codec import Record, default_codec
+from dagfold.config import DEADLETTER
+from dagfold.exceptions import CodecError, FencedError, LogError
+from dagfold.log.base import Log, LogRecord, TopicPartition, TopicSpec
+from dagfold.outputs import Output, dead_letter
+from dagfold.processor.catchup import catch_up
+from dagfold.processor.fold import Fold
+from dagfold.processor.timers import TimerPolicy, TimerScanner
+from dagfold.processor.transaction import LogTransaction, TxnStatus
+from dagfold.state import MemoryStore, PartitionStore, PartitionTransaction, Store
+
+log = logging.getLogger("dagfold.processor")
+
+TIMER_INTERVAL_S = 0.1
+LAG_INTERVAL_S = 5.0
+RECONCILE_BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+
+Admit = Callable[[LogRecord, Record], "list[Output] | None"]
+
+
+def _every(event: Record) -> bool:
+    return True
+
+
+def _no_topic(topic: str) -> TopicSpec | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ProcessorSpec:
+    """One configuration of the runtime: which fold, which topics, which timers, where outputs go.
+
+    * ``fold_for(partition, store)``: the fold of a partition, bound to its store (a stateless
+      fold may return one shared instance);
+    * ``admit(record, command)``: None to fold the command; otherwise the outputs to produce
+      instead (a dead letter, a forward to the right partition, or nothing to skip it);
+    * ``events_partition(partition)``: where this partition's events go (and are caught up from);
+    * ``accepts(event)``: whether an event on that partition belongs to this fold (catch-up);
+    * ``partitions``: None joins ``group`` and takes what it assigns; a list reads just those;
+    * ``store_path(partition)``: None keeps state in memory (tests, simulations);
+    * ``topic_for(name)``: the spec of an output topic to create on first use (dispatch queues);
+    * ``on_committed(outputs)``: metrics after a transaction committed.
+    """
+
+    service: str
+    commands: str
+    events: str
+    group: str
+    transactional_id: str
+    fold_for: Callable[[int, Store], Fold]
+    admit: Admit
+    events_partition: Callable[[int], int]
+    timers: TimerPolicy | None = None
+    accepts: Callable[[Record], bool] = _every
+    partitions: Sequence[int] | None = None
+    store_path: Callable[[int], Path] | None = None
+    topic_for: Callable[[str], TopicSpec | None] = _no_topic
+    create_topics: Sequence[TopicSpec] = ()
+    batch_max_records: int = 500
+    poll_timeout_s: float = 0.05
+    on_committed: Callable[[Sequence[tuple[int, Output]]], None] | None = None
+    clock: Callable[[], int] = now_ms
+
+
+@dataclass(slots=True)
+class _Batch:
+    txns: dict[int, PartitionTransaction] = field(default_factory=dict)
+    offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    outputs: list[tuple[int, Output]] = field(default_factory=list)
+
+
+class PartitionProcessor:
+    """Owns the partitions of one fold's commands topic assigned to this instance (module docstring)."""
+
+    def __init__(self, log_: Log, spec: ProcessorSpec, client_id: str) -> None:
+        self.log = log_
+        self.spec = spec
+        self.client_id = client_id
+        self.codec = default_codec()
+        self.stores: dict[int, Store] = {}
+        self.folds: dict[int, Fold] = {}
+        self.folded = 0  # commands folded and committed
+        self.reconciled = 0  # commits of unknown outcome reconciled from the log
+        self.ready = threading.Event()
+        self._known_topics: set[str] = set()
+        self._unreconciled: set[int] = set()
+        self._reconcile_failures = 0
+        self._started = False
+        self._last_timer = self._last_lag = 0.0
+        # the transactional producer first: its initialisation fences an older instance
+        self.producer = log_.transactional_producer(spec.transactional_id)
+        self.consumer = log_.consumer(spec.group, client_id=client_id)
+        self.timer_producer = log_.producer(f"{client_id}-timer") if spec.timers is not None else None
+        self.timers = TimerScanner(spec.timers, self.timer_producer) \
+            if spec.timers is not None and self.timer_producer is not None else None
+
+    # -- partition ownership ----------------------------------------------------
+    def _open_store(self, partition: int) -> Store:
+        path = self.spec.store_path
+        return PartitionStore(path(partition)) if path is not None else MemoryStore()
+
+    def _events_tp(self, partition: int) -> TopicPartition:
+        return TopicPartition(self.spec.events, self.spec.events_partition(partition))
+
+    def _on_assign(self, tps: list[TopicPartition]) -> None:
+        for tp in tps:
+            if tp.topic != self.spec.commands or tp.partition in self.stores:
+                continue
+            store = self._open_store(tp.partition)
+            fold = self.spec.fold_for(tp.partition, store)
+            n = catch_up(self.log, store, fold, self._events_tp(tp.partition), self.spec.accepts)
+            log.info("%s partition %d restored (%d events applied)", self.spec.service, tp.partition, n)
+            self.stores[tp.partition] = store
+            self.folds[tp.partition] = fold
+            if self.timers is not None:
+                self.timers.forget(tp.partition)  # its restored timers may be due long ago
+        self.ready.set()
+
+    def _on_revoke(self, tps: list[TopicPartition]) -> None:
+        for tp in tps:
+            store = self.stores.pop(tp.partition, None)
+            self.folds.pop(tp.partition, None)
+            self._unreconciled.discard(tp.partition)
+            if self.timers is not None:
+                self.timers.forget(tp.partition)
+            if store is not None:
+                store.close()
+
+    def start(self) -> None:
+        """Create the topics, then join the group or take the configured partitions (idempotent)."""
+        if self._started:
+            return
+        self._started = True
+        if self.spec.create_topics:
+            self.log.create_topics(self.spec.create_topics)
+        if self.spec.partitions is None:
+            self.consumer.subscribe([self.spec.commands], on_assign=self._on_assign, on_revoke=self._on_revoke)
+            return
+        tps = [TopicPartition(self.spec.commands, p) for p in self.spec.partitions]
+        self._on_assign(tps)
+        self.consumer.assign(self.consumer.committed(tps))
+
+    # -- main loop --------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                self.step()
+        except FencedError:
+            log.error("%s instance %s was fenced by a newer instance; stopping", self.spec.service, self.client_id)
+            raise
+        finally:
+            self.close()
+
+    def step(self, timeout_s: float | None = None) -> int:
+        """One round: reconcile if a commit's outcome is pending, poll and fold a batch, fire due
+        timers, report lag. Returns the number of commands polled."""
+        self.start()
+        if self._unreconciled and not self._reconcile():
+            return 0
+        wait = self.spec.poll_timeout_s if timeout_s is None else timeout_s
+        recs = self.consumer.poll(self.spec.batch_max_records, wait)
+        if recs:
+            self.process_batch(recs)
+        mono = time.monotonic()
+        if self.timers is not None and mono - self._last_timer >= TIMER_INTERVAL_S:
+            self._last_timer = mono
+            sent = self.timers.fire(self.stores, self.spec.clock())
+            if sent:
+                metrics.TIMERS_FIRED.inc(sent)
+        if mono - self._last_lag >= LAG_INTERVAL_S:
+            self._last_lag = mono
+            self.report_lag()
+        return len(recs)
+
+    def fire_timers(self, now: int) -> int:
+        """Scan the owned partitions' due timers now and write their commands (tests, tools)."""
+        return self.timers.fire(self.stores, now) if self.timers is not None else 0
+
+    # -- one batch --------------------------------------------------------------
+    def _fold_record(self, fold: Fold, txn: PartitionTransaction, rec: LogRecord, now: int) -> list[Output]:
+        service = self.spec.service
+        try:
+            cmd = self.codec.decode(rec.value)
+        except CodecError as exc:
+            return [dead_letter(rec, str(exc), service)]
+        instead = self.spec.admit(rec, cmd)
+        if instead is not None:
+            return instead
+        try:
+            return fold.process(txn, cmd, now, rec.offset)
+        except Exception as exc:  # a bug must not stop the partition: dead-letter the command
+            log.exception("%s fold failed on %s/%d@%d", service, rec.topic, rec.partition, rec.offset)
+            return [dead_letter(rec, f"fold error: {exc!r}", service)]
+
+    def process_batch(self, recs: Sequence[LogRecord]) -> None:
+        started = time.perf_counter()
+        now = self.spec.clock()
+        b = _Batch()
+        commands = self.spec.commands
+        for rec in recs:
+            p = rec.partition
+            fold = self.folds.get(p)
+            if fold is None or p in self._unreconciled:
+                continue
+            txn = b.txns.get(p)
+            if txn is None:
+                txn = b.txns[p] = PartitionTransaction(self.stores[p])
+            b.outputs.extend((p, o) for o in self._fold_record(fold, txn, rec, now))
+            b.offsets[TopicPartition(commands, p)] = rec.offset + 1
+        if not b.offsets:
+            return
+        self._ensure_topics(o.topic for _, o in b.outputs)
+        last = self._commit_log(b)
+        if last is None:
+            return
+        for p, txn in b.txns.items():
+            txn.commit(applied_events=last.get(self._events_tp(p)))
+        self.folded += len(recs)
+        metrics.observe_fold(self.spec.service, len(recs), time.perf_counter() - started)
+        dead = sum(o.topic == DEADLETTER for _, o in b.outputs)
+        if dead:
+            metrics.DEAD_LETTERS.labels(self.spec.service).inc(dead)
+        if self.spec.on_committed is not None:
+            self.spec.on_committed(b.outputs)
+
+    def _commit_log(self, b: _Batch) -> dict[TopicPartition, int] | None:
+        """The batch's log transaction; None if it failed (and what that meant was handled)."""
+        events = self.spec.events
+        txn: LogTransaction | None = None
+        try:
+            txn = LogTransaction(self.producer)
+            for p, o in b.outputs:
+                part = self.spec.events_partition(p) if o.topic == events else None
+                txn.send(o.topic, o.key.encode(), self.codec.encode(o.record), partition=part)
+            return txn.commit(b.offsets, self.consumer)
+        except FencedError:
+            raise
+        except LogError:
+            partitions = list(b.txns)
+            if txn is not None and txn.status is TxnStatus.UNKNOWN:
+                log.exception("%s: commit outcome unknown; reconciling partitions %s from the log",
+                              self.spec.service, partitions)
+                self._unreconciled.update(partitions)
+                self._reconcile()
+            else:
+                log.exception("%s: transaction aborted; rewinding to the committed offsets", self.spec.service)
+                self._reload(partitions)
+                self._rewind(partitions)
+            return None
+
+    # -- after a failed transaction -------------------------------------------------
+    def _reload(self, partitions: Iterable[int]) -> None:
+        for p in partitions:
+            fold = self.folds.get(p)
+            if fold is not None:
+                fold.reload()
+
+    def _rewind(self, partitions: Iterable[int]) -> None:
+        """Read the partitions again from the group's committed offsets."""
+        owned = set(self.consumer.assignment())
+        tps = [tp for tp in (TopicPartition(self.spec.commands, p) for p in partitions) if tp in owned]
+        for tp, off in self.consumer.committed(tps).items():
+            self.consumer.seek(tp, off)
+
+    def _reconcile(self) -> bool:
+        """Settle a commit of unknown outcome (module docstring); False if the log is not reachable
+        yet (retried at the next step, after a back-off)."""
+        partitions = sorted(p for p in self._unreconciled if p in self.stores)
+        try:
+            self._replace_producer()
+            for p in partitions:
+                fold = self.folds[p]
+                fold.reload()  # drop what the dropped transaction left in memory
+                n = catch_up(self.log, self.stores[p], fold, self._events_tp(p), self.spec.accepts)
+                log.warning("%s partition %d reconciled: %d events of the uncertain commit applied",
+                            self.spec.service, p, n)
+            self._rewind(partitions)
+        except FencedError:
+            raise
+        except LogError:
+            delay = RECONCILE_BACKOFF_S[min(self._reconcile_failures, len(RECONCILE_BACKOFF_S) - 1)]
+            self._reconcile_failures += 1
+            log.exception("%s: reconciling failed; again in %.1fs", self.spec.service, delay)
+            time.sleep(delay)
+            return False
+        self._unreconciled.clear()
+        self._reconcile_failures = 0
+        self.reconciled += 1
+        return True
+
+    def _replace_producer(self) -> None:
+        """A new transactional producer with the same id: on Kafka its initialisation completes or
+        aborts the transaction the old one left pending, so the log's end is final afterwards."""
+        old = self.producer
+        try:
+            old.close()
+        except LogError:
+            log.debug("closing the old transactional producer failed", exc_info=True)
+        self.producer = self.log.transactional_producer(self.spec.transactional_id)
+
+    def _ensure_topics(self, topics: Iterable[str]) -> None:
+        """Create output topics on first use (dispatch queues are named by job specs)."""
+        for t in set(topics) - self._known_topics:
+            spec = self.spec.topic_for(t)
+            if spec is not None:
+                self.log.create_topics([spec])
+            self._known_topics.add(t)
+
+    # -- lag, close -------------------------------------------------------------
+    def report_lag(self) -> None:
+        """Commands not yet folded on this instance's partitions (the consumer-lag metric)."""
+        tps = [TopicPartition(self.spec.commands, p) for p in self.stores]
+        if not tps:
+            return
+        try:
+            ends = self.log.end_offsets(tps)
+            lag = sum(max(ends[tp] - self.consumer.position(tp), 0) for tp in tps)
+        except LogError:
+            return
+        metrics.CONSUMER_LAG.labels(self.spec.service, self.spec.commands).set(lag)
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+        self.stores.clear()
+        self.folds.clear()
+        closers = [self.consumer.close, self.producer.close]
+        if self.timer_producer is not None:
+            closers.append(self.timer_producer.close)
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                log.debug("close failed", exc_info=True)
