@@ -15,7 +15,7 @@ from typing import Any
 from dagfold.codec import default_codec
 from dagfold.config import COMMANDS, EVENTS
 from dagfold.exceptions import CodecError
-from dagfold.log import Log, TopicPartition, partition_for
+from dagfold.log import Log, TopicPartition
 from dagfold.log.reader import read_to_end
 
 COLUMNS = ("topic", "partition", "offset", "timestamp_ms", "type", "task_id", "attempt", "worker_id",
@@ -24,7 +24,7 @@ COLUMNS = ("topic", "partition", "offset", "timestamp_ms", "type", "task_id", "a
 
 def job_timeline(log: Log, job_id: str, partitions: int) -> list[dict[str, Any]]:
     codec = default_codec()
-    p = partition_for(job_id.encode(), partitions)
+    p = log.partition_for(job_id.encode(), partitions)
     key = job_id.encode()
     rows: list[dict[str, Any]] = []
     for topic in (COMMANDS, EVENTS):

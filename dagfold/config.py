@@ -12,7 +12,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dagfold.log.base import MAX_RECORD_BYTES, TopicSpec
+from dagfold.log.factory import url_prefix
+from dagfold.log.namespace import Namespace
 
+# Logical topic names: what dagfold's code, folds, replay digests and dead letters say. The names on
+# the cluster come from ``Config.topics`` (one deployment's prefix applied to these, at the log
+# boundary: dagfold.log.namespace), so a deployment with DAGFOLD_TOPIC_PREFIX=prod.dagfold reads and
+# writes ``prod.dagfold.commands`` while this code keeps saying COMMANDS.
 COMMANDS = "commands"
 EVENTS = "events"
 CONTROL = "control"
@@ -32,6 +38,54 @@ def dispatch_topic(queue: str) -> str:
 
 def worker_group(queue: str) -> str:
     return f"dagfold-workers.{queue}"
+
+
+@dataclass(frozen=True)
+class Topics:
+    """One deployment's topic, group and transactional-id names on the cluster.
+
+    The one place names get their prefix (``Namespace``); ``Config.topics`` builds it from
+    ``?prefix=`` in the log URL or ``DAGFOLD_TOPIC_PREFIX``. For operators' tools, upstream
+    producers and docs: dagfold's own code uses the logical names and an ``open_log(...,
+    prefix=...)`` that maps them.
+    """
+
+    namespace: Namespace = field(default_factory=Namespace)
+
+    @property
+    def prefix(self) -> str:
+        return self.namespace.prefix
+
+    @property
+    def commands(self) -> str:
+        return self.namespace.topic(COMMANDS)
+
+    @property
+    def events(self) -> str:
+        return self.namespace.topic(EVENTS)
+
+    @property
+    def control(self) -> str:
+        return self.namespace.topic(CONTROL)
+
+    @property
+    def deadletter(self) -> str:
+        return self.namespace.topic(DEADLETTER)
+
+    @property
+    def allocator_commands(self) -> str:
+        return self.namespace.topic(ALLOCATOR_COMMANDS)
+
+    @property
+    def allocator_events(self) -> str:
+        return self.namespace.topic(ALLOCATOR_EVENTS)
+
+    def dispatch(self, queue: str) -> str:
+        return self.namespace.topic(dispatch_topic(queue))
+
+    def group(self, group_id: str) -> str:
+        """A consumer group's name on the cluster (SCHEDULER_GROUP, worker_group(q), ...)."""
+        return self.namespace.group(group_id)
 
 
 @dataclass(frozen=True)
@@ -58,6 +112,7 @@ class SchedulerOptions:
 @dataclass(frozen=True)
 class Config:
     log_url: str = "embedded"
+    topic_prefix: str = ""  # DAGFOLD_TOPIC_PREFIX; or ?prefix= in log_url (see Topics)
     data_dir: Path = Path(".dagfold")
     partitions: int = 8  # commands and events (same count: partition p of both belong together)
     dispatch_partitions: int = 8
@@ -75,6 +130,7 @@ class Config:
         env = os.environ
         cfg = cls(
             log_url=env.get("DAGFOLD_LOG", cls.log_url),
+            topic_prefix=env.get("DAGFOLD_TOPIC_PREFIX", cls.topic_prefix),
             data_dir=Path(env.get("DAGFOLD_DATA", str(cls.data_dir))),
             partitions=int(env.get("DAGFOLD_PARTITIONS", cls.partitions)),
             dispatch_partitions=int(env.get("DAGFOLD_DISPATCH_PARTITIONS", cls.dispatch_partitions)),
@@ -85,6 +141,12 @@ class Config:
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         return replace(cfg, **clean)  # type: ignore[arg-type]
+
+    @property
+    def topics(self) -> Topics:
+        """This deployment's names on the cluster (the URL's ``?prefix=`` wins over DAGFOLD_TOPIC_PREFIX;
+        ``open_log`` refuses the two when they differ)."""
+        return Topics(Namespace(url_prefix(self.log_url) or self.topic_prefix))
 
     def core_topics(self) -> list[TopicSpec]:
         """Topics every deployment has; dispatch topics are created per queue on demand."""

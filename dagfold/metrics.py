@@ -70,6 +70,12 @@ TIMERS_FIRED = Counter(
     "dagfold_scheduler_timers_fired_total",
     "TimerFired commands written by the scheduler's timer.",
 )
+COMMANDS_FORWARDED = Counter(
+    "dagfold_commands_forwarded_total",
+    "Commands that arrived on another partition than their job's (a producer with another partitioner) "
+    "and were forwarded to the job's partition in the same transaction.",
+    ["service"],
+)
 DEAD_LETTERS = Counter(
     "dagfold_dead_letters_total",
     "Records sent to the dead-letter topic, by the service that rejected them.",

@@ -8,10 +8,11 @@ harnesses and simulators interchangeable.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dagfold.codec import Record
-from dagfold.config import DEADLETTER
+from dagfold.config import COMMANDS, DEADLETTER
 from dagfold.log.base import LogRecord
 
 
@@ -22,6 +23,20 @@ class Output:
     topic: str
     key: str
     record: Record
+
+
+def forward_misrouted(rec: LogRecord, command: Record, job_id: str,
+                      job_partition: Callable[[bytes], int]) -> list[Output] | None:
+    """The command again, for its job's partition, if ``rec`` arrived on another one (else None).
+
+    A producer with another partitioner (or another partition count in mind) than the
+    deployment's still gets its command folded: the runner produces this output in the same
+    transaction that commits the misrouted record's offset, so it is folded exactly once,
+    on the partition that owns the job. Keyed by job ID, so the log routes it right.
+    """
+    if job_partition(job_id.encode()) == rec.partition:
+        return None
+    return [Output(COMMANDS, job_id, command)]
 
 
 def dead_letter(rec: LogRecord, reason: str, service: str) -> Output:

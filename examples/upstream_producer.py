@@ -4,12 +4,16 @@
 Needs only confluent-kafka, fastavro and the published schemas/ folder:
 
     python examples/upstream_producer.py --bootstrap 127.0.0.1:9092 [--schemas schemas] [--job-id ID]
+        [--topic prod.dagfold.commands]   # a deployment with DAGFOLD_TOPIC_PREFIX=prod.dagfold
 
 It builds a ``dagfold.command.SubmitJob`` record, encodes it with Avro
 single-object encoding (``C3 01`` + CRC-64-AVRO fingerprint of the schema +
-Avro body) and produces it to the ``commands`` topic keyed by the job ID, so it
-lands on the job's partition under Kafka's default partitioner. It prints the
-job ID; follow the job with ``dagfold status ID``.
+Avro body) and produces it to the ``commands`` topic keyed by the job ID with
+``partitioner=murmur2_random`` (the Java client's default, and dagfold's), so it
+lands on the job's partition. (With librdkafka's own default, ``consistent_random``,
+the record may land elsewhere; the scheduler then forwards it to the job's
+partition, which costs one more write.) It prints the job ID; follow the job
+with ``dagfold status ID``.
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ def main() -> int:
     args = ap.parse_args()
     job_id = args.job_id or f"upstream-{uuid.uuid4()}"
     value = encode_single_object(args.schemas / "dagfold.command.SubmitJob.avsc", build_submission(job_id))
-    producer = Producer({"bootstrap.servers": args.bootstrap, "enable.idempotence": True, "acks": "all"})
+    producer = Producer({"bootstrap.servers": args.bootstrap, "enable.idempotence": True, "acks": "all",
+                         "partitioner": "murmur2_random"})
     errors: list[str] = []
     producer.produce(args.topic, key=job_id.encode(), value=value,
                      on_delivery=lambda err, msg: errors.append(str(err)) if err else None)

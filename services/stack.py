@@ -76,7 +76,7 @@ class Stack:
     def start(self) -> Stack:
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        self.log = open_log(cfg.log_url, cfg.data_dir)
+        self.log = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
         self.log.create_topics(cfg.core_topics() + [cfg.dispatch_spec(q) for q in self.options.queues])
         if self.options.scheduler:
             self.runner = SchedulerRunner(self.log, cfg, self.options.scheduler_instance)

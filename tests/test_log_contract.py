@@ -354,26 +354,34 @@ def test_newer_transactional_producer_fences_the_older(log_backend: Log, unique_
 
 
 @pytest.mark.kafka
-def test_plain_confluent_producer_routes_like_partition_for(kafka_bootstrap: str, unique_topic: TopicName) -> None:
-    """Upstream producers with confluent-kafka's default partitioner route as dagfold does."""
+@pytest.mark.parametrize("partitioner", ["murmur2_random", "consistent_random"])
+def test_plain_confluent_producer_routes_like_the_logs_partitioner(
+        kafka_bootstrap: str, unique_topic: TopicName, partitioner: str) -> None:
+    """A librdkafka producer set to the deployment's partitioner routes as dagfold does: murmur2
+    (the default, as the Java client's) or CRC-32 (kept for data written before murmur2)."""
     from confluent_kafka import Producer
 
     from dagfold.log.kafka import KafkaLog
 
     topic = unique_topic("upstream")
-    KafkaLog(kafka_bootstrap).create_topics([TopicSpec(topic, 7)])
+    lg = KafkaLog(kafka_bootstrap, partitioner=partitioner)
+    lg.create_topics([TopicSpec(topic, 7)])
     landed: dict[bytes, int] = {}
 
     def delivered(err: object, msg: object) -> None:
         assert err is None, err
         landed[msg.key()] = msg.partition()  # type: ignore[attr-defined]
 
-    producer = Producer({"bootstrap.servers": kafka_bootstrap})
-    keys = [f"job-{i:04d}".encode() for i in range(60)]
+    producer = Producer({"bootstrap.servers": kafka_bootstrap, "partitioner": partitioner})
+    keys = [f"job-{i:04d}".encode() for i in range(60)] + [b"a", b"ab", b"abc", "jöb-ü".encode()]
+    if partitioner == "murmur2_random":  # consistent_random partitions an empty key at random
+        keys.append(b"")
     for k in keys:
         producer.produce(topic, key=k, value=b"x", on_delivery=delivered)
     assert producer.flush(30) == 0
-    assert landed == {k: partition_for(k, 7) for k in keys}
+    assert landed == {k: lg.partition_for(k, 7) for k in keys}
+    if partitioner == "murmur2_random":
+        assert landed == {k: partition_for(k, 7) for k in keys}
 
 
 def test_embedded_data_survives_close_and_reopen(tmp_path: Path, unique_topic: TopicName) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from dagfold import metrics
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, DEADLETTER, EVENTS, Config
@@ -84,18 +85,40 @@ def test_bad_records_are_dead_lettered_with_reasons_and_the_scheduler_goes_on(en
         spec = to_job_spec(load_spec_text("id: good\ntasks: [{id: a}]"))
         send(log, b"junk", b"not avro at all")
         send(log, b"wrong-key", codec.encode(submit_job(spec)))
-        wrong_p = (partition_for(b"good", 4) + 1) % 4
-        send(log, b"good", codec.encode(submit_job(spec)), partition=wrong_p)
         send(log, b"good", codec.encode(submit_job(spec)))
         wait_for(lambda: any(e["type"] == "dagfold.event.JobAccepted" for e in decoded(log, EVENTS)))
-        wait_for(lambda: len(read_all(log, DEADLETTER)) == 3)
+        wait_for(lambda: len(read_all(log, DEADLETTER)) == 2)
         reasons = sorted(d["reason"] for d in decoded(log, DEADLETTER))
         assert any("bad magic bytes" in x for x in reasons)
         assert any("is not the job ID 'good'" in x for x in reasons)
-        assert any(f"belongs to partition {partition_for(b'good', 4)}, not {wrong_p}" in x for x in reasons)
         dl = decoded(log, DEADLETTER)[0]
         assert dl["source_topic"] == COMMANDS and dl["value"] and dl["service"] == "scheduler"
         assert r.error is None and r.thread.is_alive()
+    finally:
+        r.close()
+
+
+def test_a_command_on_the_wrong_partition_is_forwarded_to_its_job_and_folded_there(env: Any) -> None:
+    """A producer with another partitioner (CRC-32, or its own) still gets its job run: the record
+    is forwarded to the job's partition in the scheduler's transaction, never dead-lettered."""
+    log, cfg = env
+    forwarded = metrics.COMMANDS_FORWARDED.labels("scheduler")
+    before = forwarded._value.get()
+    r = Running(log, cfg)
+    try:
+        spec = to_job_spec(load_spec_text("id: moved\ntasks: [{id: a}]"))
+        right = partition_for(b"moved", 4)
+        wrong = (right + 1) % 4
+        send(log, b"moved", codec.encode(submit_job(spec)), partition=wrong)
+        wait_for(lambda: any(e["type"] == "dagfold.event.JobAccepted" for e in decoded(log, EVENTS)))
+        accepted = [rec for rec in read_all(log, EVENTS)
+                    if codec.decode(rec.value)["type"] == "dagfold.event.JobAccepted"]
+        assert [a.partition for a in accepted] == [right]
+        on_right = log.read(TopicPartition(COMMANDS, right), 0, 100)
+        assert [(c.key, codec.decode(c.value)["spec"]["job_id"]) for c in on_right] == [(b"moved", "moved")]
+        assert read_all(log, DEADLETTER) == []
+        assert forwarded._value.get() == before + 1
+        assert log.read(TopicPartition(COMMANDS, wrong), 0, 100)[0].key == b"moved"  # the original stays
     finally:
         r.close()
 

@@ -41,7 +41,7 @@ def scheduler(log: LogOpt = "embedded", data: DataOpt = None,
 
     _logging(verbose)
     cfg = _config(log, data)
-    lg = open_log(cfg.log_url, cfg.data_dir)
+    lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     run_until_stopped(SchedulerRunner(lg, cfg, instance).run, lg.close)
 
 
@@ -80,7 +80,7 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
     if verify_live and filt.to_ms is not None:
         raise fail("--verify compares with the live state, which is past --to; drop --to")
     try:
-        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True)
+        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True, prefix=cfg.topic_prefix)
     except DagfoldError as exc:
         raise fail(str(exc), 1) from None
     sink = None
@@ -121,7 +121,7 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
                                  "window": window}
     diffs = []
     if verify_live:
-        diffs = verify(cfg.data_dir, out_dir, cfg.partitions, job)
+        diffs = verify(cfg.data_dir, out_dir, cfg.partitions, job, lg.partition_for)
         report["differences"] = [d.__dict__ for d in diffs]
     if as_json:
         out.print_json(json.dumps(report))
@@ -156,7 +156,7 @@ def audit(job_id: str, log: LogOpt = "embedded", data: DataOpt = None,
         raise fail(f"the window is empty: --since ({since}) is after --until ({until})")
     cfg = _config(log, data)
     try:
-        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True)
+        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True, prefix=cfg.topic_prefix)
     except DagfoldError as exc:
         raise fail(str(exc), 1) from None
     try:

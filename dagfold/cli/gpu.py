@@ -35,7 +35,7 @@ def allocator(pool: str = PoolOpt, log: LogOpt = "embedded", data: DataOpt = Non
 
     _logging(verbose)
     cfg = _config(log, data)
-    lg = open_log(cfg.log_url, cfg.data_dir)
+    lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     lg.create_topics(cfg.core_topics())
     runner = AllocatorRunner(lg, AllocatorOptions(pool=pool, lease_s=lease_s, grace_s=grace_s), cfg.data_dir)
     out.print(f"dagfold allocator: pool {pool} on {cfg.log_url}")
@@ -89,7 +89,7 @@ def agent(pool: str = PoolOpt, log: LogOpt = "embedded",
         devices = SimulatedDevices(gpus, gpu_type) if simulate else NvmlDevices()
     except NvmlUnavailable as exc:
         raise fail(f"no GPUs found through NVML ({exc}); use --simulate for a simulated host") from None
-    lg = open_log(cfg.log_url, cfg.data_dir)
+    lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     launcher = Launcher(shlex.split(command), artifacts)
     node_agent = NodeAgent(lg, pool, node, devices, launcher, hb_interval_s=hb_interval_s)
     stop = threading.Event()

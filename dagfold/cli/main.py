@@ -343,7 +343,7 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
         except Exception as exc:
             raise fail(f"cannot import handler module {module!r}: {exc!r}") from None
     cfg = _config(log, data)
-    lg = open_log(cfg.log_url, cfg.data_dir)
+    lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     import os
@@ -389,7 +389,7 @@ def callbacks(log: LogOpt = "embedded", data: DataOpt = None,
     serve_metrics(metrics_port, metrics_addr)
     cfg = _config(log, data)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
-    lg = open_log(cfg.log_url, cfg.data_dir)
+    lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     try:
         notifier = CallbackNotifier(lg, cfg.data_dir)
     except Exception as exc:  # a bad setting, or the ledger is in use by another process

@@ -4,9 +4,12 @@ Semantics follow Kafka, so code written against this contract behaves the same
 on both backends:
 
 * A topic has a fixed number of partitions; a record's partition is
-  ``partition_for(key, n)`` (CRC-32 of the key, the same as librdkafka's default
-  ``consistent_random`` partitioner, so upstream producers using plain
-  confluent-kafka land on the same partition as dagfold's own writers).
+  ``log.partition_for(key, n)``: by default ``murmur2_partition`` (the Java
+  client's default partitioner, and librdkafka's ``murmur2_random``), so Java,
+  Kafka Streams, Connect and Python producers with default settings land on the
+  same partition as dagfold's own writers. Deployments whose data was written
+  before dagfold 0.x used CRC-32 (librdkafka's ``consistent_random``) and keep it
+  with ``?partitioner=consistent_random`` in the log URL (docs/architecture.md).
 * Offsets are per partition, increasing; consumers see only committed records
   (read_committed). Offsets may have gaps (Kafka's transaction markers).
 * A committed consumer offset is the *next* offset to read.
@@ -17,6 +20,7 @@ on both backends:
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,9 +59,73 @@ class LogRecord:
     timestamp_ms: int
 
 
-def partition_for(key: bytes, partitions: int) -> int:
-    """Partition of a keyed record: CRC-32(key) mod n, as librdkafka's default partitioner."""
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 hash (``org.apache.kafka.common.utils.Utils.murmur2``) as a signed 32-bit int.
+
+    Written by hand: it is twenty lines, every Kafka client carries its own copy, and the one
+    Python package with it (kafka-python) is a whole client. Checked against the Java client's
+    published test vectors and against librdkafka's ``murmur2_random`` on a real broker
+    (tests/test_partitioning.py).
+    """
+    m = 0x5BD1E995
+    n = len(data)
+    h = (0x9747B28C ^ n) & 0xFFFFFFFF
+    end = n & ~3
+    for i in range(0, end, 4):
+        k = data[i] | (data[i + 1] << 8) | (data[i + 2] << 16) | (data[i + 3] << 24)
+        k = (k * m) & 0xFFFFFFFF
+        k ^= k >> 24
+        k = (k * m) & 0xFFFFFFFF
+        h = ((h * m) & 0xFFFFFFFF) ^ k
+    rest = n & 3
+    if rest == 3:
+        h ^= data[end + 2] << 16
+    if rest >= 2:
+        h ^= data[end + 1] << 8
+    if rest >= 1:
+        h ^= data[end]
+        h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * m) & 0xFFFFFFFF
+    h ^= h >> 15
+    return h - 0x1_0000_0000 if h & 0x8000_0000 else h
+
+
+@functools.lru_cache(maxsize=65536)  # job IDs repeat (every command of a job): hash each once
+def murmur2_partition(key: bytes, partitions: int) -> int:
+    """The Java client's default: ``toPositive(murmur2(key)) % n``, where toPositive clears the
+    sign bit (``& 0x7fffffff``, not ``abs``); librdkafka's ``murmur2_random`` does the same."""
+    return (murmur2(key) & 0x7FFFFFFF) % partitions
+
+
+def crc32_partition(key: bytes, partitions: int) -> int:
+    """librdkafka's ``consistent_random``: CRC-32(key) mod n (dagfold's partitioner before murmur2)."""
     return (zlib.crc32(key) & 0xFFFFFFFF) % partitions
+
+
+Partitioner = Callable[[bytes, int], int]
+
+# Names as librdkafka's ``partitioner`` setting spells them; the value of ``?partitioner=`` in a log URL.
+PARTITIONERS: dict[str, Partitioner] = {
+    "murmur2_random": murmur2_partition,
+    "consistent_random": crc32_partition,
+}
+DEFAULT_PARTITIONER = "murmur2_random"
+
+
+def partition_for(key: bytes, partitions: int) -> int:
+    """Partition of a keyed record under the default partitioner (murmur2, as the Java client).
+
+    Code holding a ``Log`` asks ``log.partition_for``, which honours the deployment's choice.
+    """
+    return murmur2_partition(key, partitions)
+
+
+def partitioner_named(name: str) -> Partitioner:
+    try:
+        return PARTITIONERS[name]
+    except KeyError:
+        raise ValueError(f"unknown partitioner {name!r}: use one of {sorted(PARTITIONERS)}") from None
 
 
 AssignCallback = Callable[[list[TopicPartition]], None]
@@ -67,7 +135,7 @@ class Producer(Protocol):
     """Buffered, idempotent, at-least-once producer (workers, API, timers)."""
 
     def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
-        """Queue a record; ``partition`` defaults to ``partition_for(key, n)``."""
+        """Queue a record; ``partition`` defaults to ``log.partition_for(key, n)``."""
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Block until every queued record is durably written, or raise LogError."""
@@ -143,6 +211,10 @@ class Log(Protocol):
     """A partitioned, durable log."""
 
     url: str
+    partitioner: str  # a PARTITIONERS name
+
+    def partition_for(self, key: bytes, partitions: int) -> int:
+        """Partition of a keyed record in this deployment (its partitioner)."""
 
     def create_topics(self, specs: Sequence[TopicSpec]) -> None:
         """Create missing topics; existing ones are left as they are."""

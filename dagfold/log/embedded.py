@@ -5,6 +5,8 @@ All topics live in one RocksDB (rocksdict, raw mode) under ``path``:
 * ``r|topic|P(4)|O(8)`` -> ``ts_ms(8) keylen(4) key value`` (the records)
 * ``t|topic`` -> partition count and retention (the topic catalogue)
 * ``g|group|topic|P(4)`` -> next offset (consumer group offsets)
+* ``mpartitioner`` -> the partitioner's name (a log written before this key existed used
+  CRC-32, ``consistent_random``, and keeps it; a new log records murmur2 or the one asked for)
 
 A transaction is one RocksDB ``WriteBatch`` holding its records and the
 consumer offsets it commits, so both become visible together or not at all,
@@ -29,13 +31,22 @@ from typing import cast
 from rocksdict import AccessType, Options, Rdict, ReadOptions, WriteBatch
 
 from dagfold.exceptions import FencedError, LogError
-from dagfold.log.base import AssignCallback, Consumer, LogRecord, TopicPartition, TopicSpec, partition_for
+from dagfold.log.base import (
+    DEFAULT_PARTITIONER,
+    AssignCallback,
+    Consumer,
+    LogRecord,
+    TopicPartition,
+    TopicSpec,
+    partitioner_named,
+)
 
 _SEP = b"\x00"
 _PO = struct.Struct(">IQ")
 _HDR = struct.Struct(">QI")
 _TOPIC = struct.Struct(">Iq")
 _OFF = struct.Struct(">Q")
+_PARTITIONER_KEY = b"mpartitioner"
 
 
 def _rkey(topic: str, partition: int, offset: int) -> bytes:
@@ -114,8 +125,12 @@ class _Tail:
 class EmbeddedLog:
     """The embedded backend (see module docstring)."""
 
-    def __init__(self, path: Path, read_only: bool = False) -> None:
-        """``read_only`` opens a snapshot next to a running writer (audits, replay); it cannot append."""
+    def __init__(self, path: Path, read_only: bool = False, partitioner: str | None = None) -> None:
+        """``read_only`` opens a snapshot next to a running writer (audits, replay); it cannot append.
+
+        ``partitioner`` (a PARTITIONERS name) is fixed when the log is created; None takes the
+        recorded one, and asking an existing log for another is an error (it would move jobs).
+        """
         self.url = "embedded"
         self.path = path
         self.read_only = read_only
@@ -140,6 +155,22 @@ class EmbeddedLog:
         self._groups: dict[str, _Group] = {}
         self._closed = False
         self._load_catalogue()
+        self.partitioner = self._load_partitioner(partitioner)
+        self.partition_for = partitioner_named(self.partitioner)
+
+    def _load_partitioner(self, wanted: str | None) -> str:
+        if wanted is not None:
+            partitioner_named(wanted)  # unknown names fail before anything is written
+        raw = self._db.get(_PARTITIONER_KEY)
+        recorded = raw.decode() if raw is not None else ("consistent_random" if self._topics else None)
+        if recorded is None:  # a new log
+            recorded = wanted or DEFAULT_PARTITIONER
+        elif wanted is not None and wanted != recorded:
+            raise LogError(f"the embedded log at {self.path} partitions with {recorded}, not {wanted}: "
+                           "its jobs live on the partitions that partitioner chose")
+        if raw is None and not self.read_only:
+            self._db.put(_PARTITIONER_KEY, recorded.encode())
+        return recorded
 
     # -- catalogue -------------------------------------------------------
     def _load_catalogue(self) -> None:
@@ -200,7 +231,7 @@ class EmbeddedLog:
     def _resolve_partition(self, topic: str, key: bytes, partition: int | None) -> int:
         n = self.partitions(topic)
         if partition is None:
-            return partition_for(key, n)
+            return self.partition_for(key, n)
         if not 0 <= partition < n:
             raise LogError(f"topic {topic!r} has no partition {partition}")
         return partition

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlencode
 
 from dagfold.exceptions import LogError
-from dagfold.log.base import Log
+from dagfold.log.base import DEFAULT_PARTITIONER, PARTITIONERS, Log
+from dagfold.log.namespace import namespaced
 
 
 def kafka_client_settings(query: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -26,30 +27,74 @@ def kafka_client_settings(query: str) -> tuple[dict[str, Any], dict[str, Any]]:
         elif key.startswith("producer."):
             producer[key.removeprefix("producer.")] = value
         else:
-            raise LogError(f"unknown Kafka URL setting {key!r}: use consumer.<librdkafka key> or "
-                           "producer.<librdkafka key>")
+            raise LogError(f"unknown Kafka URL setting {key!r}: use prefix=, partitioner=, "
+                           "consumer.<librdkafka key> or producer.<librdkafka key>")
     return consumer, producer
 
 
-def open_log(url: str, data_dir: Path, read_only: bool = False) -> Log:
+# Settings of a log URL that belong to dagfold itself, for either backend.
+_DAGFOLD_SETTINGS = ("prefix", "partitioner")
+
+
+def split_url(url: str) -> tuple[str, str, dict[str, str]]:
+    """``(backend URL without query, backend query, dagfold settings)`` of a log URL.
+
+    ``kafka://h:9092?prefix=prod.dagfold&partitioner=consistent_random&consumer.x=1`` gives
+    ``("kafka://h:9092", "consumer.x=1", {"prefix": "prod.dagfold", "partitioner": "consistent_random"})``.
+    """
+    base, _, query = url.partition("?")
+    ours: dict[str, str] = {}
+    rest: list[tuple[str, str]] = []
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as exc:
+        raise LogError(f"bad log URL settings {query!r}: {exc}") from None
+    for key, value in pairs:
+        if key in _DAGFOLD_SETTINGS:
+            ours[key] = value
+        else:
+            rest.append((key, value))
+    return base, urlencode(rest), ours
+
+
+def url_prefix(url: str) -> str:
+    """The topic prefix a log URL names (``?prefix=``), or ``""``."""
+    return split_url(url)[2].get("prefix", "")
+
+
+def open_log(url: str, data_dir: Path, read_only: bool = False, prefix: str = "") -> Log:
     """``embedded`` (default) or ``kafka://host:port[,host:port...][?setting=value&...]``.
 
     ``read_only`` matters for the embedded log only: audits read a snapshot of a
     log that a running stack holds open. A Kafka URL may carry client settings
     (see ``kafka_client_settings``), e.g. shorter session timeouts so that a dead
-    process's partitions move sooner.
+    process's partitions move sooner. Either URL may carry ``prefix=`` (the topic
+    namespace, see ``dagfold.log.namespace``; ``prefix`` here is
+    ``DAGFOLD_TOPIC_PREFIX``, and the two must agree when both are set) and
+    ``partitioner=`` (``murmur2_random``, the default, or ``consistent_random`` for
+    deployments whose data was written with CRC-32).
     """
-    if url in ("", "embedded") or url.startswith("embedded:"):
+    base, query, ours = split_url(url)
+    url_pfx = ours.get("prefix", "")
+    if url_pfx and prefix and url_pfx != prefix:
+        raise LogError(f"topic prefix {url_pfx!r} in the log URL and {prefix!r} (DAGFOLD_TOPIC_PREFIX) differ")
+    partitioner = ours.get("partitioner")
+    if partitioner is not None and partitioner not in PARTITIONERS:
+        raise LogError(f"unknown partitioner {partitioner!r}: use one of {sorted(PARTITIONERS)}")
+    lg: Log
+    if base in ("", "embedded") or base.startswith("embedded:"):
         from dagfold.log.embedded import EmbeddedLog
 
-        return EmbeddedLog(data_dir / "log", read_only=read_only)
-    if url.startswith("kafka://"):
+        lg = EmbeddedLog(data_dir / "log", read_only=read_only, partitioner=partitioner)
+    elif base.startswith("kafka://"):
         from dagfold.log.kafka import KafkaLog
 
-        bootstrap, _, query = url.removeprefix("kafka://").partition("?")
         try:
             consumer, producer = kafka_client_settings(query)
         except ValueError as exc:
             raise LogError(f"bad Kafka URL settings {query!r}: {exc}") from None
-        return KafkaLog(bootstrap, consumer_config=consumer, producer_config=producer)
-    raise LogError(f"unknown log URL {url!r}: use 'embedded' or 'kafka://HOST:PORT'")
+        lg = KafkaLog(base.removeprefix("kafka://"), consumer_config=consumer, producer_config=producer,
+                      partitioner=partitioner or DEFAULT_PARTITIONER)
+    else:
+        raise LogError(f"unknown log URL {url!r}: use 'embedded' or 'kafka://HOST:PORT'")
+    return namespaced(lg, url_pfx or prefix)

@@ -2,9 +2,10 @@
 
 Choices that keep it equal to the embedded backend:
 
-* Every record gets an explicit partition, ``partition_for(key, n)``, so dagfold never
-  depends on a client's partitioner (and that function matches librdkafka's default,
-  so plain confluent-kafka producers route keyed records the same way).
+* Every record gets an explicit partition, ``self.partition_for(key, n)``, so dagfold
+  never depends on a client's partitioner; the default (murmur2) is the Java client's
+  default and librdkafka's ``murmur2_random``, so other clients route keyed records the
+  same way (and dagfold's producers set ``partitioner`` to the same name).
 * Topics are never auto-created: every client sets ``allow.auto.create.topics=false``
   and sending to an unknown topic raises ``LogError`` before anything is queued.
 * Consumers read committed records only, never auto-commit, and use the
@@ -35,13 +36,14 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
 from dagfold.log.base import (
+    DEFAULT_PARTITIONER,
     MAX_RECORD_BYTES,
     AssignCallback,
     Consumer,
     LogRecord,
     TopicPartition,
     TopicSpec,
-    partition_for,
+    partitioner_named,
 )
 
 log = logging.getLogger(__name__)
@@ -108,9 +110,12 @@ class KafkaLog:
         bootstrap: str,
         consumer_config: Mapping[str, Any] | None = None,
         producer_config: Mapping[str, Any] | None = None,
+        partitioner: str = DEFAULT_PARTITIONER,
     ) -> None:
         self.url = f"kafka://{bootstrap}"
         self.bootstrap = bootstrap
+        self.partitioner = partitioner
+        self.partition_for = partitioner_named(partitioner)
         self._base: dict[str, Any] = {
             "bootstrap.servers": bootstrap,
             "allow.auto.create.topics": False,
@@ -265,7 +270,7 @@ class KafkaLog:
     def _resolve_partition(self, topic: str, key: bytes, partition: int | None) -> int:
         n = self.partitions(topic)
         if partition is None:
-            return partition_for(key, n)
+            return self.partition_for(key, n)
         if not 0 <= partition < n:
             raise LogError(f"topic {topic!r} has no partition {partition}")
         return partition
@@ -279,6 +284,7 @@ class KafkaLog:
             # a SubmitJob (and its JobAccepted) may be as large as Limits.max_spec_bytes; topics that
             # carry them are created with a matching max.message.bytes (Config.core_topics)
             "message.max.bytes": MAX_RECORD_BYTES,
+            "partitioner": self.partitioner,  # unused (dagfold names every partition), kept consistent
             **extra,
             **self._producer_config,
         }

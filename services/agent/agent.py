@@ -31,7 +31,7 @@ from typing import Any
 from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.exceptions import CodecError
-from dagfold.log import Log, TopicPartition, partition_for
+from dagfold.log import Log, TopicPartition
 from services.agent.devices import Devices, SimulatedDevices
 from services.agent.launcher import JobProcess, Launcher
 from services.allocator import commands as cmds
@@ -68,8 +68,8 @@ class NodeAgent:
         self.producer = log_.producer(f"agent-{node_id}")
         self.events = log_.consumer(None, client_id=f"agent-{node_id}-events")
         self.control = log_.consumer(None, client_id=f"agent-{node_id}-control")
-        ev = TopicPartition(ALLOCATOR_EVENTS, partition_for(pool.encode(), log_.partitions(ALLOCATOR_EVENTS)))
-        ct = TopicPartition(CONTROL, partition_for(node_id.encode(), log_.partitions(CONTROL)))
+        ev = TopicPartition(ALLOCATOR_EVENTS, log_.partition_for(pool.encode(), log_.partitions(ALLOCATOR_EVENTS)))
+        ct = TopicPartition(CONTROL, log_.partition_for(node_id.encode(), log_.partitions(CONTROL)))
         ends = log_.end_offsets([ev, ct])
         self.events.assign({ev: ends[ev]})
         self.control.assign({ct: ends[ct]})

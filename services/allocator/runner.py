@@ -34,7 +34,7 @@ from dagfold import metrics
 from dagfold.codec import default_codec
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, DEADLETTER
 from dagfold.exceptions import CodecError, FencedError, LogError
-from dagfold.log import Log, TopicPartition, partition_for
+from dagfold.log import Log, TopicPartition
 from dagfold.log.reader import read_to_end
 from dagfold.outputs import Output, dead_letter
 from dagfold.state import MemoryStore, PartitionStore, PartitionTransaction, Store
@@ -82,9 +82,9 @@ class AllocatorRunner:
         self.batch = batch
         self.codec = default_codec()
         n = log_.partitions(ALLOCATOR_COMMANDS)
-        self.tp = TopicPartition(ALLOCATOR_COMMANDS, partition_for(opts.pool.encode(), n))
+        self.tp = TopicPartition(ALLOCATOR_COMMANDS, log_.partition_for(opts.pool.encode(), n))
         self.events_tp = TopicPartition(ALLOCATOR_EVENTS,
-                                        partition_for(opts.pool.encode(), log_.partitions(ALLOCATOR_EVENTS)))
+                                        log_.partition_for(opts.pool.encode(), log_.partitions(ALLOCATOR_EVENTS)))
         # the producer first: its initialisation fences an older instance of this pool
         self.producer = log_.transactional_producer(f"dagfold-allocator-{opts.pool}")
         self.store: Store = PartitionStore(store_path(data_dir, opts.pool)) if data_dir else MemoryStore()

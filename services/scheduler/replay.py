@@ -17,6 +17,7 @@ from dagfold.codec import default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, LogRecord, TopicPartition, partition_for
+from dagfold.log.base import Partitioner
 from dagfold.log.reader import read_to_end
 from dagfold.state import PartitionStore, PartitionTransaction, Store
 from dagfold.state.store import state_digest
@@ -91,7 +92,7 @@ def replay(log: Log, out_dir: Path, partitions: int, filt: ReplayFilter = Replay
         projector = Projector(log, out_dir / "projections")
     try:
         for p in range(partitions):
-            if filt.job_id is not None and p != partition_for(filt.job_id.encode(), partitions):
+            if filt.job_id is not None and p != log.partition_for(filt.job_id.encode(), partitions):
                 continue
             store = PartitionStore(out_dir / "scheduler" / f"p{p:04d}")
             n = 0
@@ -166,11 +167,13 @@ class Difference:
     what: str
 
 
-def verify(live_dir: Path, replay_dir: Path, partitions: int, job_id: str | None = None) -> list[Difference]:
-    """Compare live scheduler state with a replay: digests per partition, then per job."""
+def verify(live_dir: Path, replay_dir: Path, partitions: int, job_id: str | None = None,
+           partitioner: Partitioner = partition_for) -> list[Difference]:
+    """Compare live scheduler state with a replay: digests per partition, then per job
+    (``partitioner``: the log's, ``log.partition_for``, which finds ``job_id``'s partition)."""
     diffs: list[Difference] = []
     for p in range(partitions):
-        if job_id is not None and p != partition_for(job_id.encode(), partitions):
+        if job_id is not None and p != partitioner(job_id.encode(), partitions):
             continue
         live_path = live_dir / "scheduler" / f"p{p:04d}"
         rep_path = replay_dir / "scheduler" / f"p{p:04d}"

@@ -9,14 +9,14 @@ that a command's key is its job ID on the job's partition.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dagfold import metrics
 from dagfold.codec import Record
 from dagfold.commands import job_id_of
 from dagfold.config import COMMANDS, DISPATCH_PREFIX, EVENTS, SCHEDULER_GROUP, Config
 from dagfold.log import Log, LogRecord, TopicSpec, partition_for
-from dagfold.outputs import Output, dead_letter
+from dagfold.outputs import Output, dead_letter, forward_misrouted
 from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
 from dagfold.state import Store
 from services.scheduler.fold import SchedulerFold
@@ -33,28 +33,34 @@ def _timer_key(command: Record) -> str:
 
 def _record_events(outputs: Sequence[tuple[int, Output]]) -> None:
     metrics.record_scheduler_events(o.record for _, o in outputs if o.topic == EVENTS)
+    forwarded = sum(o.topic == COMMANDS for _, o in outputs)
+    if forwarded:
+        metrics.COMMANDS_FORWARDED.labels("scheduler").inc(forwarded)
 
 
 SCHEDULER_TIMERS = TimerPolicy(COMMANDS, due_timers, _timer_key)
 
 
-def scheduler_spec(config: Config, instance_id: str = "0") -> ProcessorSpec:
+def scheduler_spec(config: Config, instance_id: str = "0",
+                   partition_of: Callable[[bytes], int] | None = None) -> ProcessorSpec:
+    """``partition_of(job_id)``: the job's partition of the commands topic; the runner passes the
+    log's partitioner over the topic's real partition count (what the log routes a forward by)."""
     fold = SchedulerFold(config.scheduler)
     partitions = config.partitions
+    if partition_of is None:
+        def partition_of(key: bytes) -> int:
+            return partition_for(key, partitions)
+    job_partition = partition_of
 
     def admit(rec: LogRecord, cmd: Record) -> list[Output] | None:
-        """A job lives on one partition: its commands are keyed by its ID and sit on its partition."""
+        """A job lives on one partition: its commands are keyed by its ID and go to its partition."""
         try:
             job_id = job_id_of(cmd)
         except KeyError:
             return [dead_letter(rec, f"{cmd['type']} is not a scheduler command", "scheduler")]
         if rec.key != job_id.encode():
             return [dead_letter(rec, f"record key {rec.key!r} is not the job ID {job_id!r}", "scheduler")]
-        expected = partition_for(rec.key, partitions)
-        if expected != rec.partition:
-            return [dead_letter(rec, f"job {job_id} belongs to partition {expected}, not {rec.partition}",
-                                "scheduler")]
-        return None
+        return forward_misrouted(rec, cmd, job_id, job_partition)
 
     def fold_for(partition: int, store: Store) -> SchedulerFold:
         return fold  # stateless: every partition's state is in its transaction
@@ -77,6 +83,9 @@ class SchedulerRunner(PartitionProcessor):
     """One scheduler instance: owns the command partitions the group assigns it."""
 
     def __init__(self, log_: Log, config: Config, instance_id: str = "0") -> None:
-        super().__init__(log_, scheduler_spec(config, instance_id), f"scheduler-{instance_id}")
+        def partition_of(key: bytes) -> int:
+            return log_.partition_for(key, log_.partitions(COMMANDS))
+
+        super().__init__(log_, scheduler_spec(config, instance_id, partition_of), f"scheduler-{instance_id}")
         self.config = config
         self.instance_id = instance_id
