@@ -17,11 +17,17 @@ import pytest
 
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
-from dagfold.config import COMMANDS, EVENTS, Config
+from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, EVENTS, Config
 from dagfold.exceptions import CommitUnknownError, LogError, TransactionAbortedError
 from dagfold.log import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog, EmbeddedTransactionalProducer
-from dagfold.state import PartitionStore
+from dagfold.processor import catch_up
+from dagfold.state import MemoryStore, PartitionStore
+from dagfold.state.store import state_digest
+from services.allocator import commands as alloc_cmds
+from services.allocator.fold import AllocatorFold
+from services.allocator.options import AllocatorOptions
+from services.allocator.runner import AllocatorRunner
 from services.scheduler.replay import replay, verify
 from services.scheduler.runner import SchedulerRunner
 from services.scheduler.spec import load_spec_text, to_job_spec
@@ -193,3 +199,60 @@ def test_the_applied_offset_never_passes_events_the_state_lacks(
             TopicPartition(EVENTS, p)] - 1
     finally:
         store.close()
+
+
+# -- the allocator on the same runtime -----------------------------------------------------------------
+
+
+def alloc_events(log: EmbeddedLog) -> list[dict[str, Any]]:
+    return [codec.decode(r.value) for r in log.read(TopicPartition(ALLOCATOR_EVENTS, 0), 0, 1_000_000)]
+
+
+def alloc_send(log: EmbeddedLog, cmd: dict[str, Any]) -> None:
+    p = log.producer("test")
+    p.send(ALLOCATOR_COMMANDS, cmd["pool"].encode(), codec.encode(cmd))
+    p.flush()
+
+
+def step_until(runner: AllocatorRunner, pred: Any, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        runner.step(0.02)
+        if pred():
+            return
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_an_allocator_grant_whose_commit_outcome_is_unknown_is_neither_lost_nor_doubled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    cfg = Config(data_dir=tmp_path / "data", partitions=PARTS, allocator_partitions=1)
+    log = EmbeddedLog(tmp_path / "log")
+    log.create_topics(cfg.core_topics())
+    runner = AllocatorRunner(log, AllocatorOptions(pool="p"), cfg.data_dir)
+    try:
+        alloc_send(log, alloc_cmds.register_node("p", "n0", "H100", 8))
+        step_until(runner, lambda: any(e["type"].endswith("NodeRegistered") for e in alloc_events(log)))
+        fault = FaultyCommit(monkeypatch, when, CommitUnknownError)
+        alloc_send(log, alloc_cmds.request_allocation("p", "job1", gpus=2))
+        step_until(runner, lambda: any(e["type"].endswith("AllocationGranted") for e in alloc_events(log)))
+        runner.step(0.05)
+        assert fault.left == 0 and runner.reconciled == 1
+        grants = [e for e in alloc_events(log) if e["type"].endswith("AllocationGranted")]
+        assert len(grants) == 1  # not doubled on the log
+        told = [r for p in range(PARTS) for r in log.read(TopicPartition(COMMANDS, p), 0, 1000)]
+        assert sum(codec.decode(r.value)["type"].endswith("TaskAllocation") for r in told) == 1
+        state = runner.folds[0].state  # type: ignore[attr-defined]
+        assert [a.req.job_id for a in state.allocs.values()] == ["job1"]  # not lost from the state
+        g = grants[0]
+        alloc_send(log, alloc_cmds.release_allocation("p", g["alloc_id"], g["epoch"], "n0"))
+        step_until(runner, lambda: any(e["type"].endswith("AllocationReleased") for e in alloc_events(log)))
+        assert not state.allocs
+        live = state_digest(runner.stores[0])
+    finally:
+        runner.close()
+    # the live state equals the state rebuilt from the pool's events
+    rebuilt = MemoryStore()
+    catch_up(log, rebuilt, AllocatorFold(rebuilt, AllocatorOptions(pool="p")), TopicPartition(ALLOCATOR_EVENTS, 0))
+    assert state_digest(rebuilt) == live
+    log.close()

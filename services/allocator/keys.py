@@ -72,8 +72,10 @@ def timer(due_ms: int, kind: str, target: str) -> bytes:
     return f"T{S}{due_ms:016d}{S}{kind}{S}{target}".encode()
 
 
-def timers_due_until(now_ms: int) -> tuple[bytes, bytes]:
-    return TIMER_PREFIX, f"T{S}{now_ms + 1:016d}".encode()
+def timers_due_until(now_ms: int, since_ms: int = 0) -> tuple[bytes, bytes]:
+    """Key range of the timers due in [since_ms, now_ms] (``since_ms`` 0: from the index's start)."""
+    start = TIMER_PREFIX if since_ms <= 0 else f"T{S}{since_ms:016d}".encode()
+    return start, f"T{S}{now_ms + 1:016d}".encode()
 
 
 def parse_timer(key: bytes) -> tuple[int, str, str]:

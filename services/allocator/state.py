@@ -211,6 +211,11 @@ class PoolState:
             self.timers[(kind, target)] = due
             self._put(keys.timer(due, kind, target), 1)
             heapq.heappush(self.timer_heap, (due, kind, target))
+            if len(self.timer_heap) > 2 * len(self.timers) + 64:
+                # Live, the runtime scans the store's index and never pops this heap; each heartbeat
+                # re-sets a lease timer, so rebuild it from the live timers (amortised O(1) per call).
+                self.timer_heap = [(d, k, t) for (k, t), d in self.timers.items()]
+                heapq.heapify(self.timer_heap)
 
     # -- derived indexes ----------------------------------------------------------
     def weight(self, tenant: str) -> float:
