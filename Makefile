@@ -11,7 +11,7 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch browser bench bench-peers bench-scale chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser bench bench-peers bench-scale chaos lint clean
 
 install: $(STAMP)
 
@@ -27,12 +27,16 @@ run: install
 kafka-fetch:
 	deploy/kafka/kafka.sh fetch
 
+# SeaweedFS `weed` (S3-compatible object storage for the artifact tests), built once into .cache/
+s3-fetch:
+	deploy/seaweedfs/weed.sh fetch
+
 # Debian's Chromium for the dashboard browser test (Playwright only drives it; no `playwright install`).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
 
-test: install kafka-fetch browser
+test: install kafka-fetch s3-fetch browser
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 kafka-up: kafka-fetch

@@ -122,6 +122,9 @@ class Config:
     commands_retention_ms: int = 7 * 24 * 3600 * 1000
     api_host: str = "127.0.0.1"
     api_port: int = 8080
+    # artifact storage of task outputs and GPU checkpoints: "" = <data_dir>/artifacts, file:PATH, or
+    # s3://bucket/prefix?endpoint=http://host:port&region=r (credentials: boto3's usual sources)
+    artifacts_url: str = ""
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
 
     @classmethod
@@ -138,6 +141,7 @@ class Config:
             events_retention_ms=int(env.get("DAGFOLD_EVENTS_RETENTION_MS", cls.events_retention_ms)),
             commands_retention_ms=int(env.get("DAGFOLD_COMMANDS_RETENTION_MS", cls.commands_retention_ms)),
             api_port=int(env.get("DAGFOLD_PORT", cls.api_port)),
+            artifacts_url=env.get("DAGFOLD_ARTIFACTS", cls.artifacts_url),
         )
         clean = {k: v for k, v in overrides.items() if v is not None}
         return replace(cfg, **clean)  # type: ignore[arg-type]

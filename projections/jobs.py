@@ -63,6 +63,22 @@ TERMINAL_JOB_STATES = frozenset({"succeeded", "succeeded_partial", "failed", "ca
 
 DETAIL_MAX = 500
 
+# A GPU task's state as the GPU job API, its SSE stream and the dashboard name it (the seed's job states),
+# derived from the task's events: TaskDispatched/TaskRequeued/retry -> QUEUED, TaskAllocated -> ASSIGNED,
+# LeaseGranted -> RUNNING, TaskCheckpointing -> CHECKPOINTING, TaskSucceeded -> COMPLETED, a final
+# TaskFailed -> FAILED, TaskCancelled/TaskSkipped -> CANCELLED. None for a task without GPUs.
+GPU_STATES = ("QUEUED", "ASSIGNED", "RUNNING", "CHECKPOINTING", "COMPLETED", "FAILED", "CANCELLED")
+
+
+def is_gpu_task(task: Record) -> bool:
+    res = task.get("resources")
+    return bool(res and res.get("gpus", 0) > 0)
+
+
+def _gpu(task: Record, state: str) -> None:
+    if is_gpu_task(task):
+        task["gpu_state"] = state
+
 _SEP = SEP
 _U32 = U32
 _U64 = U64
@@ -191,6 +207,7 @@ def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None = 
         "s2s_ms": _timeout_ms(spec, job_timeouts, "schedule_to_start_s"),
         "s2c_ms": _timeout_ms(spec, job_timeouts, "start_to_close_s"),
         "_ix": ops.initial_ix(),
+        "gpu_state": "QUEUED" if is_gpu_task(spec) else None,
     }
 
 
@@ -363,6 +380,7 @@ def _task_dispatched(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     _set_task_state(ctx.job, task, "runnable")
     task.update(attempt=ev["attempt"], queue=ev["queue"], dispatched_ms=ev["ts_ms"], worker_id=None,
                 lease_deadline_ms=None, retry_at_ms=None, ended_ms=None)
+    _gpu(task, "QUEUED")
     ctx.save(ev["ts_ms"])
 
 
@@ -373,6 +391,16 @@ def _task_allocated(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.task.update(allocation={"pool": ev["pool"], "alloc_id": ev["alloc_id"], "epoch": ev["epoch"],
                                 "node_ids": list(ev["node_ids"]), "granted_ms": ev["ts_ms"]},
                     checkpoint_uri=ev.get("resume_checkpoint") or ctx.task.get("checkpoint_uri"))
+    _gpu(ctx.task, "ASSIGNED")
+    ctx.txn.put(ctx.tkey, ctx.task)
+
+
+def _task_checkpointing(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+    """The allocator asked the attempt to checkpoint and give its GPUs back (preemption, drain)."""
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.task is None or ctx.task["state"] in FINISHED_TASK_STATES:
+        return
+    _gpu(ctx.task, "CHECKPOINTING")
     ctx.txn.put(ctx.tkey, ctx.task)
 
 
@@ -385,6 +413,7 @@ def _task_requeued(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     _set_task_state(ctx.job, task, "runnable")
     task.update(worker_id=None, lease_deadline_ms=None, allocation=None, requeues=task.get("requeues", 0) + 1,
                 checkpoint_uri=ev.get("checkpoint_uri") or task.get("checkpoint_uri"))
+    _gpu(task, "QUEUED")
     ctx.save(ev["ts_ms"])
 
 
@@ -397,6 +426,7 @@ def _lease_granted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     _set_task_state(ctx.job, task, "running")
     task.update(attempt=ev["attempt"], worker_id=ev["worker_id"], started_ms=ts, ended_ms=None,
                 lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts, progress=None)
+    _gpu(task, "RUNNING")
     if ctx.job["started_ms"] is None:
         ctx.job["started_ms"] = ts
     att = _new_attempt(ev["attempt"], ev["worker_id"], ts)
@@ -433,12 +463,16 @@ def _task_succeeded(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ts = ev["ts_ms"]
     task = ctx.task
     _set_task_state(ctx.job, task, "succeeded")
+    outputs = list(ev.get("outputs") or [])
     task.update(attempt=ev["attempt"], worker_id=ev["worker_id"], ended_ms=ts, result_json=ev.get("result_json"),
-                reason=None, exit_code=None, error_type=None, lease_deadline_ms=None)
+                reason=None, exit_code=None, error_type=None, lease_deadline_ms=None, outputs=outputs)
+    if is_gpu_task(task):
+        task["progress"] = 1.0  # a GPU task's progress ends at 100% (its last report may say less)
+    _gpu(task, "COMPLETED")
     key, att = _load_attempt(txn, ev, ev["worker_id"])
     _end_attempt(att, "succeeded", ts)
     att.update(result_json=ev.get("result_json"), stdout_tail=ev.get("stdout_tail", ""),
-               stderr_tail=ev.get("stderr_tail", ""))
+               stderr_tail=ev.get("stderr_tail", ""), outputs=outputs)
     txn.put(key, att)
     ctx.save(ts)
 
@@ -453,6 +487,7 @@ def _task_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     _set_task_state(ctx.job, task, "failed" if final else "retrying")
     task.update(attempt=ev["attempt"], reason=ev["reason"], exit_code=ev.get("exit_code"),
                 error_type=ev.get("error_type"), lease_deadline_ms=None, ended_ms=ts if final else None)
+    _gpu(task, "FAILED" if final else "QUEUED")
     key, att = _load_attempt(txn, ev, ev["worker_id"] or None)
     _end_attempt(att, "failed", ts)
     att.update(reason=ev["reason"], exit_code=ev.get("exit_code"), error_type=ev.get("error_type"),
@@ -480,6 +515,7 @@ def _task_skipped(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     if ctx is None or ctx.job is None or ctx.task is None:
         return
     _set_task_state(ctx.job, ctx.task, "skipped")
+    _gpu(ctx.task, "CANCELLED")
     ctx.task.update(reason=ev["reason"], ended_ms=ev["ts_ms"])
     ctx.save(ev["ts_ms"])
 
@@ -490,6 +526,7 @@ def _task_cancelled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
         return
     ts = ev["ts_ms"]
     _set_task_state(ctx.job, ctx.task, "cancelled")
+    _gpu(ctx.task, "CANCELLED")
     ctx.task.update(reason=ev["reason"], ended_ms=ts, lease_deadline_ms=None)
     akey = attempt_key(ev["job_id"], ev["task_id"], ev["attempt"])
     att = txn.get(akey)
@@ -540,6 +577,7 @@ def _job_redriven(txn: Txn, ev: Record, partition: int, offset: int) -> None:
         _set_task_state(job, task, "pending")
         task.update(reason=None, exit_code=None, error_type=None, ended_ms=None, worker_id=None,
                     lease_deadline_ms=None, retry_at_ms=None, progress=None, updated_ms=ts)
+        _gpu(task, "QUEUED")
         ops.sync_task(txn, job, task)
         txn.put(tkey, task)
     _set_job_state(txn, job, "running")
@@ -558,6 +596,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.TaskDispatched": _task_dispatched,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
+    "dagfold.event.TaskCheckpointing": _task_checkpointing,
     "dagfold.event.LeaseGranted": _lease_granted,
     "dagfold.event.LeaseExtended": _lease_extended,
     "dagfold.event.LeaseRejected": _history_only,
@@ -597,6 +636,8 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "TaskAllocated":
         resume = g("resume_checkpoint")
         return f"{g('alloc_id')} on {', '.join(g('node_ids') or [])}" + (f", resumes from {resume}" if resume else "")
+    if kind == "TaskCheckpointing":
+        return f"{g('alloc_id')} asked to checkpoint and stop: {g('reason')}"
     if kind == "TaskRequeued":
         ck = g("checkpoint_uri")
         return f"{g('alloc_id')} ended: {g('reason')}; waits for GPUs again" + (f" (checkpoint {ck})" if ck else "")
@@ -657,6 +698,8 @@ def apply(txn: Txn, event: Record, partition: int, offset: int) -> None:
     if isinstance(task_id, str):  # the task's state after the event: live views recolour from history alone
         task = txn.get(task_key(job_id, task_id))
         entry["task_state"] = task["state"] if task is not None else None
+        if task is not None and task.get("gpu_state"):
+            entry["gpu_state"] = task["gpu_state"]
     txn.put(history_key(job_id, partition, offset), entry)
     job = txn.get(job_key(job_id))
     if job is not None and job["last_offset"] < offset:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dagfold.artifacts import open_store
 from dagfold.commands import CommandSender
 from dagfold.config import Config
 from dagfold.log import Log, open_log
@@ -88,11 +89,13 @@ class Stack:
         if self.options.callbacks:
             notifier = self.notifier = CallbackNotifier(self.log, cfg.data_dir)  # DAGFOLD_CALLBACK_* settings
             self._spawn("callbacks", lambda: notifier.run(self.stop_event))
+        self.artifacts = open_store(cfg.artifacts_url, cfg.data_dir)  # task outputs, GPU checkpoints
         host = f"{socket.gethostname()}-{os.getpid()}"  # unique per process: a restart is a new worker
         self.workers: list[Worker] = []
         for q in self.options.queues:
             for i in range(self.options.workers):
-                w = Worker(self.log, q, f"{host}-{q}-{i}", self.options.registry, config=cfg)
+                w = Worker(self.log, q, f"{host}-{q}-{i}", self.options.registry, config=cfg,
+                           artifacts=self.artifacts)
                 self.workers.append(w)
                 self._spawn(f"worker-{q}-{i}", lambda w=w: w.run(self.stop_event))  # type: ignore[misc]
         if self.options.gpu_nodes:
@@ -113,10 +116,11 @@ class Stack:
         allocator = AllocatorRunner(self.log, AllocatorOptions(pool=o.gpu_pool), self.config.data_dir)
         self._spawn("allocator", lambda: allocator.run(self.stop_event))
         command = [sys.executable, "-m", "services.agent.demo_job"]
+        store = self.artifacts
         self.agents = []
         for i in range(o.gpu_nodes):
             agent, _ = simulated(self.log, o.gpu_pool, f"{o.gpu_pool}-node-{i}", command,
-                                 self.config.data_dir / "artifacts", gpus=o.gpus_per_node)
+                                 self.config.data_dir / "artifacts", gpus=o.gpus_per_node, store=store)
             self.agents.append(agent)
             self._spawn(f"agent-{i}", lambda a=agent: a.run(self.stop_event.is_set))  # type: ignore[misc]
 

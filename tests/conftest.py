@@ -14,6 +14,7 @@ import pytest
 
 from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log.base import Log
+from tests.s3_support import S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,3 +168,22 @@ def log_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Log]
         yield log
     finally:
         log.close()
+
+
+# -- object storage (S3-compatible: SeaweedFS on loopback) ----------------------------------------
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3-compatible server shared by the session (tests/s3_support.py); boto3 gets its key."""
+    from tests.s3_support import set_env
+
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    old = set_env(server)
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

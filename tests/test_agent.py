@@ -4,15 +4,18 @@ are fenced."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
 import pytest
 
 from dagfold.commands import cancel_job
+from dagfold.config import ALLOCATOR_COMMANDS
 from services.agent.devices import SimulatedDevices, detect
 from services.allocator.options import AllocatorOptions
-from tests.gpu_support import POOL, GpuCluster, gpu_job, of
+from tests.gpu_support import POOL, GpuCluster, gpu_job, of, read_all
 
 
 def test_devices_fall_back_to_the_simulated_model() -> None:
@@ -42,7 +45,14 @@ def test_gpu_task_runs_on_its_granted_gpus_and_reports_once(tmp_path: Path) -> N
         assert len(started) == 1 and len(done) == 1
         assert started[0]["worker_id"] == done[0]["worker_id"] == alloc[0]["alloc_id"]  # fenced by allocation
         assert '"cuda": "0,1"' in done[0]["stdout_tail"]
-        assert list((tmp_path / "artifacts" / "job1" / "train").glob("step-*.json"))  # checkpoints stored
+        release = of(read_all(c.log, ALLOCATOR_COMMANDS), "ReleaseAllocation", alloc_id=alloc[0]["alloc_id"])
+        assert release[0]["checkpoint_uri"].startswith((tmp_path / "artifacts").as_uri())  # checkpoints stored
+        assert not list((tmp_path / "artifacts" / "acme" / "job1" / "train").glob("checkpoints/*"))  # and dropped
+        out = done[0]["outputs"]
+        assert [o["name"] for o in out] == ["sample.json"] and json.loads(done[0]["result_json"])["steps"] == 6
+        stored = Path(out[0]["uri"].removeprefix("file://")).read_bytes()
+        assert hashlib.sha256(stored).hexdigest() == out[0]["sha256"] and len(stored) == out[0]["size"]
+        assert json.loads(stored)["steps"] == 6 and out[0]["content_type"] == "application/json"
         assert not of(ev, "TaskDispatch")  # never on a CPU queue
     finally:
         c.close()

@@ -28,12 +28,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dagfold.artifacts import LocalArtifactStore
 from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition
 from services.agent.devices import Devices, SimulatedDevices
-from services.agent.launcher import JobProcess, Launcher
+from services.agent.launcher import MAX_RESULT_BYTES, JobProcess, Launcher
 from services.allocator import commands as cmds
 
 log = logging.getLogger("dagfold.agent")
@@ -45,7 +46,7 @@ class NodeAgent:
 
     def __init__(self, log_: Log, pool: str, node_id: str, devices: Devices, launcher: Launcher, *,
                  hb_interval_s: float = 1.0, grace_s: float = 30.0, report_to_scheduler: bool = True,
-                 clock: Callable[[], float] = time.time) -> None:
+                 keep_checkpoints: bool = False, clock: Callable[[], float] = time.time) -> None:
         self.log = log_
         self.pool = pool
         self.node_id = node_id
@@ -54,6 +55,9 @@ class NodeAgent:
         self.hb_interval_s = hb_interval_s
         self.grace_s = grace_s
         self.report_to_scheduler = report_to_scheduler
+        # checkpoint retention: a task's checkpoints are deleted from artifact storage when it succeeds,
+        # unless kept (a failed or cancelled task keeps them: a redrive resumes from them)
+        self.keep_checkpoints = keep_checkpoints
         self.clock = clock
         self.codec = default_codec()
         self.incarnation = int(clock() * 1000)
@@ -102,14 +106,14 @@ class NodeAgent:
         h = self.devices.health()
         statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress,
                                       last_checkpoint_ms=jp.last_checkpoint_ms, checkpoint_uri=jp.checkpoint_uri)
-                    for jp in self.procs.values() if jp.exited() is None]
+                    for jp in self.procs.values() if jp.active]
         self._alloc_cmd(cmds.node_heartbeat(
             self.pool, self.node_id, incarnation=self.incarnation, ts_ms=self._now_ms(), health=h.health,
             detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
             xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses))
         now = self.clock()
         for aid, jp in self.procs.items():  # the attempt's lease: renewed 4 times per lease, progress or not
-            if jp.exited() is None and jp.stop_reason is None and now >= self._next_report.get(aid, 0.0):
+            if jp.active and jp.stop_reason is None and now >= self._next_report.get(aid, 0.0):
                 self._next_report[aid] = now + self.report_every_s.get(aid, self.hb_interval_s)
                 self._sched("Heartbeat", jp, progress=jp.progress, message=jp.checkpoint_uri)
 
@@ -138,7 +142,8 @@ class NodeAgent:
         if aid in self.procs or aid in self.ended:
             return  # a redelivered dispatch, or one for an allocation already over
         jp = self.launcher.start(aid, d["epoch"], d["job_id"], d["task_id"], d["attempt"],
-                                 list(d["gpu_indices"]), d["resume_checkpoint"], args_json=d["args_json"])
+                                 list(d["gpu_indices"]), d["resume_checkpoint"], args_json=d["args_json"],
+                                 tenant=d["tenant"])
         self.procs[aid] = jp
         if d["leader"]:
             self.leader_of.add(aid)
@@ -192,6 +197,12 @@ class NodeAgent:
             code = jp.exited()
             if code is None:
                 continue
+            if code == 0 and jp.stop_reason is None and aid in self.leader_of and self.report_to_scheduler:
+                if jp.upload is None:
+                    self.launcher.finish(jp)  # every stdout line read: outputs and checkpoints known
+                    self.launcher.collect(jp)
+                if not jp.upload.done():  # type: ignore[union-attr]
+                    continue  # still uploading; heartbeats keep the attempt's lease and allocation
             self.launcher.finish(jp)
             del self.procs[aid]
             self.report_every_s.pop(aid, None)
@@ -202,15 +213,31 @@ class NodeAgent:
                                                         exit_code=code, checkpoint_uri=jp.checkpoint_uri,
                                                         ts_ms=self._now_ms()))
             elif jp.stop_reason is None:
-                reason = "completed" if code == 0 else "failed"
-                self._alloc_cmd(cmds.release_allocation(self.pool, aid, jp.epoch, self.node_id, reason,
-                                                        exit_code=code, checkpoint_uri=jp.checkpoint_uri,
-                                                        ts_ms=self._now_ms()))
-                if code == 0:
-                    self._sched("Succeeded", jp, stdout_tail=tail)
-                else:
-                    self._sched("Failed", jp, reason=f"exit code {code}", exit_code=code, stdout_tail=tail)
+                self._report_exit(jp, code, tail)
             self.leader_of.discard(aid)  # fenced processes report nothing: their allocation is gone
+
+    def _report_exit(self, jp: JobProcess, code: int, tail: str) -> None:
+        """A process ended by itself: release its GPUs, and (gang leader) report the attempt with its outputs."""
+        failure: str | None = None if code == 0 else f"exit code {code}"
+        outputs: list[Record] = []
+        if code == 0 and jp.upload is not None:
+            try:
+                outputs = [a.to_record() for a in jp.upload.result()]
+            except Exception as exc:  # storage refused or unreachable, or outputs over the limits
+                failure = f"output upload failed: {exc}"[:500]
+        result = jp.result_json()
+        if failure is None and result is not None and len(result.encode()) > MAX_RESULT_BYTES:
+            failure = f"output lines are {len(result.encode())} bytes, over the {MAX_RESULT_BYTES}-byte limit"
+        self._alloc_cmd(cmds.release_allocation(self.pool, jp.alloc_id, jp.epoch, self.node_id,
+                                                "completed" if code == 0 else "failed", exit_code=code,
+                                                checkpoint_uri=jp.checkpoint_uri, ts_ms=self._now_ms()))
+        if failure is None:
+            self._sched("Succeeded", jp, stdout_tail=tail, result_json=result, outputs=outputs)
+            if not self.keep_checkpoints and jp.alloc_id in self.leader_of:
+                self.launcher.drop_checkpoints(jp)
+        else:
+            self._sched("Failed", jp, reason=failure, exit_code=code, stdout_tail=tail,
+                        error_type=None if code else "output_upload")
 
     def step(self) -> None:
         """One round: read events and control, reap processes, heartbeat when due."""
@@ -242,6 +269,7 @@ class NodeAgent:
         for jp in self.procs.values():
             if jp.exited() is None:
                 jp.proc.kill()
+        self.launcher.close()
         self.events.close()
         self.control.close()
         self.producer.close()
@@ -251,6 +279,8 @@ def simulated(log_: Log, pool: str, node_id: str, command: list[str], artifact_d
               gpu_type: str = "H100", **kw: Any) -> tuple[NodeAgent, SimulatedDevices]:
     """An agent over the simulated device model (tests, demos)."""
     dev = SimulatedDevices(gpus, gpu_type)
-    launcher = Launcher(command, artifact_dir, speed=1.0)
+    store = kw.pop("store", None) or LocalArtifactStore(artifact_dir)
+    work = kw.pop("work_dir", None) or artifact_dir.parent / "agent-work" / node_id
+    launcher = Launcher(command, store, work, speed=1.0)
     agent = NodeAgent(log_, pool, node_id, dev, launcher, **kw)
     return agent, dev

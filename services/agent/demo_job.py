@@ -4,7 +4,10 @@ STEPS and STEP_S default to the task's arguments ``steps`` and ``step_s``
 (``DAGFOLD_ARGS_JSON``), else 20 and 0.05. It runs STEPS steps, prints ``{"progress": f}`` after each, writes a
 checkpoint (the step reached) every few steps and on SIGTERM, and resumes
 from ``DAGFOLD_RESUME_CHECKPOINT`` (or the newest checkpoint in
-``DAGFOLD_CHECKPOINT_DIR``). Steps take STEP_S / DAGFOLD_SPEED seconds.
+``DAGFOLD_CHECKPOINT_DIR``). Steps take STEP_S / DAGFOLD_SPEED seconds. When
+it finishes it writes its "generated asset", ``sample.json`` (model, prompt,
+steps, the step it resumed from), into ``DAGFOLD_OUTPUT_DIR`` and prints a
+small ``{"output": ...}`` result.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ def main() -> int:
         print(json.dumps({"progress": state["step"] / steps}), flush=True)
         if state["step"] % 5 == 0:
             checkpoint()
+    out_dir = os.environ.get("DAGFOLD_OUTPUT_DIR")
+    asset = {"model": args.get("model"), "prompt": args.get("prompt"), "steps": steps, "resumed_from": start}
+    if out_dir:
+        (Path(out_dir) / "sample.json").write_text(json.dumps(asset, sort_keys=True))
+    print(json.dumps({"output": {"steps": steps, "resumed_from": start}}), flush=True)
     return 0
 
 

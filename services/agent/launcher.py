@@ -4,14 +4,21 @@ A grant becomes one process per host, started with:
 
 * ``CUDA_VISIBLE_DEVICES`` the granted GPU indices;
 * ``DAGFOLD_ALLOC_ID``, ``DAGFOLD_EPOCH``, ``DAGFOLD_JOB_ID``, ``DAGFOLD_TASK_ID``, ``DAGFOLD_ATTEMPT``;
-* ``DAGFOLD_CHECKPOINT_DIR`` a folder in the artifact store for this job and task
-  (kept across attempts and hosts: the resume point), and
-  ``DAGFOLD_RESUME_CHECKPOINT`` the checkpoint to resume from, if any;
+* ``DAGFOLD_CHECKPOINT_DIR`` a local folder for this job and task's checkpoints, and
+  ``DAGFOLD_RESUME_CHECKPOINT`` the checkpoint to resume from, if any (brought
+  back from artifact storage into that folder first);
+* ``DAGFOLD_OUTPUT_DIR`` an empty local folder per attempt: what the process
+  leaves there is uploaded to artifact storage when it exits 0, and listed in
+  the attempt's TaskSucceeded (``outputs``);
 * ``DAGFOLD_ARGS_JSON`` the task's arguments (JSON, e.g. model, params and prompt of a GPU job);
 * ``DAGFOLD_SPEED`` the simulated device speed (1.0 on real GPUs).
 
 Protocol on stdout, one JSON object per line: ``{"progress": 0.4}``,
-``{"checkpoint": "<path>"}``; anything else is log output. To checkpoint and
+``{"checkpoint": "<path>"}`` (a file or folder under ``DAGFOLD_CHECKPOINT_DIR``;
+the agent uploads it to artifact storage at once, and the stored URI is the
+resume point the allocator keeps), ``{"output": <any JSON>}`` (a small result:
+the attempt's ``result_json`` is the value, or the list of values when several,
+at most 64 KiB); anything else is log output. To checkpoint and
 stop, the agent sends SIGTERM (the job writes a checkpoint, prints it, and
 exits); after the deadline, SIGKILL.
 """
@@ -20,13 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from dagfold.artifacts import Artifact, ArtifactError, ArtifactStore, checkpoint_prefix, output_prefix
+
+log = logging.getLogger("dagfold.agent")
+MAX_RESULT_BYTES = 64 * 1024
+MAX_OUTPUT_LINES = 1000
 
 
 @dataclass
@@ -38,64 +55,157 @@ class JobProcess:
     attempt: int
     proc: subprocess.Popen[str]
     gpus: list[int]
+    tenant: str = "default"
+    work: Path = Path(".")
     progress: float | None = None
     last_checkpoint_ms: int | None = None
     checkpoint_uri: str | None = None
     stop_reason: str | None = None
     kill_at: float | None = None
     lines: list[str] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)  # {"output": ...} values
+    result_bytes: int = 0
+    upload: Future[list[Artifact]] | None = None  # the outputs' upload, once the process exited 0
     _reader: threading.Thread | None = None
 
     def exited(self) -> int | None:
         return self.proc.poll()
 
+    @property
+    def active(self) -> bool:
+        """Running, or exited 0 with its outputs still uploading: the attempt's lease is still renewed."""
+        return self.exited() is None or (self.upload is not None and not self.upload.done())
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.work / "checkpoints"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.work / f"outputs-{self.alloc_id.replace('/', '_')}"
+
+    def result_json(self) -> str | None:
+        if not self.results:
+            return None
+        return json.dumps(self.results[0] if len(self.results) == 1 else self.results, separators=(",", ":"))
+
 
 class Launcher:
-    """Starts and stops job processes; ``command`` is the job's argv."""
+    """Starts and stops job processes; ``command`` is the job's argv.
 
-    def __init__(self, command: list[str], artifact_dir: Path, speed: float = 1.0) -> None:
+    ``store`` is the artifact storage (outputs, checkpoints); ``work_dir`` the
+    host-local folder of the processes' checkpoint and output folders.
+    """
+
+    def __init__(self, command: list[str], store: ArtifactStore | Path, work_dir: Path | None = None,
+                 speed: float = 1.0) -> None:
+        from dagfold.artifacts import LocalArtifactStore
+
         self.command = command
-        self.artifact_dir = artifact_dir
+        if isinstance(store, Path):
+            work_dir = work_dir or store.parent / (store.name + "-work")
+            store = LocalArtifactStore(store)
+        self.store = store
+        self.work_dir = work_dir or Path(".dagfold") / "agent-work"
         self.speed = speed
+        self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-upload")
 
-    def checkpoint_dir(self, job_id: str, task_id: str) -> Path:
-        d = self.artifact_dir / job_id / task_id
+    def task_dir(self, job_id: str, task_id: str) -> Path:
+        from urllib.parse import quote
+
+        d = self.work_dir / quote(job_id, safe="") / quote(task_id, safe="")
         d.mkdir(parents=True, exist_ok=True)
         return d
 
     def start(self, alloc_id: str, epoch: int, job_id: str, task_id: str, attempt: int, gpus: list[int],
-              resume: str | None, args_json: str = "{}") -> JobProcess:
+              resume: str | None, args_json: str = "{}", tenant: str = "default") -> JobProcess:
+        jp = JobProcess(alloc_id, epoch, job_id, task_id, attempt, None, gpus,  # type: ignore[arg-type]
+                        tenant=tenant, work=self.task_dir(job_id, task_id))
+        jp.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(jp.output_dir, ignore_errors=True)
+        jp.output_dir.mkdir(parents=True)
         env = dict(os.environ)
         env.update({"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "DAGFOLD_ALLOC_ID": alloc_id,
                     "DAGFOLD_EPOCH": str(epoch), "DAGFOLD_JOB_ID": job_id, "DAGFOLD_TASK_ID": task_id,
                     "DAGFOLD_ATTEMPT": str(attempt),
-                    "DAGFOLD_CHECKPOINT_DIR": str(self.checkpoint_dir(job_id, task_id)),
+                    "DAGFOLD_CHECKPOINT_DIR": str(jp.checkpoint_dir), "DAGFOLD_OUTPUT_DIR": str(jp.output_dir),
                     "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed)})
         if resume:
-            env["DAGFOLD_RESUME_CHECKPOINT"] = resume
-        proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
-        jp = JobProcess(alloc_id, epoch, job_id, task_id, attempt, proc, gpus)
+            jp.checkpoint_uri = resume
+            local = self._fetch(resume, jp.checkpoint_dir)
+            if local is not None:
+                env["DAGFOLD_RESUME_CHECKPOINT"] = str(local)
+        jp.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, bufsize=1)
         jp._reader = threading.Thread(target=self._read, args=(jp,), daemon=True)
         jp._reader.start()
         return jp
 
-    @staticmethod
-    def _read(jp: JobProcess) -> None:
+    def _fetch(self, uri: str, dest: Path) -> Path | None:
+        """The stored checkpoint, brought into the local checkpoint folder (None: not found; start over)."""
+        try:
+            return self.store.fetch_checkpoint(uri, dest)
+        except (ArtifactError, OSError) as exc:
+            log.warning("checkpoint %s cannot be read (%s); the attempt starts without it", uri, exc)
+            return None
+        except Exception as exc:  # storage unreachable (boto3/botocore errors)
+            log.warning("checkpoint %s cannot be read (%r); the attempt starts without it", uri, exc)
+            return None
+
+    def _store_checkpoint(self, jp: JobProcess, reported: str) -> None:
+        """Upload a checkpoint the process reported; only paths inside its checkpoint folder are taken."""
+        base = jp.checkpoint_dir.resolve()
+        path = Path(reported)
+        path = (path if path.is_absolute() else base / path).resolve()
+        if path == base or base not in path.parents or not path.exists():
+            log.warning("%s: checkpoint %r ignored: not inside DAGFOLD_CHECKPOINT_DIR", jp.alloc_id, reported)
+            return
+        try:
+            jp.checkpoint_uri = self.store.upload_checkpoint(
+                path, checkpoint_prefix(jp.tenant, jp.job_id, jp.task_id))
+        except Exception as exc:  # storage errors: the previous checkpoint stays the resume point
+            log.warning("%s: checkpoint upload failed: %r", jp.alloc_id, exc)
+            return
+        jp.last_checkpoint_ms = int(time.time() * 1000)
+
+    def collect(self, jp: JobProcess) -> Future[list[Artifact]]:
+        """Upload the outputs of a process that exited 0 (in the background: big outputs do not stall
+        the agent's heartbeats)."""
+        jp.upload = self._uploads.submit(self.store.upload_outputs, jp.output_dir,
+                                         output_prefix(jp.tenant, jp.job_id, jp.task_id, jp.attempt))
+        return jp.upload
+
+    def drop_checkpoints(self, jp: JobProcess) -> int:
+        """Delete the task's stored and local checkpoints (retention: after success)."""
+        shutil.rmtree(jp.checkpoint_dir, ignore_errors=True)
+        try:
+            return self.store.delete_prefix(checkpoint_prefix(jp.tenant, jp.job_id, jp.task_id))
+        except Exception as exc:
+            log.warning("%s: checkpoints not deleted: %r", jp.alloc_id, exc)
+            return 0
+
+    def close(self) -> None:
+        self._uploads.shutdown(wait=False, cancel_futures=True)
+
+    def _read(self, jp: JobProcess) -> None:
         assert jp.proc.stdout is not None
         for line in jp.proc.stdout:
             line = line.strip()
             try:
-                msg = json.loads(line) if line.startswith("{") else None
+                msg = json.loads(line) if line.startswith("{") and len(line) <= MAX_RESULT_BYTES else None
             except ValueError:
                 msg = None
             if isinstance(msg, dict) and "progress" in msg:
-                jp.progress = float(msg["progress"])
+                with contextlib.suppress(TypeError, ValueError):
+                    p = float(msg["progress"])
+                    jp.progress = min(1.0, max(0.0, p)) if p == p else jp.progress
             elif isinstance(msg, dict) and "checkpoint" in msg:
-                jp.checkpoint_uri = str(msg["checkpoint"])
-                jp.last_checkpoint_ms = int(time.time() * 1000)
+                self._store_checkpoint(jp, str(msg["checkpoint"]))
+            elif isinstance(msg, dict) and "output" in msg and len(jp.results) < MAX_OUTPUT_LINES:
+                jp.results.append(msg["output"])
+                jp.result_bytes += len(line)
             else:
-                jp.lines = (jp.lines + [line])[-50:]
+                jp.lines = (jp.lines + [line[:2000]])[-50:]
 
     def stop(self, jp: JobProcess, reason: str, deadline_s: float) -> None:
         """Ask the process to checkpoint and exit (SIGTERM); it is killed at ``deadline_s`` (monotonic)."""
@@ -112,4 +222,4 @@ class Launcher:
 
     def finish(self, jp: JobProcess) -> None:
         if jp._reader is not None:
-            jp._reader.join(timeout=2)
+            jp._reader.join(timeout=10)  # the last checkpoint's upload, after a SIGTERM

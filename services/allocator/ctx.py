@@ -47,7 +47,13 @@ class Ctx:
 
     def stop(self, a: AllocView, reason: str, *, checkpoint: bool = False, deadline_ms: int | None = None,
              nodes: list[str] | None = None) -> None:
-        """Tell the agents holding ``a`` (or only ``nodes``) to stop it, checkpointing first if asked."""
+        """Tell the agents holding ``a`` (or only ``nodes``) to stop it, checkpointing first if asked.
+
+        A checkpointing stop of the whole allocation is also told to the scheduler (TaskAllocation
+        ``checkpointing``), which records it as the job's TaskCheckpointing event."""
+        if checkpoint and nodes is None:
+            self.notify("checkpointing", a.req.job_id, a.req.task_id, a.req.attempt, alloc_id=a.id,
+                        epoch=a.epoch, reason=reason)
         for p in a.parts:
             if nodes is not None and p.node not in nodes:
                 continue

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from dagfold.artifacts import ArtifactStore, open_store
 from dagfold.codec import default_codec
 from dagfold.config import COMMANDS, Config
 from dagfold.exceptions import CodecError, LogError
@@ -77,6 +78,12 @@ class ApiContext:
     sse_poll_s: float = 0.25
     layouts: LayoutCache = field(default_factory=LayoutCache)
     callbacks: CallbackLedger | None = None  # the notifier's ledger when it runs in this process
+    artifacts: ArtifactStore | None = None  # task outputs (opened from config.artifacts_url on first use)
+
+    def artifact_store(self) -> ArtifactStore:
+        if self.artifacts is None:
+            self.artifacts = open_store(self.config.artifacts_url, self.config.data_dir)
+        return self.artifacts
 
     @property
     def ops(self) -> OperatorModel:

@@ -30,6 +30,7 @@ from services.api.auth import Principal
 from services.api.context import ApiContext
 from services.api.errors import ApiError
 from services.api.routes_jobs import CancelIn, _read_body, request_cancel, submit_spec
+from services.api.routes_outputs import output_links
 from services.api.sse import stream_response
 from services.scheduler.processors import is_gpu
 from services.scheduler.spec import JobSpecIn, RetryPolicyIn, SpecError, parse_spec
@@ -37,7 +38,7 @@ from services.scheduler.spec import JobSpecIn, RetryPolicyIn, SpecError, parse_s
 TASK_ID = "run"
 HANDLER = "gpu"
 MAX_GPUS_PER_HOST = 8
-TASK_FIELDS = ("state", "attempt", "progress", "worker_id", "retries", "requeues", "reason", "exit_code",
+TASK_FIELDS = ("state", "gpu_state", "attempt", "progress", "worker_id", "retries", "requeues", "reason", "exit_code",
                "error_type", "dispatched_ms", "started_ms", "ended_ms", "last_heartbeat_ms", "checkpoint_uri")
 JOB_TIMES = ("created_ms", "started_ms", "ended_ms", "updated_ms", "duration_ms")
 
@@ -122,6 +123,18 @@ def parse_gpu_job(body: bytes) -> GpuJobIn:
         raise ApiError(422, "invalid_gpu_job", _reason(exc)) from None
 
 
+def gpu_status(job: dict[str, Any], task: dict[str, Any]) -> str:
+    """The job's state as the seed names them (QUEUED, ASSIGNED, RUNNING, CHECKPOINTING, COMPLETED, FAILED,
+    CANCELLED): its GPU task's, derived from the events by the projection; a job ended by a cancel or a
+    failure before its task ran reads as the job ended."""
+    status = task.get("gpu_state") or "QUEUED"
+    if job["state"] == "cancelled" and status not in ("COMPLETED", "FAILED"):
+        return "CANCELLED"
+    if job["state"] in ("failed", "rejected") and status != "COMPLETED":
+        return "FAILED"
+    return str(status)
+
+
 def links(job_id: str) -> dict[str, str]:
     base = f"/v1/gpu-jobs/{job_id}"
     return {"self": base, "events": base + "/events", "cancel": base + "/cancel", "job": f"/v1/jobs/{job_id}",
@@ -195,12 +208,14 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
             except ValueError:
                 result = task["result_json"]
         out: dict[str, Any] = {
-            "job_id": job_id, "state": job["state"], "tenant": job["tenant"], "tier": job.get("tier"),
+            "job_id": job_id, "state": job["state"], "status": gpu_status(job, task), "tenant": job["tenant"],
+            "tier": job.get("tier"),
             "code": job.get("code"), "reason": job.get("reason"), "pool": task.get("queue"),
             "model": args.get("model"), "params": args.get("params"), "resources": task.get("resources"),
             "task": {"task_id": task["task_id"], **{k: task.get(k) for k in TASK_FIELDS}},
             "allocation": task.get("allocation"),
             "result": result,
+            "outputs": output_links(f"/v1/gpu-jobs/{job_id}", task.get("outputs") or []),
             "callback_url": job.get("callback_url"),
             **{k: job.get(k) for k in JOB_TIMES},
             "links": links(job_id),

@@ -37,7 +37,7 @@ def _frame(event: str, data: Any, event_id: str | None = None) -> str:
     return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-PROGRESS_FIELDS = ("state", "attempt", "progress", "worker_id", "allocation")
+PROGRESS_FIELDS = ("state", "gpu_state", "attempt", "progress", "worker_id", "allocation")
 
 
 async def job_stream(rm: ReadModel, job_id: str, cursor: str | None, is_disconnected: Callable[[], Any], *,

@@ -78,7 +78,9 @@ TERMINAL = {
     "dagfold.event.JobFailed": "failed",
     "dagfold.event.JobCancelled": "cancelled",
 }
-RELEVANT = frozenset({ACCEPTED, REDRIVEN, *TERMINAL})
+SUCCEEDED = "dagfold.event.TaskSucceeded"  # its outputs go into the job's callback
+RELEVANT = frozenset({ACCEPTED, REDRIVEN, SUCCEEDED, *TERMINAL})
+MAX_CALLBACK_OUTPUTS = 100
 RETRYABLE_4XX = frozenset({408, 429})
 MAX_ERROR_CHARS = 500
 LAG_CHECK_S = 5.0
@@ -236,6 +238,16 @@ class CallbackNotifier:
         if kind == REDRIVEN:
             if txn.get(dk) is not None:
                 job["round"] = rnd + 1  # the job runs again: its next end is a new delivery
+                job["outputs"] = []
+            txn.put(jk, job)
+            return 0
+        if kind == SUCCEEDED:  # the outputs a task returned, for the job's callback (bounded)
+            kept = [o for o in job.get("outputs", []) if o["task_id"] != ev["task_id"]]
+            base = f"/v1/jobs/{job_id}/tasks/{ev['task_id']}/outputs/"
+            kept += [{"task_id": ev["task_id"], **o, "download": base + o["name"]} for o in ev.get("outputs") or []]
+            job["outputs"] = kept[:MAX_CALLBACK_OUTPUTS]
+            if ev.get("result_json") is not None:
+                job["result_json"] = ev["result_json"]
             txn.put(jk, job)
             return 0
         txn.put(jk, job)
@@ -248,7 +260,8 @@ class CallbackNotifier:
         did = delivery_id(job_id, rnd)
         payload = {"delivery_id": did, "job_id": job_id, "state": state, "reason": ev.get("reason"),
                    "partial": partial, "tenant": job["tenant"], "tier": job["tier"], "round": rnd,
-                   "accepted_ms": job["accepted_ms"], "ended_ms": ev["ts_ms"]}
+                   "accepted_ms": job["accepted_ms"], "ended_ms": ev["ts_ms"],
+                   "outputs": job.get("outputs", []), "result_json": job.get("result_json")}
         txn.put(dk, {"job_id": job_id, "round": rnd, "url": job["url"], "delivery_id": did, "state": PENDING,
                      "payload": payload, "attempts": 0, "next_attempt_ms": now_ms, "created_ms": now_ms,
                      "last_attempt_ms": None, "last_status": None, "last_error": None, "reason": None,

@@ -282,6 +282,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.TaskDispatched": _task_dispatched,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
+    "dagfold.event.TaskCheckpointing": _no_state,
     "dagfold.event.LeaseGranted": _lease_granted,
     "dagfold.event.LeaseExtended": _lease_extended,
     "dagfold.event.LeaseRejected": _no_state,

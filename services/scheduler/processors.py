@@ -320,7 +320,8 @@ def task_succeeded(ctx: Ctx, cmd: Record) -> None:
         return
     job_id, task_id = cmd["job_id"], cmd["task_id"]
     ctx.event("TaskSucceeded", job_id, task_id=task_id, attempt=cmd["attempt"], worker_id=cmd["worker_id"],
-              result_json=cmd["result_json"], stdout_tail=cmd["stdout_tail"], stderr_tail=cmd["stderr_tail"])
+              result_json=cmd["result_json"], stdout_tail=cmd["stdout_tail"], stderr_tail=cmd["stderr_tail"],
+              outputs=list(cmd.get("outputs") or []))
     propagate(ctx, job_id, task_id, "succeeded")
 
 
@@ -400,9 +401,9 @@ def _allocation_mismatch(t: Mapping[str, Any], status: str, alloc: str | None) -
         return "task asks for no GPUs"
     if status in ("granted", "rejected") and (t["state"] != "runnable" or t.get("alloc")):
         return f"task is {t['state']} with allocation {t.get('alloc')}"
-    if status in ("requeued", "ended") and t.get("alloc") != alloc:
+    if status in ("requeued", "ended", "checkpointing") and t.get("alloc") != alloc:
         return f"allocation {alloc} is not the attempt's ({t.get('alloc')})"
-    if status not in ("granted", "rejected", "requeued", "ended"):
+    if status not in ("granted", "rejected", "requeued", "ended", "checkpointing"):
         return f"unknown allocation status {status!r}"
     return None
 
@@ -437,6 +438,9 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
                   epoch=cmd["epoch"], node_ids=[h["node_id"] for h in cmd["hosts"]],
                   resume_checkpoint=cmd["checkpoint_uri"])
         _gpu_dispatch(ctx, cmd, t, j["tenant"])
+    elif status == "checkpointing":
+        ctx.event("TaskCheckpointing", job_id, task_id=task_id, attempt=attempt, alloc_id=alloc,
+                  reason=cmd["reason"], checkpoint_uri=cmd["checkpoint_uri"])
     elif status == "requeued":
         ctx.event("TaskRequeued", job_id, task_id=task_id, attempt=attempt, alloc_id=alloc,
                   reason=cmd["reason"], checkpoint_uri=cmd["checkpoint_uri"])

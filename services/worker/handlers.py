@@ -69,6 +69,9 @@ class TaskContext:
     # Process handlers put the end of the process's output here; it goes into the report.
     stdout_tail: str = ""
     stderr_tail: str = ""
+    # An empty folder for the attempt's outputs (when the worker has artifact storage): what the handler
+    # or its process leaves there is uploaded when the attempt succeeds and listed in its report.
+    output_dir: str | None = None
     on_heartbeat: HeartbeatFn | None = field(default=None, repr=False, compare=False)
 
     def heartbeat(self, progress: float | None = None, message: str | None = None) -> None:
@@ -95,6 +98,7 @@ class TaskContext:
             "DAGFOLD_TASK_ID": self.task_id,
             "DAGFOLD_ATTEMPT": str(self.attempt),
             "DAGFOLD_IDEMPOTENCY_KEY": self.idempotency_key,
+            **({"DAGFOLD_OUTPUT_DIR": self.output_dir} if self.output_dir else {}),
         }
 
 

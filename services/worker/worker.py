@@ -33,13 +33,17 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from dagfold import codec, metrics
+from dagfold.artifacts import ArtifactStore, output_prefix
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic, worker_group
 from dagfold.exceptions import CodecError, LogError
@@ -152,6 +156,7 @@ class Worker:
         shutdown_grace_s: float = 5.0,
         max_batch_duration_s: float = 30.0,
         max_poll_interval_s: float = 3600.0,
+        artifacts: ArtifactStore | None = None,
     ) -> None:
         self.log = log
         self.queue = queue
@@ -169,6 +174,7 @@ class Worker:
         self.poll_timeout_s = poll_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.max_batch_duration_s = max_batch_duration_s
+        self.artifacts = artifacts  # task outputs: uploaded from ctx.output_dir when an attempt succeeds
         self._codec = default_codec()
         self._producer = log.producer(f"dagfold-worker-{worker_id}")
         self._consumer = self._group_consumer(max_poll_interval_s)
@@ -488,18 +494,19 @@ class Worker:
         if not batched:
             self._producer.flush()  # take the lease before a long run
         started = time.monotonic()
-        report = self._execute(d, key, handler, stop)
+        report = self._execute_with_outputs(d, key, handler, stop)
         metrics.observe_worker_task(self.queue, report, time.monotonic() - started)
         if report is not None:
             self._send(COMMANDS, kb, report)
         return not batched
 
     def _execute(self, d: Record, key: AttemptKey, handler: Handler | None,
-                 stop: threading.Event | None) -> Record | None:
+                 stop: threading.Event | None, output_dir: Path | None = None) -> Record | None:
         """Run the attempt; the report to send, or None when it was stopped."""
         ctx = TaskContext(job_id=key[0], task_id=key[1], attempt=key[2], idempotency_key=d["idempotency_key"],
                           tenant=d["tenant"], handler=d["handler"], worker_id=self.worker_id,
-                          start_to_close_s=d["start_to_close_s"])
+                          start_to_close_s=d["start_to_close_s"],
+                          output_dir=str(output_dir) if output_dir is not None else None)
         try:
             args = json.loads(d["args_json"] or "{}")
             if not isinstance(args, dict):
@@ -551,6 +558,32 @@ class Worker:
         if kind == "shutdown" and error is not None:
             return self._failed(ctx, TaskError("worker_shutdown"))
         return self._outcome(ctx, value, error)
+
+    def _execute_with_outputs(self, d: Record, key: AttemptKey, handler: Handler | None,
+                              stop: threading.Event | None) -> Record | None:
+        """``_execute`` with an output folder when the worker has artifact storage: a success uploads
+        the folder's files and lists them in its report; an upload that fails fails the attempt
+        (retryable: the storage may be back for the next attempt). Batched handlers are instant
+        in-process functions that return their result: they get no folder (it would cost a folder
+        per task at full dispatch rate)."""
+        if self.artifacts is None or handler is None or handler.batched:
+            return self._execute(d, key, handler, stop)
+        folder = Path(tempfile.mkdtemp(prefix="dagfold-outputs-"))
+        try:
+            report = self._execute(d, key, handler, stop, output_dir=folder)
+            if report is None or report["type"] != "dagfold.command.TaskSucceeded":
+                return report
+            try:
+                arts = self.artifacts.upload_outputs(folder, output_prefix(d["tenant"], *key))
+            except Exception as exc:  # storage refused or unreachable, or outputs over the limits
+                ctx = TaskContext(job_id=key[0], task_id=key[1], attempt=key[2],
+                                  idempotency_key=d["idempotency_key"], tenant=d["tenant"])
+                self.tasks_succeeded -= 1
+                return self._failed(ctx, TaskError(f"output upload failed: {exc}"))
+            report["outputs"] = [a.to_record() for a in arts]
+            return report
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     @staticmethod
     def _call(handler: Handler, ctx: TaskContext) -> tuple[Any, Exception | None]:

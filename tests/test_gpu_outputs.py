@@ -1,0 +1,186 @@
+"""GPU jobs as a product on the real stack (scheduler, allocator, simulated hosts running the demo job,
+projector, notifier, API): the file a job writes comes back through its status, its callback and the
+download route, on the local artifact folder and on a real S3-compatible server (SeaweedFS on
+loopback); only the owning tenant can read it; a preempted job's SSE stream shows the seed's states in
+order; CPU tasks return their outputs too."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dagfold.artifacts import LocalArtifactStore, output_files, output_prefix, valid_name
+from dagfold.config import Config
+from services.stack import Stack, StackOptions
+from tests.api_support import free_port
+from tests.callback_support import Receiver
+
+KEY_A, KEY_B = "key-studio-a-0001", "key-studio-b-0002"
+A = {"Authorization": f"Bearer {KEY_A}"}
+B = {"Authorization": f"Bearer {KEY_B}"}
+
+
+def wait_until(get: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = get()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s}s")
+
+
+@pytest.fixture
+def keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAGFOLD_API_KEYS", f"{KEY_A}:studio-a,{KEY_B}:studio-b")
+
+
+def gpu_stack(tmp_path: Path, artifacts_url: str = "", gpus: int = 2) -> Stack:
+    cfg = Config(data_dir=tmp_path / "data", partitions=2, dispatch_partitions=2, api_port=free_port(),
+                 artifacts_url=artifacts_url)
+    return Stack(cfg, StackOptions(workers=1, gpu_nodes=1, gpus_per_node=gpus, gpu_pool="gpu"))
+
+
+def returns_its_file(tmp_path: Path, artifacts_url: str) -> None:
+    with Receiver() as receiver, gpu_stack(tmp_path, artifacts_url) as stack:
+        base = f"http://127.0.0.1:{stack.config.api_port}"
+        body = {"job_id": "video-1", "model": "sora-mini", "prompt": "a red fox in snow", "pool": "gpu",
+                "params": {"steps": 8, "step_s": 0.02}, "callback_url": receiver.url("/done"),
+                "resources": {"gpus": 1, "checkpoint": True}}
+        r = httpx.post(f"{base}/v1/gpu-jobs", json=body, headers=A, timeout=10)
+        assert r.status_code == 202, r.text
+        ended = stack.wait_job("video-1", timeout_s=90)
+        assert ended is not None and ended["state"] == "succeeded", ended
+        st = httpx.get(f"{base}/v1/gpu-jobs/video-1", headers=A, timeout=10).json()
+        assert st["status"] == "COMPLETED" and st["task"]["progress"] == 1.0
+        assert st["result"] == {"steps": 8, "resumed_from": 0}
+        [out] = st["outputs"]
+        assert (out["name"], out["content_type"]) == ("sample.json", "application/json")
+        assert out["uri"].startswith("s3://" if artifacts_url else "file://")
+        got = httpx.get(f"{base}{out['download']}", headers=A, timeout=10)
+        assert got.status_code == 200 and got.headers["content-type"].startswith("application/json")
+        assert hashlib.sha256(got.content).hexdigest() == out["sha256"] and len(got.content) == out["size"]
+        assert json.loads(got.content)["prompt"] == "a red fox in snow"
+        generic = httpx.get(f"{base}/v1/jobs/video-1/tasks/run/outputs/sample.json", headers=A, timeout=10)
+        assert generic.content == got.content
+
+        [req] = receiver.wait_for("video-1")
+        [cb] = req.json["outputs"]
+        assert (cb["sha256"], cb["size"], cb["uri"]) == (out["sha256"], out["size"], out["uri"])
+        assert httpx.get(f"{base}{cb['download']}", headers=A, timeout=10).content == got.content
+
+        # another tenant sees neither the job nor its file (the same 404 as a job that does not exist)
+        for path in (out["download"], "/v1/jobs/video-1/tasks/run/outputs/sample.json", "/v1/gpu-jobs/video-1"):
+            denied = httpx.get(f"{base}{path}", headers=B, timeout=10)
+            assert denied.status_code == 404 and denied.json()["error"]["code"] == "not_found", path
+        missing = httpx.get(f"{base}/v1/gpu-jobs/video-1/outputs/..%2F..%2Fetc%2Fpasswd", headers=A, timeout=10)
+        assert missing.status_code == 404
+        presigned = httpx.get(f"{base}{out['download']}", params={"presign": "true"}, headers=A, timeout=10)
+        if artifacts_url:
+            assert presigned.status_code == 200, presigned.text
+            assert httpx.get(presigned.json()["url"], timeout=10).content == got.content  # no API key needed
+        else:
+            assert presigned.status_code == 409
+        assert not stack.failed, stack.errors
+
+
+def test_a_gpu_job_returns_its_file_on_the_local_artifact_folder(tmp_path: Path, keys: None) -> None:
+    returns_its_file(tmp_path, "")
+
+
+def sse_states(base: str, job_id: str, timeout_s: float) -> Iterator[str]:
+    """The job's seed states from its SSE stream's history frames, consecutive repeats dropped."""
+    last = None
+    with httpx.stream("GET", f"{base}/v1/gpu-jobs/{job_id}/events", params={"timeout_s": timeout_s},
+                      headers=A, timeout=timeout_s + 10) as r:
+        assert r.status_code == 200
+        buf = ""
+        for chunk in r.iter_text():
+            buf += chunk
+            while "\n\n" in buf:
+                frame, buf = buf.split("\n\n", 1)
+                if "event: history" not in frame:
+                    continue
+                state = json.loads(frame.split("data: ", 1)[1]).get("gpu_state")
+                if state and state != last:
+                    last = state
+                    yield state
+
+
+def test_a_preempted_jobs_sse_stream_shows_the_seed_states_in_order(tmp_path: Path, keys: None) -> None:
+    with gpu_stack(tmp_path, gpus=2) as stack:
+        base = f"http://127.0.0.1:{stack.config.api_port}"
+        low = {"job_id": "std", "model": "m", "pool": "gpu", "tier": "standard", "params": {"steps": 80,
+               "step_s": 0.05}, "resources": {"gpus": 2, "checkpoint": True}}
+        assert httpx.post(f"{base}/v1/gpu-jobs", json=low, headers=A, timeout=10).status_code == 202
+        wait_until(lambda: httpx.get(f"{base}/v1/gpu-jobs/std", headers=A, timeout=10).json()["status"]
+                   == "RUNNING", "the standard job runs")
+        time.sleep(0.5)
+        high = {**low, "job_id": "ent", "tier": "enterprise", "params": {"steps": 4, "step_s": 0.02}}
+        assert httpx.post(f"{base}/v1/gpu-jobs", json=high, headers=A, timeout=10).status_code == 202
+        states = list(sse_states(base, "std", timeout_s=90))
+        assert states == ["QUEUED", "ASSIGNED", "RUNNING", "CHECKPOINTING", "QUEUED", "ASSIGNED", "RUNNING",
+                          "COMPLETED"], states
+        st = httpx.get(f"{base}/v1/gpu-jobs/std", headers=A, timeout=10).json()
+        assert st["status"] == "COMPLETED" and st["task"]["progress"] == 1.0
+        assert st["result"]["resumed_from"] > 0  # it went on from its checkpoint, read back from storage
+        assert httpx.get(f"{base}/v1/gpu-jobs/ent", headers=A, timeout=10).json()["status"] == "COMPLETED"
+        assert not stack.failed, stack.errors
+
+
+def test_a_cpu_task_returns_what_it_wrote_to_its_output_dir(tmp_path: Path, keys: None) -> None:
+    cfg = Config(data_dir=tmp_path / "data", partitions=2, dispatch_partitions=2, api_port=free_port())
+    with Stack(cfg, StackOptions(workers=1)) as stack:
+        base = f"http://127.0.0.1:{cfg.api_port}"
+        spec = {"id": "cpu-1", "tasks": [{"id": "render", "handler": "shell", "args": {
+            "cmd": 'mkdir -p "$DAGFOLD_OUTPUT_DIR/frames" && printf frame > "$DAGFOLD_OUTPUT_DIR/frames/0.txt" '
+                   '&& ln -s /etc/hostname "$DAGFOLD_OUTPUT_DIR/leak"'}}]}
+        assert httpx.post(f"{base}/v1/jobs", json=spec, headers=A, timeout=10).status_code == 202
+        ended = stack.wait_job("cpu-1", timeout_s=60)
+        assert ended is not None and ended["state"] == "succeeded", ended
+        task = httpx.get(f"{base}/v1/jobs/cpu-1/tasks/render", headers=A, timeout=10).json()
+        assert [o["name"] for o in task["outputs"]] == ["frames/0.txt"]  # the symlink is never uploaded
+        got = httpx.get(f"{base}/v1/jobs/cpu-1/tasks/render/outputs/frames/0.txt", headers=A, timeout=10)
+        assert got.status_code == 200 and got.content == b"frame"
+        assert httpx.get(f"{base}/v1/jobs/cpu-1/tasks/render/outputs/frames/0.txt", headers=B,
+                         timeout=10).status_code == 404
+        assert not stack.failed, stack.errors
+
+
+def test_output_names_and_keys_never_leave_their_folder(tmp_path: Path) -> None:
+    for bad in ("", "/etc/passwd", "../x", "a/../../b", "a//b", "a\\b", "x\x00y", "./a"):
+        assert not valid_name(bad), bad
+    assert valid_name("frames/0001.png")
+    assert output_prefix("t/../x", "job/1", "..", 2) == "t%2F..%2Fx/job%2F1/%2E%2E/2/outputs/"
+    assert output_prefix("", ".", "t", 1) == "%/%2E/t/1/outputs/"
+    store = LocalArtifactStore(tmp_path / "store")
+    assert store.key_of((tmp_path / "elsewhere").as_uri()) is None
+    assert store.key_of(store.uri("a/../../escape")) is None
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ok.bin").write_bytes(b"1")
+    (tmp_path / "out" / "link").symlink_to(tmp_path / "out" / "ok.bin")
+    assert [n for n, _ in output_files(tmp_path / "out")] == ["ok.bin"]
+
+
+def test_a_success_report_of_the_previous_schema_still_decodes_without_outputs() -> None:
+    import io
+
+    import fastavro
+    from fastavro.schema import load_schema
+
+    from dagfold.codec import MAGIC, default_codec, schema_fingerprint
+
+    old = load_schema(str(Path(__file__).parent.parent / "schemas/history/v1/dagfold.command.TaskSucceeded.avsc"))
+    buf = io.BytesIO()
+    buf.write(MAGIC + schema_fingerprint(old))
+    fastavro.schemaless_writer(buf, old, {"job_id": "j", "task_id": "t", "attempt": 1, "worker_id": "w",
+                                          "ts_ms": 1, "result_json": None, "stdout_tail": "", "stderr_tail": ""})
+    rec = default_codec().decode(buf.getvalue())
+    assert rec["outputs"] == [] and rec["type"] == "dagfold.command.TaskSucceeded"
