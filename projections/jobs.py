@@ -143,6 +143,7 @@ def _index_keys(job: Record) -> list[bytes]:
 def _new_job(job_id: str, tenant: str, ts: int, partition: int) -> Record:
     return {
         "job_id": job_id,
+        "name": None,
         "state": "running",
         "tenant": tenant,
         "tier": "standard",
@@ -337,7 +338,7 @@ def _job_accepted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     job = _new_job(job_id, spec.get("tenant", "default"), ts, partition)
     job.update(tier=spec.get("tier", "standard"), failure_policy=spec.get("failure_policy", "skip_downstream"),
                idempotency_key=spec.get("idempotency_key"), labels=dict(spec.get("labels") or {}),
-               callback_url=spec.get("callback_url"), spec_hash=ev.get("spec_hash"))
+               callback_url=spec.get("callback_url"), spec_hash=ev.get("spec_hash"), name=spec.get("name"))
     seen: set[str] = set()
     job_timeouts = spec.get("timeouts")
     for t in spec["tasks"]:
@@ -726,12 +727,37 @@ class ReadModel:
 
     def list_jobs(self, tenant: str | None = None, state: str | None = None, limit: int = 100,
                   cursor: str | None = None, created_after: int | None = None,
-                  created_before: int | None = None) -> Page:
+                  created_before: int | None = None, name: str | None = None,
+                  id_prefix: str | None = None) -> Page:
         """Job summaries, newest first, optionally of one tenant and/or job state.
 
         ``created_after`` / ``created_before`` (ms, inclusive / exclusive) bound
         the creation time: a range of the index, not a filter over all jobs.
+        ``name`` keeps jobs whose name contains it (any case): a filter, so a rare
+        name reads the index range until ``limit`` jobs match. ``id_prefix`` lists
+        the jobs whose ID starts with it, in ID order (a range of the job keys:
+        how the CLI resolves a short ID).
         """
+        needle = name.casefold() if name else None
+
+        def keep(job: Record | None) -> Record | None:
+            if job is None or (state is not None and job["state"] != state):
+                return None  # (state: moved on between the index read and now)
+            if tenant is not None and job["tenant"] != tenant:
+                return None
+            if needle is not None and needle not in (job.get("name") or "").casefold():
+                return None
+            if created_after is not None and job["created_ms"] < created_after:
+                return None
+            if created_before is not None and job["created_ms"] >= created_before:
+                return None
+            return job
+
+        if id_prefix is not None:
+            scan_prefix = job_key(id_prefix)
+            start = decode_cursor(cursor, scan_prefix) if cursor else None
+            return paginate(((k, keep(decode_value(v))) for k, v in self.store.scan(scan_prefix, after=start)),
+                            clamp_limit(limit))
         prefix = index_prefix(tenant, state)
         after = decode_cursor(cursor, prefix) if cursor else None
         if created_before is not None:
@@ -744,10 +770,7 @@ class ReadModel:
             for k, _ in self.store.scan(prefix, after=after, reverse=True):
                 if low is not None and k[len(prefix):len(prefix) + 16] < low:
                     return
-                job = self.get_job(unpart(k.rsplit(_SEP, 1)[1]))
-                if job is not None and state is not None and job["state"] != state:
-                    job = None  # moved on between the index read and now
-                yield k, job
+                yield k, keep(self.get_job(unpart(k.rsplit(_SEP, 1)[1])))
 
         return paginate(rows(), clamp_limit(limit))
 

@@ -76,7 +76,7 @@ def test_up_submit_wait_history_and_client_commands(tmp_path: Path) -> None:
         r = dagfold("submit", "examples/cycle.yaml", "--api", up.api)
         assert r.returncode == 2 and "cycle" in r.stderr
         r = dagfold("status", "no-such-job", "--api", up.api)
-        assert r.returncode != 0 and "404" in r.stderr
+        assert r.returncode != 0 and "no job 'no-such-job'" in r.stderr
     finally:
         up.stop()
 

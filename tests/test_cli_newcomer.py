@@ -158,3 +158,33 @@ def test_history_says_each_reason_once_with_readable_times_and_filters_by_type(u
     assert "lease until 1" not in lease["detail"] and "lease 30s" in lease["detail"], lease
     r = up.cli("history", job_id, "--type", "NoSuchEvent")
     assert r.returncode == 2 and "TaskFailed" in r.stdout + r.stderr  # the choices are listed
+
+
+# -- 3. usable IDs and names --------------------------------------------------------------------------
+def test_full_ids_at_80_columns_prefixes_and_names(up: Up) -> None:
+    named = up.submit({"name": "nightly-etl", "tasks": [{"id": "a"}]})
+    other = up.submit({"name": "adhoc report", "tasks": [{"id": "a"}]})
+    up.wait(named)
+    up.wait(other)
+    for cols in ("80", "120"):
+        r = dagfold("jobs", env={"DAGFOLD_API": up.api, "COLUMNS": cols})
+        assert r.returncode == 0, r.stderr
+        assert named in r.stdout and other in r.stdout, r.stdout  # whole, not "3f2a…"
+        assert "nightly-etl" in r.stdout
+    r = up.cli("jobs", "--name", "NIGHTLY", "--json")
+    assert [j["job_id"] for j in json.loads(r.stdout)["jobs"]] == [named]
+    r = up.cli("jobs", "--since", "1h", "--state", "succeeded", "--sort", "name", "--json")
+    listed = [j["job_id"] for j in json.loads(r.stdout)["jobs"]]
+    assert listed.index(other) < listed.index(named)  # "adhoc report" < "nightly-etl"
+    r = up.cli("jobs", "--state", "finished")
+    assert r.returncode == 2 and "succeeded_partial" in r.stdout + r.stderr  # the choices, listed
+    # a unique prefix, or the name, wherever a job ID goes
+    prefix = named[:8] if not other.startswith(named[:8]) else named[:13]
+    r = up.cli("status", prefix)
+    assert r.returncode == 0 and named in r.stdout and "nightly-etl" in r.stdout, r.stdout + r.stderr
+    for cmd in (("tasks", prefix), ("history", prefix), ("attempts", prefix, "a"), ("status", "nightly-etl")):
+        r = up.cli(*cmd)
+        assert r.returncode == 0, (cmd, r.stdout, r.stderr)
+    r = up.cli("status", "zzzz-no-such-job")
+    assert r.returncode == 1 and "no job 'zzzz-no-such-job'" in r.stderr
+    no_traceback(r)

@@ -185,3 +185,37 @@ def _time_arg(value: str | None, option: str) -> str | None:
     if value.strip().isdigit() or value.strip()[:4].isdigit():
         return value.strip()
     raise fail(f"{option} {value!r}: give an age (30s, 15m, 1h, 2d, 1w), an ISO 8601 time or epoch ms")
+
+
+def resolve_job(api: str, api_key: str | None, ref: str) -> dict[str, Any]:
+    """The job a user means by ``ref``: its full ID, a unique prefix of it (as git, docker and kubectl take),
+    or its exact name when one job has it. Ambiguity is an error that lists the candidates."""
+    from urllib.parse import quote
+
+    if not ref:
+        raise fail("give a job ID (or a unique prefix of it, or the job's name)")
+    headers = _headers(api_key)
+    url = f"{api.rstrip('/')}/v1/jobs/{quote(ref, safe='')}"
+    try:
+        r = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError:
+        r = None
+    if r is not None and r.status_code == 200:
+        return dict(r.json())
+    if r is not None and r.status_code != 404:
+        return dict(_request("GET", api, f"/v1/jobs/{quote(ref, safe='')}", api_key))  # its error, in one line
+    by_id = _request("GET", api, "/v1/jobs", api_key, params={"id_prefix": ref, "limit": 10})["jobs"]
+    if len(by_id) == 1:
+        return dict(by_id[0])
+    if not by_id:
+        named = _request("GET", api, "/v1/jobs", api_key, params={"name": ref, "limit": 50})["jobs"]
+        exact = [j for j in named if j.get("name") == ref]  # newest first
+        if exact:
+            if len(exact) > 1:  # names are not unique: the newest is the one just submitted
+                err.print(f"{len(exact)}{'+' if len(named) == 50 else ''} jobs named {ref!r}: "
+                          f"the newest, {exact[0]['job_id']}", style="dim", markup=False, highlight=False)
+            return dict(exact[0])
+    if not by_id:
+        raise fail(f"no job {ref!r}: not an ID, an ID prefix or a job name (`dagfold jobs` lists them)", 1)
+    listed = ", ".join(j["job_id"] + (f" ({j['name']})" if j.get("name") else "") for j in by_id[:5])
+    raise fail(f"{ref!r} is ambiguous: {listed}{', ...' if len(by_id) > 5 else ''}; give more of the ID")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -34,6 +35,7 @@ from dagfold.cli.common import (
     JsonOpt,
     KeyOpt,
     LogOpt,
+    _ago,
     _config,
     _dur,
     _get_all,
@@ -42,16 +44,20 @@ from dagfold.cli.common import (
     _print_json,
     _request,
     _table,
+    _time_arg,
     _ts,
     _when,
     app,
     err,
     fail,
     out,
+    resolve_job,
     run_until_stopped,
     serve_metrics,
 )
 from projections.jobs import APPLIERS as _JOB_APPLIERS
+
+JobArg = Annotated[str, typer.Argument(help="job ID, a unique prefix of it, or the job's name", show_default=False)]
 
 
 def _load_spec_doc(file: Path) -> dict[str, Any]:
@@ -472,12 +478,14 @@ def submit(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or J
 
 
 @app.command()
-def status(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+def status(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Show a job's state and counts."""
-    job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
+    job = resolve_job(api, api_key, job_id)
     if as_json:
         _print_json(job)
         return
+    if job.get("name"):
+        out.print(f"name: {job['name']}", markup=False, highlight=False)
     out.print(f"{job['job_id']}: {job['state']}  progress {job.get('progress', 0):.1f}%  "
               f"(tenant {job['tenant']}, {job['total_tasks']} tasks, retries {job.get('retries', 0)})")
     out.print(", ".join(f"{k}={v}" for k, v in (job.get("counts") or {}).items() if v))
@@ -485,42 +493,114 @@ def status(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_js
         out.print(f"reason: {job['reason']}")
 
 
+class JobState(enum.StrEnum):
+    running = "running"
+    succeeded = "succeeded"
+    succeeded_partial = "succeeded_partial"
+    failed = "failed"
+    cancelled = "cancelled"
+    rejected = "rejected"
+
+
+class TaskState(enum.StrEnum):
+    pending = "pending"
+    runnable = "runnable"
+    running = "running"
+    retrying = "retrying"
+    succeeded = "succeeded"
+    failed = "failed"
+    skipped = "skipped"
+    cancelled = "cancelled"
+
+
+class JobSort(enum.StrEnum):
+    created = "created"
+    duration = "duration"
+    state = "state"
+    tasks = "tasks"
+    name = "name"
+    tenant = "tenant"
+
+
+_SORT_KEYS: dict[JobSort, Callable[[dict[str, Any]], Any]] = {
+    JobSort.created: lambda j: j["created_ms"],
+    JobSort.duration: lambda j: j.get("duration_ms") or 0,
+    JobSort.state: lambda j: j["state"],
+    JobSort.tasks: lambda j: j["total_tasks"],
+    JobSort.name: lambda j: j.get("name") or "",
+    JobSort.tenant: lambda j: j["tenant"],
+}
+
+
+def _id_table(*cols: str, ids: tuple[str, ...] = ("job",)) -> Table:
+    """A table whose ID columns are never cut: an ID keeps its full width while the others fold."""
+    t = _table(*cols)
+    for c in t.columns:
+        c.overflow = "fold"
+        if c.header in ids:
+            c.min_width = 36  # a UUID job ID on one line
+    return t
+
+
 @app.command()
 def jobs(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
-         state: str | None = typer.Option(None, "--state", help="running, succeeded, succeeded_partial, failed, "
-                                           "cancelled, rejected"),
-         tenant: str | None = typer.Option(None, "--tenant"),
-         since: str | None = typer.Option(None, "--since", help="created at or after (ms since epoch or ISO 8601)"),
-         before: str | None = typer.Option(None, "--before", help="created before (ms since epoch or ISO 8601)"),
-         limit: int = typer.Option(50, "--limit", min=1, max=1000)) -> None:
-    """List jobs, newest first, with filters."""
+         state: JobState | None = typer.Option(None, "--state", help="only jobs in this state"),
+         tenant: str | None = typer.Option(None, "--tenant", help="only this tenant's jobs"),
+         name: str | None = typer.Option(None, "--name", help="only jobs whose name contains this (any case)"),
+         since: str | None = typer.Option(None, "--since", help="created at or after: an age (30s, 15m, 1h, 2d), "
+                                          "ISO 8601 or epoch ms"),
+         before: str | None = typer.Option(None, "--before", help="created before: an age, ISO 8601 or epoch ms"),
+         sort: JobSort = typer.Option(JobSort.created, "--sort", help="order of the rows"),
+         reverse: bool = typer.Option(False, "--reverse", help="reverse the order (created: oldest first)"),
+         limit: int = typer.Option(50, "--limit", min=1, max=1000, help="at most this many jobs")) -> None:
+    """List jobs, newest first, with filters; full IDs at any width.
+
+    Example: dagfold jobs --state failed --since 1h --name nightly
+    """
     params: dict[str, Any] = {"limit": limit}
-    for k, v in (("state", state), ("tenant", tenant), ("created_after", since), ("created_before", before)):
+    for k, v in (("state", state.value if state else None), ("tenant", tenant), ("name", name),
+                 ("created_after", _time_arg(since, "--since")), ("created_before", _time_arg(before, "--before"))):
         if v:
             params[k] = v
     page = _request("GET", api, "/v1/jobs", api_key, params=params)
+    rows = sorted(page["jobs"], key=_SORT_KEYS[sort], reverse=(sort in (JobSort.created, JobSort.duration)) != reverse)
     if as_json:
-        _print_json(page)
+        _print_json({**page, "jobs": rows})
         return
-    t = _table("job", "tenant", "state", "progress", "tasks", "created", "duration", "reason")
-    for j in page["jobs"]:
-        t.add_row(j["job_id"], j["tenant"], j["state"], f"{j.get('progress', 0):.0f}%", str(j["total_tasks"]),
-                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j["created_ms"] / 1000)),
-                  _dur(j.get("duration_ms")), (j.get("reason") or "")[:60])
-    out.print(t)
+    now = int(time.time() * 1000)
+    if out.width >= 110:
+        t = _id_table("job", "name", "tenant", "state", "progress", "tasks", "created", "duration", "reason")
+        for j in rows:
+            t.add_row(j["job_id"], j.get("name") or "", j["tenant"], j["state"], f"{j.get('progress', 0):.0f}%",
+                      str(j["total_tasks"]), _ago(j["created_ms"], now), _dur(j.get("duration_ms")),
+                      (j.get("reason") or "")[:60])
+    else:  # narrow: name and reason under the ID, the fewest columns, no rules; the ID stays whole
+        t = _id_table("job", "state", "tasks", "created")
+        t.box = box.SIMPLE_HEAD
+        t.pad_edge = False
+        for j in rows:
+            ident = Text(j["job_id"])
+            if j.get("name"):
+                ident.append("\n" + j["name"], style="bold")
+            if j.get("reason"):
+                ident.append("\n" + j["reason"][:120], style="dim")
+            t.add_row(ident, j["state"], f"{j.get('finished_tasks', 0)}/{j['total_tasks']}",
+                      _ago(j["created_ms"], now))
+    out.print(t, soft_wrap=False)  # a table fits the width (soft wrap would let it run past)
     if page.get("next_cursor"):
         out.print("[dim]more jobs: raise --limit (up to 1000) or filter with --since/--before[/dim]")
 
 
 @app.command()
-def watch(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+def watch(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
           timeout: float = typer.Option(0, "--timeout", help="give up after this many seconds (0: never)")) -> None:
     """Follow a job live (server-sent events): a progress bar and each failure as it happens.
 
     Exits when the job ends, with the exit code of `run` (0 succeeded, 1 failed/cancelled, 2 rejected).
     With --json, prints each event as one JSON line instead.
     """
-    job = _request("GET", api, f"/v1/jobs/{job_id}", api_key)
+    job = resolve_job(api, api_key, job_id)
+    job_id = job["job_id"]
     job = _follow_api(api, api_key, job, timeout, as_json, json_lines=as_json)
     if job["state"] not in EXIT:
         raise fail(f"job {job_id} still {job['state']} after {timeout}s", 1)
@@ -530,10 +610,11 @@ def watch(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_jso
 
 
 @app.command()
-def tasks(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
-          state: str | None = typer.Option(None, "--state", help="only tasks in this state")) -> None:
+def tasks(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+          state: TaskState | None = typer.Option(None, "--state", help="only tasks in this state")) -> None:
     """List a job's tasks."""
-    items = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key, {"state": state} if state else None)
+    job_id = resolve_job(api, api_key, job_id)["job_id"]
+    items = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key, {"state": state.value} if state else None)
     if as_json:
         _print_json(items)
         return
@@ -545,9 +626,11 @@ def tasks(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_jso
 
 
 @app.command()
-def attempts(job_id: str, task_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None,
+def attempts(job_id: JobArg, task_id: Annotated[str, typer.Argument(help="task ID")],
+             api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None,
              as_json: JsonOpt = False) -> None:
     """Show every attempt of a task: worker, times, outcome, reason, exit code and output tails."""
+    job_id = resolve_job(api, api_key, job_id)["job_id"]
     items = _request("GET", api, f"/v1/jobs/{job_id}/tasks/{task_id}/attempts", api_key)["attempts"]
     if as_json:
         _print_json(items)
@@ -583,7 +666,7 @@ def stuck(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = 
     if not res["tasks"]:
         out.print("nothing stuck")
         return
-    t = _table("job", "task", "kind", "overdue", "state", "attempt", "worker", "queue")
+    t = _id_table("job", "task", "kind", "overdue", "state", "attempt", "worker", "queue")
     for x in res["tasks"]:
         t.add_row(x["job_id"], x["task_id"], x["kind"], _dur(x["overdue_s"] * 1000), x["state"], str(x["attempt"]),
                   x.get("worker_id") or "", x["queue"])
@@ -670,15 +753,17 @@ def failures(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt
 
 
 @app.command()
-def cancel(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+def cancel(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Cancel a job."""
+    job_id = resolve_job(api, api_key, job_id)["job_id"]
     res = _request("POST", api, f"/v1/jobs/{job_id}/cancel", api_key)
     _print_json(res) if as_json else out.print(f"cancel requested for {job_id}")
 
 
 @app.command()
-def redrive(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+def redrive(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled tasks."""
+    job_id = resolve_job(api, api_key, job_id)["job_id"]
     res = _request("POST", api, f"/v1/jobs/{job_id}/redrive", api_key)
     _print_json(res) if as_json else out.print(f"redrive requested for {job_id}")
 
@@ -689,13 +774,14 @@ EventType = enum.Enum("EventType", {k.rsplit(".", 1)[-1]: k.rsplit(".", 1)[-1]  
 
 
 @app.command()
-def history(job_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
+def history(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
             types: list[EventType] = typer.Option([], "--type", help="only events of this type; repeatable"),
             task: str | None = typer.Option(None, "--task", help="only events of this task")) -> None:
     """Show a job's history: every event with its time (absolute and relative), task, attempt and detail.
 
     Example: dagfold history JOB --type TaskFailed --type TaskRetryScheduled
     """
+    job_id = resolve_job(api, api_key, job_id)["job_id"]
     items = _get_all(api, f"/v1/jobs/{job_id}/history", "events", api_key)
     wanted = {t.value for t in types}
     items = [x for x in items if (not wanted or x["type"] in wanted) and (task is None or x.get("task_id") == task)]

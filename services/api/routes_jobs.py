@@ -184,10 +184,15 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         created_before: Annotated[str | None, Query(description="ms since epoch or ISO 8601, exclusive")] = None,
         limit: Limit = 100,
         cursor: str | None = None,
+        name: Annotated[str | None, Query(min_length=1, max_length=200,
+                                          description="only jobs whose name contains this (any case)")] = None,
+        id_prefix: Annotated[str | None, Query(min_length=1, max_length=200,
+                                               description="only jobs whose ID starts with this, in ID order")] = None,
     ) -> dict[str, Any]:
         page = ctx.rm.list_jobs(tenant=principal.scope(tenant), state=state, limit=limit, cursor=cursor,
                                 created_after=parse_time_ms(created_after, "created_after"),
-                                created_before=parse_time_ms(created_before, "created_before"))
+                                created_before=parse_time_ms(created_before, "created_before"),
+                                name=name, id_prefix=id_prefix)
         return _page(page, "jobs")
 
     @r.get("/v1/jobs/{job_id}", summary="Job summary")

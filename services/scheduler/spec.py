@@ -71,6 +71,7 @@ class TaskSpecIn(_Model):
 
 class JobSpecIn(_Model):
     id: str | None = None
+    name: str | None = Field(None, min_length=1, max_length=200)  # a human name, shown next to the ID
     tenant: str = Field("default", min_length=1)
     tier: str = "standard"
     idempotency_key: str | None = None
@@ -124,6 +125,7 @@ def to_job_spec(spec: JobSpecIn) -> dict[str, Any]:
         "labels": dict(spec.labels),
         "callback_url": spec.callback_url,
         "tasks": [_task(t) for t in spec.tasks],
+        "name": spec.name,
     }
 
 
