@@ -29,11 +29,22 @@ from starlette.concurrency import run_in_threadpool
 from services.api.auth import Principal
 from services.api.context import ApiContext
 from services.api.errors import ApiError
-from services.api.routes_jobs import CancelIn, _read_body, request_cancel, submit_spec
+from services.api.routes_jobs import CancelIn, _read_body, body_format, parse_document, request_cancel, submit_spec
 from services.api.routes_outputs import output_links
 from services.api.sse import stream_response
 from services.scheduler.processors import is_gpu
-from services.scheduler.spec import JobSpecIn, RetryPolicyIn, SpecError, parse_spec
+from services.scheduler.spec import (
+    GpuType,
+    IdempotencyKey,
+    JobId,
+    JobSpecIn,
+    QueueName,
+    RetryPolicyIn,
+    SpecError,
+    TenantName,
+    parse_spec,
+)
+from services.scheduler.validation import MAX_GPU_TYPES, MAX_SECONDS
 
 TASK_ID = "run"
 HANDLER = "gpu"
@@ -47,14 +58,15 @@ CallbackUrl = Annotated[AnyHttpUrl, UrlConstraints(max_length=2048, allowed_sche
 
 
 class GpuResourcesIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     gpus: int = Field(1, ge=1, le=MAX_GPUS_PER_HOST, description="GPUs on each host")
-    gpu_type: str | list[str] = Field(default_factory=list, description="allowed GPU types (any of them); "
-                                      "empty: any type")
+    gpu_type: GpuType | list[GpuType] = Field(default_factory=list, max_length=MAX_GPU_TYPES,
+                                              description="allowed GPU types (any of them); empty: any type")
     hosts: int = Field(1, ge=1, le=1024, description="hosts of the gang (all-or-nothing)")
     gpu_milli: int = Field(1000, ge=1, le=1000, description="thousandths of one GPU; below 1000 shares a GPU "
                            "(needs gpus 1)")
-    max_runtime_s: float | None = Field(None, gt=0, description="the allocation ends after this long")
+    max_runtime_s: float | None = Field(None, gt=0, le=MAX_SECONDS,
+                                        description="the allocation ends after this long")
     checkpoint: bool = Field(False, description="the job checkpoints: preemption lets it save and resume")
 
     @model_validator(mode="after")
@@ -67,20 +79,18 @@ class GpuResourcesIn(BaseModel):
 class GpuJobIn(BaseModel):
     """A GPU job: one task on ``resources.hosts`` x ``resources.gpus`` GPUs of ``pool``."""
 
-    model_config = ConfigDict(extra="forbid")
-    job_id: str | None = Field(None, min_length=1, max_length=256,
-                               description="generated if absent (derived from idempotency_key when given)")
-    idempotency_key: str | None = Field(None, min_length=1, max_length=256,
-                                        description="a repeated submission with this key returns the first job")
-    tenant: str | None = Field(None, min_length=1, max_length=200, description="default: the API key's tenant")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    job_id: JobId | None = Field(None, description="generated if absent (derived from idempotency_key when given)")
+    idempotency_key: IdempotencyKey | None = Field(
+        None, description="a repeated submission with this key returns the first job")
+    tenant: TenantName | None = Field(None, description="default: the API key's tenant")
     tier: Tier = "standard"
     model: str = Field(min_length=1, max_length=512, description="the model to run")
     params: dict[str, Any] = Field(default_factory=dict, description="model parameters, passed to the handler")
     prompt: str = Field("", description="input of the job, passed to the handler")
     callback_url: CallbackUrl | None = Field(None, description="POSTed once when the job ends (signed; see docs)")
     resources: GpuResourcesIn = Field(default_factory=lambda: GpuResourcesIn.model_validate({}))
-    pool: str = Field("default", min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._\-]+$",
-                      description="GPU pool; also the task's queue")
+    pool: QueueName = Field("default", description="GPU pool; also the task's queue")
     retry: RetryPolicyIn | None = None
 
 
@@ -109,12 +119,7 @@ def _reason(exc: ValidationError) -> str:
 
 def parse_gpu_job(body: bytes) -> GpuJobIn:
     """A checked request from a JSON body: 400 if it is not a JSON object, 422 naming the bad fields."""
-    if not body.strip():
-        raise ApiError(400, "invalid_request", "request body is empty: send a GPU job as JSON")
-    try:
-        data = json.loads(body)
-    except ValueError as exc:
-        raise ApiError(400, "invalid_request", f"body is not valid JSON: {exc}") from None
+    data = parse_document(body, "json", "GPU job", "invalid_request")
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_request", "body must be a JSON object")
     try:
@@ -182,6 +187,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                 "403": {"description": "The request names a tenant other than the API key's"},
                 "409": {"description": "Job ID or idempotency key already used with a different request"},
                 "413": {"description": "Body larger than the limit"},
+                "415": {"description": "Content-Type is not a spec type (JSON; for jobs also YAML)"},
                 "422": {"description": "Invalid request (the reason names the fields) or refused by the "
                         "scheduler's rules"},
                 "429": {"description": "Tenant rate limit or open-jobs cap; Retry-After says when to retry"},
@@ -189,6 +195,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         },
     )
     async def submit_gpu_job(request: Request, principal: Caller) -> JSONResponse:
+        body_format(request, ("json",))
         if principal.tenant is not None:  # refuse a flood before reading its bodies
             ctx.admission.check_rate(principal.tenant)
         body = await _read_body(request, ctx.body_limit)

@@ -9,7 +9,6 @@ for other tenants' jobs.
 # No "from __future__ import annotations": FastAPI must see the route signatures'
 # Annotated[..., Depends(local)] objects, which string annotations would hide.
 
-import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from dagfold.codec import make
+from dagfold.parsing import ParseError, load_json, load_yaml
 from projections.jobs import TERMINAL_JOB_STATES, Page
 from services.api.auth import Principal
 from services.api.context import ApiContext, now_ms, parse_time_ms
@@ -25,7 +25,7 @@ from services.api.errors import ApiError
 from services.api.graph import graph_json, layout
 from services.api.sse import stream_response
 from services.scheduler.processors import spec_hash
-from services.scheduler.spec import JobSpecIn, SpecError, load_spec_text, parse_spec, to_job_spec
+from services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
 from services.scheduler.validation import validate_job_spec
 
 JobState = Literal["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]
@@ -33,6 +33,7 @@ TaskState = Literal["pending", "runnable", "running", "retrying", "succeeded", "
 Limit = Annotated[int, Query(ge=1, le=1000, description="page size (at most 1000)")]
 
 JSON_TYPES = ("application/json",)
+YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 REDRIVABLE_STATES = frozenset({"failed", "succeeded_partial", "cancelled"})
 
 
@@ -45,17 +46,41 @@ def _media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-def _parse_body(body: bytes, media_type: str) -> JobSpecIn:
-    """A checked spec from a JSON or YAML body; anything else is read as YAML (a superset of JSON)."""
+def body_format(request: Request, accepted: tuple[str, ...] = ("json", "yaml")) -> str:
+    """``json`` or ``yaml`` from the Content-Type, else 415 (checked before the body is read).
+
+    Only these types: a page on another origin can send text/plain, form encodings or no type at all without
+    the browser asking first, and none of them is read as a spec.
+    """
+    media = _media_type(request)
+    if media in JSON_TYPES or media.endswith("+json"):
+        kind = "json"
+    elif media in YAML_TYPES or media.endswith("+yaml"):
+        kind = "yaml"
+    else:
+        kind = ""
+    if kind not in accepted:
+        names = " or ".join(f"application/{k}" for k in accepted)
+        raise ApiError(415, "unsupported_media_type",
+                       f"send the body as {names} (Content-Type), not {media or 'no type'!r}")
+    return kind
+
+
+def parse_document(body: bytes, kind: str, what: str, invalid: str = "invalid_spec") -> Any:
+    """A JSON or YAML body within the bounds of ``dagfold.parsing``: 400 (413 for size) naming the limit."""
     if not body.strip():
-        raise SpecError("request body is empty: send a job spec as JSON or YAML")
-    if media_type in JSON_TYPES or media_type.endswith("+json"):
-        try:
-            data = json.loads(body)
-        except ValueError as exc:
-            raise SpecError(f"job spec is not valid JSON: {exc}") from None
-        return parse_spec(data)
-    return load_spec_text(body)
+        raise ApiError(400, "invalid_request", f"request body is empty: send a {what} as JSON or YAML")
+    try:
+        return load_json(body, what=what) if kind == "json" else load_yaml(body, what=what)
+    except ParseError as exc:
+        status = 413 if exc.code == "too_large" else 400
+        code = {"invalid": invalid, "too_large": "payload_too_large"}.get(exc.code, exc.code)
+        raise ApiError(status, code, str(exc)) from None
+
+
+def _parse_body(body: bytes, kind: str) -> JobSpecIn:
+    """A checked spec from a JSON or YAML body."""
+    return parse_spec(parse_document(body, kind, "job spec"))
 
 
 def _page(page: Page, name: str) -> dict[str, Any]:
@@ -134,9 +159,9 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
     Caller = Annotated[Principal, Depends(auth)]
 
     # -- submit ----------------------------------------------------------------
-    def prepare(body: bytes, media_type: str, principal: Principal) -> JSONResponse:
+    def prepare(body: bytes, kind: str, principal: Principal) -> JSONResponse:
         try:
-            spec_in = _parse_body(body, media_type)
+            spec_in = _parse_body(body, kind)
         except SpecError as exc:
             raise ApiError(400, "invalid_spec", str(exc)) from None
         status, out = submit_spec(ctx, spec_in, principal)
@@ -163,16 +188,18 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                 "403": {"description": "The spec names a tenant other than the API key's ('default' is the key's)"},
                 "409": {"description": "Job ID or idempotency key already used with a different spec"},
                 "413": {"description": "Body larger than the limit"},
+                "415": {"description": "Content-Type is not a spec type (JSON; for jobs also YAML)"},
                 "422": {"description": "Spec refused (cycle, unknown dependency, limits)"},
                 "429": {"description": "Tenant rate limit or open-jobs cap; Retry-After says when to retry"},
             },
         },
     )
     async def submit_job(request: Request, principal: Caller) -> JSONResponse:
+        kind = body_format(request)
         if principal.tenant is not None:  # refuse a flood before reading its bodies
             ctx.admission.check_rate(principal.tenant)
         body = await _read_body(request, ctx.body_limit)
-        return await run_in_threadpool(prepare, body, _media_type(request), principal)
+        return await run_in_threadpool(prepare, body, kind, principal)
 
     # -- reads -------------------------------------------------------------------
     @r.get("/v1/jobs", summary="List jobs, newest first")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dagfold import rules
 from dagfold.exceptions import DagfoldError
+from dagfold.parsing import ParseError, load_yaml
+from services.scheduler.validation import MAX_ATTEMPTS, MAX_SECONDS
 
 FailurePolicy = Literal["fail_fast", "skip_downstream", "allow_partial"]
 TriggerRule = Literal["all_success", "all_done", "one_success", "one_failed", "none_failed", "always"]
@@ -28,41 +30,62 @@ class SpecError(DagfoldError):
     """The spec is malformed; the message names the field."""
 
 
+def Id(kind: str) -> Any:  # noqa: N802 - a type factory, read as a type
+    """A string field bound by the rule ``kind`` of the identifier table (``dagfold.rules``)."""
+    rule = rules.RULES[kind]
+    return Annotated[str, Field(min_length=1, max_length=rule.max_len, pattern=rule.pattern)]
+
+
+JobId = Id("job_id")
+TaskId = Id("task_id")
+TenantName = Id("tenant")
+TierName = Id("tier")
+QueueName = Id("queue")
+HandlerName = Id("handler")
+GpuType = Id("gpu_type")
+IdempotencyKey = Id("idempotency_key")
+LabelKey = Id("label_key")
+LabelValue = Annotated[str, Field(max_length=rules.MAX_LABEL_VALUE_LEN, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
+Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=rules.MAX_LABELS)]
+Url = Annotated[str, Field(min_length=1, max_length=rules.MAX_URL_LEN, pattern=r"^https?://[^\x00-\x20\x7f-\x9f]+$")]
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a boolean is not a number (max_attempts: true), a string is not a number; floats must be finite
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class RetryPolicyIn(_Model):
-    max_attempts: int = Field(1, ge=1, le=1000)
-    initial_interval_s: float = Field(1.0, ge=0)
+    max_attempts: int = Field(1, ge=1, le=MAX_ATTEMPTS)
+    initial_interval_s: float = Field(1.0, ge=0, le=MAX_SECONDS)
     backoff_coefficient: float = Field(2.0, ge=1.0)
-    max_interval_s: float = Field(60.0, ge=0)
+    max_interval_s: float = Field(60.0, ge=0, le=MAX_SECONDS)
     jitter: bool = True
-    non_retryable_exit_codes: list[int] = []
-    non_retryable_errors: list[str] = []
+    non_retryable_exit_codes: list[Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]] = Field([], max_length=256)
+    non_retryable_errors: list[Annotated[str, Field(max_length=256)]] = Field([], max_length=256)
 
 
 class TimeoutsIn(_Model):
-    schedule_to_start_s: float | None = Field(None, gt=0)
-    start_to_close_s: float | None = Field(None, gt=0)
-    heartbeat_s: float | None = Field(None, gt=0)
+    schedule_to_start_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
+    start_to_close_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
+    heartbeat_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
 
 
 class ResourcesIn(_Model):
     gpus: int = Field(0, ge=0, le=64)
-    gpu_type: str | list[str] = []
+    gpu_type: GpuType | list[GpuType] = Field([], max_length=16)
     hosts: int = Field(1, ge=1, le=1024)
     gpu_milli: int = Field(1000, ge=1, le=1000)
-    max_runtime_s: float | None = Field(None, gt=0)
+    max_runtime_s: float | None = Field(None, gt=0, le=MAX_SECONDS)
     checkpoint: bool = False
 
 
 class TaskSpecIn(_Model):
-    id: str = Field(min_length=1)
-    handler: str = Field("noop", min_length=1)
+    id: TaskId
+    handler: HandlerName = "noop"
     args: dict[str, Any] = {}
-    depends_on: list[str] = []
-    queue: str = "default"
+    depends_on: list[TaskId] = []
+    queue: QueueName = "default"
     trigger_rule: TriggerRule = "all_success"
     retry: RetryPolicyIn | None = None
     timeouts: TimeoutsIn | None = None
@@ -70,16 +93,16 @@ class TaskSpecIn(_Model):
 
 
 class JobSpecIn(_Model):
-    id: str | None = None
-    name: str | None = Field(None, min_length=1, max_length=200)  # a human name, shown next to the ID
-    tenant: str = Field("default", min_length=1)
-    tier: str = "standard"
-    idempotency_key: str | None = None
+    id: JobId | None = None
+    name: JobName | None = None  # a human name, shown next to the ID
+    tenant: TenantName = "default"
+    tier: TierName = "standard"
+    idempotency_key: IdempotencyKey | None = None
     failure_policy: FailurePolicy = "skip_downstream"
     retry: RetryPolicyIn | None = None
     timeouts: TimeoutsIn | None = None
-    labels: dict[str, str] = {}
-    callback_url: str | None = None
+    labels: Labels = {}
+    callback_url: Url | None = None
     tasks: list[TaskSpecIn] = Field(min_length=1)
 
 
@@ -98,11 +121,18 @@ def _resources(r: ResourcesIn | None) -> dict[str, Any] | None:
     return d
 
 
+def _args_json(t: TaskSpecIn) -> str:
+    try:  # allow_nan=False: a YAML .nan in args is not JSON; the depth of args was bounded at parsing
+        return json.dumps(t.args, separators=(",", ":"), sort_keys=True, allow_nan=False)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise SpecError(f"task {t.id!r}: args cannot be written as JSON: {exc}") from None
+
+
 def _task(t: TaskSpecIn) -> dict[str, Any]:
     return {
         "task_id": t.id,
         "handler": t.handler,
-        "args_json": json.dumps(t.args, separators=(",", ":"), sort_keys=True),
+        "args_json": _args_json(t),
         "depends_on": list(t.depends_on),
         "queue": t.queue,
         "trigger_rule": t.trigger_rule,
@@ -143,10 +173,11 @@ def parse_spec(data: Any) -> JobSpecIn:
         raise SpecError("invalid job spec: " + "; ".join(parts)) from None
 
 
-def load_spec_text(text: str | bytes) -> JobSpecIn:
-    """Parse a YAML or JSON document (JSON is YAML) into a checked spec."""
+def load_spec_text(text: str | bytes, max_bytes: int | None = None) -> JobSpecIn:
+    """Parse a YAML or JSON document (JSON is YAML) into a checked spec, within the bounds of
+    ``dagfold.parsing`` (no anchors or aliases, depth 64, size; ``max_bytes`` defaults to its YAML limit)."""
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"job spec is not valid YAML/JSON: {exc}") from None
+        data = load_yaml(text, what="job spec", **({} if max_bytes is None else {"max_bytes": max_bytes}))
+    except ParseError as exc:
+        raise SpecError(str(exc)) from None
     return parse_spec(data)

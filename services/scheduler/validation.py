@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from dagfold import rules
 from dagfold.config import Limits
 
 FAILURE_POLICIES = frozenset({"fail_fast", "skip_downstream", "allow_partial"})
 TRIGGER_RULES = frozenset({"all_success", "all_done", "one_success", "one_failed", "none_failed", "always"})
-_NAME = re.compile(r"^[A-Za-z0-9._\-]+$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f/]")  # and '/', so every ID is one URL path segment
-_JOB_ID = re.compile(r"^[A-Za-z0-9._:\-]+$")
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,7 @@ def find_cycle(tasks: list[dict[str, Any]]) -> list[str] | None:
 
 
 MAX_ATTEMPTS = 1000
+MAX_GPU_TYPES = 16
 MAX_SECONDS = 10 * 365 * 24 * 3600.0  # longest interval or timeout: times stay in Avro longs (ms)
 
 
@@ -92,14 +90,44 @@ def _check_policies(where: str, retry: dict[str, Any] | None, timeouts: dict[str
     return None
 
 
-def _check_task(t: dict[str, Any], limits: Limits) -> Rejection | None:
+def _check_resources(tid: str, r: dict[str, Any] | None) -> Rejection | None:
+    if r is None:
+        return None
+    for name in ("gpus", "hosts", "gpu_milli"):
+        if not rules.finite_number(r.get(name, 0)):
+            return Rejection("invalid_field", f"task {tid!r}: resources.{name} must be a number")
+    rt = r.get("max_runtime_s")
+    if rt is not None and not (rules.finite_number(rt) and 0 < rt <= MAX_SECONDS):
+        return Rejection("invalid_field",
+                         f"task {tid!r}: resources.max_runtime_s must be a finite number > 0 and <= {MAX_SECONDS:g}")
+    types = r.get("gpu_type") or []
+    if len(types) > MAX_GPU_TYPES:
+        return Rejection("invalid_field", f"task {tid!r}: at most {MAX_GPU_TYPES} GPU types")
+    for g in types:
+        bad = rules.check_id("gpu_type", g)
+        if bad:
+            return Rejection("invalid_field", f"task {tid!r}: {bad}")
+    return None
+
+
+def _check_task(t: dict[str, Any], limits: Limits, names: set[tuple[str, str]]) -> Rejection | None:
+    """One task's rules. ``names``: (kind, name) pairs already found valid in this job: a job of a million
+    tasks names a handful of handlers and queues, so each is matched once, not once per task."""
     tid = t["task_id"]
-    if not tid or len(tid) > limits.max_task_id_len:
+    if len(tid) > limits.max_task_id_len:
         return Rejection("invalid_field", f"task id {tid[:40]!r} must be 1..{limits.max_task_id_len} characters")
-    if _CONTROL.search(tid):
-        return Rejection("invalid_field", f"task id {tid[:40]!r} contains '/' or control characters")
-    if not t["handler"]:
-        return Rejection("invalid_field", f"task {tid!r}: handler is empty")
+    bad = rules.check_id("task_id", tid)
+    if bad:
+        return Rejection("invalid_field", bad)
+    for kind in ("handler", "queue"):
+        v = t[kind]
+        if (kind, v) not in names:
+            bad = rules.check_id(kind, v)
+            if bad is None and kind == "queue" and len(v) > limits.max_queue_name_len:
+                bad = f"queue is over {limits.max_queue_name_len} characters"
+            if bad:
+                return Rejection("invalid_field", f"task {tid!r}: {bad}")
+            names.add((kind, v))
     if len(t["args_json"]) > limits.max_args_bytes:
         return Rejection("payload_too_large",
                          f"task {tid!r}: args are {len(t['args_json'])} bytes, limit {limits.max_args_bytes}")
@@ -109,22 +137,31 @@ def _check_task(t: dict[str, Any], limits: Limits) -> Rejection | None:
         return Rejection("invalid_field", f"task {tid!r}: args_json is not valid JSON")
     if not isinstance(args, dict):
         return Rejection("invalid_field", f"task {tid!r}: args must be a JSON object")
-    q = t["queue"]
-    if not q or len(q) > limits.max_queue_name_len or not _NAME.match(q):
-        return Rejection("invalid_field", f"task {tid!r}: queue {q!r} must match [A-Za-z0-9._-]+")
     if t["trigger_rule"] not in TRIGGER_RULES:
         return Rejection("invalid_field", f"task {tid!r}: unknown trigger_rule {t['trigger_rule']!r}")
     if tid in t["depends_on"]:
         return Rejection("cycle", f"dependency cycle: {tid} -> {tid}")
-    return _check_policies(f"task {tid!r}: ", t["retry"], t["timeouts"])
+    return _check_policies(f"task {tid!r}: ", t["retry"], t["timeouts"]) or _check_resources(tid, t.get("resources"))
 
 
 def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
     """All acceptance rules; None means the job is valid."""
     tasks = spec["tasks"]
-    if len(spec["job_id"]) > limits.max_task_id_len or not _JOB_ID.match(spec["job_id"]):
-        return Rejection("invalid_field",
-                         f"job_id must be 1..{limits.max_task_id_len} characters of [A-Za-z0-9._:-]")
+    if len(spec["job_id"]) > limits.max_task_id_len:
+        return Rejection("invalid_field", f"job_id must be 1..{limits.max_task_id_len} characters")
+    for kind in ("job_id", "tenant", "tier"):
+        bad = rules.check_id(kind, spec[kind])
+        if bad:
+            return Rejection("invalid_field", bad)
+    key, name = spec.get("idempotency_key"), spec.get("name")
+    bad = (rules.check_id("idempotency_key", key) if key is not None else None) or (
+        rules.check_id("job_name", name) if name is not None else None) or rules.check_labels(
+        spec.get("labels") or {})
+    if bad:
+        return Rejection("invalid_field", bad)
+    url = spec.get("callback_url")
+    if url is not None and (len(url) > rules.MAX_URL_LEN or rules.has_control(url)):
+        return Rejection("invalid_field", f"callback_url must be at most {rules.MAX_URL_LEN} printable characters")
     if not tasks:
         return Rejection("invalid_field", "a job needs at least one task")
     if len(tasks) > limits.max_tasks_per_job:
@@ -139,8 +176,9 @@ def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
         if t["task_id"] in ids:
             return Rejection("duplicate_task", f"duplicate task id {t['task_id']!r}")
         ids.add(t["task_id"])
+    names: set[tuple[str, str]] = set()
     for t in tasks:
-        bad = _check_task(t, limits)
+        bad = _check_task(t, limits, names)
         if bad:
             return bad
         for dep in t["depends_on"]:
