@@ -30,21 +30,21 @@ class SpecError(DagfoldError):
     """The spec is malformed; the message names the field."""
 
 
-def Id(kind: str) -> Any:  # noqa: N802 - a type factory, read as a type
-    """A string field bound by the rule ``kind`` of the identifier table (``dagfold.rules``)."""
+def _id(kind: str) -> Any:
+    """The constraints of the rule ``kind`` of the identifier table (``dagfold.rules``), for a str field."""
     rule = rules.RULES[kind]
-    return Annotated[str, Field(min_length=1, max_length=rule.max_len, pattern=rule.pattern)]
+    return Field(min_length=1, max_length=rule.max_len, pattern=rule.pattern)
 
 
-JobId = Id("job_id")
-TaskId = Id("task_id")
-TenantName = Id("tenant")
-TierName = Id("tier")
-QueueName = Id("queue")
-HandlerName = Id("handler")
-GpuType = Id("gpu_type")
-IdempotencyKey = Id("idempotency_key")
-LabelKey = Id("label_key")
+JobId = Annotated[str, _id("job_id")]
+TaskId = Annotated[str, _id("task_id")]
+TenantName = Annotated[str, _id("tenant")]
+TierName = Annotated[str, _id("tier")]
+QueueName = Annotated[str, _id("queue")]
+HandlerName = Annotated[str, _id("handler")]
+GpuType = Annotated[str, _id("gpu_type")]
+IdempotencyKey = Annotated[str, _id("idempotency_key")]
+LabelKey = Annotated[str, _id("label_key")]
 LabelValue = Annotated[str, Field(max_length=rules.MAX_LABEL_VALUE_LEN, pattern=r"^[^\x00-\x1f\x7f-\x9f]*$")]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=rules.MAX_LABELS)]
 Url = Annotated[str, Field(min_length=1, max_length=rules.MAX_URL_LEN, pattern=r"^https?://[^\x00-\x20\x7f-\x9f]+$")]

@@ -178,9 +178,9 @@ def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
         ids.add(t["task_id"])
     names: set[tuple[str, str]] = set()
     for t in tasks:
-        bad = _check_task(t, limits, names)
-        if bad:
-            return bad
+        task_bad = _check_task(t, limits, names)
+        if task_bad:
+            return task_bad
         for dep in t["depends_on"]:
             if dep not in ids:
                 return Rejection("unknown_dependency",
