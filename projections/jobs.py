@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import msgspec
+
 from projections import operator as ops
 from projections.keys import (
     MAX_LIMIT,
@@ -53,6 +55,13 @@ from projections.keys import (
     unpart,
 )
 from projections.store import Store, Txn, decode_value
+
+
+class _JobTenant(msgspec.Struct):
+    tenant: str = ""
+
+
+_TENANT_OF = msgspec.msgpack.Decoder(_JobTenant).decode
 
 Applier = Callable[[Txn, Record, int, int], None]
 
@@ -691,6 +700,10 @@ def apply(txn: Txn, event: Record, partition: int, offset: int) -> None:
     job_id = event.get("job_id")
     if not isinstance(job_id, str):
         return  # not a job event: nothing of the jobs read model
+    if event.get("type") == "dagfold.event.JobRejected":
+        job = txn.get(job_key(job_id))
+        if job is not None and job["tenant"] != event.get("tenant", job["tenant"]):
+            return  # another tenant's submission under a taken job ID: never part of this job, nor its history
     applier = APPLIERS.get(event.get("type", ""))
     if applier is not None:
         applier(txn, event, partition, offset)
@@ -719,6 +732,15 @@ class ReadModel:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+
+    def job_tenant(self, job_id: str) -> str | None:
+        """The tenant of a job, or None if there is no such job; decodes only that field.
+
+        The check before a job is read for a caller: a job of another tenant answers as fast as a missing
+        one, however large its record (msgspec skips the other fields without building them).
+        """
+        raw = self.store.get_raw(job_key(job_id))
+        return None if raw is None else _TENANT_OF(raw).tenant
 
     def get_job(self, job_id: str) -> Record | None:
         """The job summary, or None if no event of it was projected."""

@@ -116,6 +116,11 @@ class Store:
         raw = self._db.get(key)
         return None if raw is None else _decode(raw)
 
+    def get_raw(self, key: bytes) -> bytes | None:
+        """The encoded value of ``key`` (msgpack), or None: for reading one field without decoding the rest."""
+        raw: bytes | None = self._db.get(key)
+        return raw
+
     def scan(
         self, prefix: bytes, *, after: bytes | None = None, reverse: bool = False
     ) -> Iterator[tuple[bytes, bytes]]:

@@ -21,6 +21,7 @@ from projections import cluster as cluster_model
 from services.api import create_app
 from services.api.admission import AdmissionConfig
 from services.api.auth import AuthConfig
+from services.api.guard import GuardConfig
 from services.scheduler.processors import spec_hash
 
 T0 = 1_700_000_000_000
@@ -47,15 +48,16 @@ def accepted(job_id: str, task_ids: list[str] | None = None, ts: int = T0, tenan
 
 class ApiHarness:
     def __init__(self, tmp: Path, *, auth: AuthConfig | None = None, admission: AdmissionConfig | None = None,
-                 max_body_bytes: int | None = None) -> None:
+                 max_body_bytes: int | None = None, guard: GuardConfig | None = None) -> None:
         self.config = Config(partitions=4)
         self.log = EmbeddedLog(tmp / "log")
         self.log.create_topics(self.config.core_topics())
         self.projector = Projector(self.log, tmp / "read")
         self.rm = ReadModel(self.projector.store)
         self.app: FastAPI = create_app(self.log, self.rm, self.config, max_body_bytes=max_body_bytes,
-                                       auth=auth or AuthConfig(), admission=admission, sse_poll_s=0.05)
-        self.client = TestClient(self.app)
+                                       auth=auth or AuthConfig(), admission=admission, sse_poll_s=0.05,
+                                       guard=guard)
+        self.client = TestClient(self.app, base_url="http://127.0.0.1")
         self._producer = self.log.producer("test")
 
     def commands(self) -> list[dict[str, Any]]:

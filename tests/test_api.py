@@ -42,7 +42,7 @@ class Api:
         self.projector = Projector(self.log, tmp / "read")
         self.rm = ReadModel(self.projector.store)
         self.app = create_app(self.log, self.rm, self.config, max_body_bytes=max_body_bytes)
-        self.client = TestClient(self.app)
+        self.client = TestClient(self.app, base_url="http://127.0.0.1")
 
     def commands(self) -> list[tuple[int, bytes, dict[str, Any]]]:
         out = []

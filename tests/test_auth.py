@@ -141,9 +141,9 @@ def test_submit_forces_the_keys_tenant(api: ApiHarness) -> None:
     ka = c.post("/v1/jobs", json={"idempotency_key": "k1", "tasks": [{"id": "a"}]}, headers=H["acme"]).json()
     kb = c.post("/v1/jobs", json={"idempotency_key": "k1", "tasks": [{"id": "a"}]}, headers=H["beta"]).json()
     assert ka["job_id"] != kb["job_id"]
-    # a tenant re-using another tenant's explicit job ID learns nothing: 202 as for a new ID
+    # a tenant re-using another tenant's explicit job ID hears it at once (409), never 202 and then 404 forever
     r = c.post("/v1/jobs", json={"id": "b-job", "tasks": [{"id": "zz"}]}, headers=H["acme"])
-    assert r.status_code == 202
+    assert r.status_code == 409 and r.json()["error"]["code"] == "job_id_taken"
     admin = c.post("/v1/jobs", json={"tenant": "beta", "tasks": [{"id": "a"}]}, headers=H["admin"])
     assert admin.status_code == 202 and admin.json()["tenant"] == "beta"
 

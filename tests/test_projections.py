@@ -218,9 +218,12 @@ def test_rejected_job_visible_with_reason(h: Harness) -> None:
 
     # a duplicate submission of a live job is rejected without touching the job
     h.project(accepted("live", [task("a")], ts=T0 + 1),
-              ev("JobRejected", job_id="live", ts_ms=T0 + 2, code="job_exists", reason="job exists"))
+              ev("JobRejected", job_id="live", ts_ms=T0 + 2, tenant="acme", code="job_exists", reason="job exists"))
     live = h.rm.get_job("live")
     assert live is not None and live["state"] == "running" and live["reason"] is None
+    assert [e["type"] for e in h.rm.get_history("live").items] == ["JobAccepted", "JobRejected"]
+    # another tenant's submission under the same ID never enters the job's history
+    h.project(ev("JobRejected", job_id="live", ts_ms=T0 + 3, tenant="beta", code="job_exists", reason="job exists"))
     assert [e["type"] for e in h.rm.get_history("live").items] == ["JobAccepted", "JobRejected"]
 
 

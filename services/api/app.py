@@ -46,6 +46,7 @@ from services.api.admission import Admission, AdmissionConfig
 from services.api.auth import AuthConfig, Principal
 from services.api.context import ApiContext, CommandSender
 from services.api.errors import ApiError
+from services.api.guard import BrowserGuard, GuardConfig
 from services.api.metrics_collector import ReadModelCollector
 from services.callbacks.ledger import CallbackLedger
 from services.scheduler.spec import JobSpecIn
@@ -105,7 +106,7 @@ class ReadOnly:
 def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_body_bytes: int | None = None,
                auth: AuthConfig | None = None, admission: AdmissionConfig | None = None,
                sse_poll_s: float = 0.25, callbacks: CallbackLedger | None = None,
-               read_only: bool = False) -> FastAPI:
+               read_only: bool = False, guard: GuardConfig | None = None) -> FastAPI:
     """The API over ``log`` (commands out) and ``read_model`` (queries in).
 
     ``auth`` defaults to ``AuthConfig.from_env()`` (``DAGFOLD_AUTH_FILE``,
@@ -115,6 +116,8 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
     ``callbacks``: the callback notifier's ledger, when it runs in this process (GPU job status shows
     delivery states from it).
     ``read_only`` (``log`` may then be None): reads only, every write refused with 405 ``read_only``.
+    ``guard`` (Host, cross-origin writes, local token: ``services/api/guard.py``) defaults to
+    ``GuardConfig.from_env(config.api_host)``.
     """
     if log is None and not read_only:
         raise ValueError("an API without a log must be read-only")
@@ -147,6 +150,8 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
     )
     app.state.ctx = ctx
     app.state.sender = ctx.sender
+    app.add_middleware(BrowserGuard, config=guard if guard is not None else GuardConfig.from_env(config.api_host),
+                       keys_enabled=auth_config.enabled)
     app.add_middleware(RequestMetrics)
     if read_only:
         app.add_middleware(ReadOnly)

@@ -94,9 +94,17 @@ class ApiContext:
         return ClusterModel(self.rm.store)
 
     def job_for(self, job_id: str, principal: Principal) -> dict[str, Any]:
-        """The job if it exists and the caller may see it; else the same 404 either way."""
+        """The job if it exists and the caller may see it; else the same 404 either way.
+
+        A tenant's caller is checked against the job's tenant alone before the job is decoded, so another
+        tenant's job answers 404 as fast as a missing one (no timing oracle on its size).
+        """
+        if not principal.admin:
+            tenant = self.rm.job_tenant(job_id)
+            if tenant is None or not principal.can_see(tenant):
+                raise not_found(job_id)
         job = self.rm.get_job(job_id)
-        if job is None or not principal.can_see(job["tenant"]):
+        if job is None:
             raise not_found(job_id)
         return job
 

@@ -124,7 +124,10 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
     except (ValueError, TypeError, OverflowError) as exc:
         raise ApiError(400, "invalid_spec", f"spec cannot be encoded: {exc}") from None
     job_id, tenant = spec["job_id"], spec["tenant"]
-    existing = ctx.rm.get_job(job_id)
+    owner = ctx.rm.job_tenant(job_id)
+    if owner is not None and owner != tenant:  # job IDs are one namespace: the second submitter hears it now
+        raise ApiError(409, "job_id_taken", f"job ID {job_id!r} is already taken; choose another (or omit it)")
+    existing = ctx.rm.get_job(job_id) if owner is not None else None
     if (existing is not None and existing["state"] != "rejected" and existing.get("spec_hash")
             and principal.can_see(existing["tenant"])):
         if existing["spec_hash"] == digest:  # the same submission again: the first job stands
