@@ -33,3 +33,22 @@ class CommitUnknownError(LogError):
     def __init__(self, message: str, committed: bool | None = None) -> None:
         super().__init__(message)
         self.committed = committed
+
+
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) says the disk is full (ENOSPC).
+
+    RocksDB reports it as a plain ``Exception`` whose message holds the OS error text, so the text is
+    matched as well as ``OSError.errno``.
+    """
+    import errno
+
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(exc) or "os error 28" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False

@@ -21,6 +21,7 @@ from typing import Any
 from dagfold.artifacts import open_store
 from dagfold.commands import CommandSender
 from dagfold.config import Config
+from dagfold.exceptions import disk_full
 from dagfold.log import Log, open_log
 from projections.jobs import TERMINAL_JOB_STATES
 from projections.projector import Projector
@@ -66,7 +67,10 @@ class Stack:
             try:
                 target()
             except BaseException as exc:  # surfaced through .failed; the CLI exits non-zero
-                log.exception("%s stopped with an error", name)
+                if disk_full(exc):  # one line: the cause is the disk, not the code
+                    log.error("%s stopped: no space left on device under %s", name, self.config.data_dir)
+                else:
+                    log.exception("%s stopped with an error", name)
                 self.errors.append(exc)
                 self.stop_event.set()
 
@@ -167,13 +171,20 @@ class Stack:
         for a in getattr(self, "agents", []):
             a.close()
         if hasattr(self, "projector"):
-            self.projector.close()
+            self._close("projector", self.projector.close)
         if (notifier := getattr(self, "notifier", None)) is not None:
-            notifier.close()
+            self._close("callback notifier", notifier.close)
         with contextlib.suppress(Exception):
             self.sender.close()
         if self.log is not None:
-            self.log.close()
+            self._close("log", self.log.close)
+
+    def _close(self, name: str, close: Callable[[], None]) -> None:
+        """Close one part; a failure (a store whose disk filled up cannot flush) is logged, the rest still close."""
+        try:
+            close()
+        except Exception as exc:
+            log.warning("closing the %s failed: %s", name, exc)
 
     def __enter__(self) -> Stack:
         return self.start()

@@ -23,7 +23,7 @@ def _parse_ts(value: str | None) -> int | None:
     """Milliseconds since the epoch, from an ISO-8601 time or a number of ms."""
     if value is None:
         return None
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # isdigit alone accepts "²", which int() refuses
         return int(value)
     try:
         return int(datetime.fromisoformat(value).timestamp() * 1000)

@@ -195,7 +195,7 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
     try:
         stack.start()
     except Exception as exc:
-        raise fail(f"cannot start: {exc}", 1) from None
+        raise fail(_disk_full_line(exc, cfg.data_dir) or f"cannot start: {exc}", 1) from None
     out.print(f"dagfold up: log={cfg.log_url} data={cfg.data_dir} API http://{cfg.api_host}:{cfg.api_port}")
     if examples:
         submit_examples(stack)
@@ -208,7 +208,14 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
         pass
     stack.stop()
     if stack.failed:
-        raise fail(f"a component failed: {stack.errors[0]!r}", 1)
+        raise fail(_disk_full_line(stack.errors[0], cfg.data_dir) or f"a component failed: {stack.errors[0]!r}", 1)
+
+
+def _disk_full_line(exc: BaseException, data: Path) -> str | None:
+    """The one line for a full disk (RocksDB's own message names a file deep in the data folder)."""
+    from dagfold.exceptions import disk_full
+
+    return f"no space left on device under {data}: free some space and start again" if disk_full(exc) else None
 
 
 def _use_auth_file(auth_file: Path | None) -> None:

@@ -269,7 +269,10 @@ class EmbeddedLog:
                 for tp, off in offsets.items():
                     wb.put(_gkey(group, tp), _OFF.pack(off))
             if not wb.is_empty():
-                self._db.write(wb)
+                try:
+                    self._db.write(wb)
+                except Exception as exc:  # RocksDB reports I/O failures (ENOSPC among them) as plain Exception
+                    raise LogError(f"cannot write the embedded log: {exc}") from exc
             for rec in written:
                 tp = TopicPartition(rec.topic, rec.partition)
                 tail = self._tails.get(tp)

@@ -17,7 +17,7 @@ from typing import Any
 from dagfold.artifacts import ArtifactStore, open_store
 from dagfold.codec import default_codec
 from dagfold.config import COMMANDS, Config
-from dagfold.exceptions import CodecError, LogError
+from dagfold.exceptions import CodecError, LogError, disk_full
 from dagfold.log.base import Log, Producer
 from projections.cluster import ClusterModel
 from projections.jobs import ReadModel
@@ -54,7 +54,9 @@ class CommandSender:
                 self._producer.flush()
             except LogError as exc:
                 logger.warning("api: cannot write %s: %s", record["type"], exc)
-                raise ApiError(503, "log_unavailable", f"the command log is unavailable: {exc}") from None
+                reason = "no space left on device" if disk_full(exc) else str(exc)
+                raise ApiError(503, "log_unavailable", f"the command log is unavailable: {reason}",
+                               headers={"Retry-After": "30"}) from None
 
     def close(self) -> None:
         with self._lock:
@@ -118,7 +120,7 @@ def parse_time_ms(value: str | None, name: str) -> int | None:
     if value is None or value == "":
         return None
     v = value.strip()
-    if v.lstrip("-").isdigit():
+    if v.isascii() and v.lstrip("-").isdigit():  # isdigit alone accepts "²", which int() refuses
         n = int(v)
         if n < 0 or n > 10**16 - 1:
             raise ApiError(400, "invalid_request", f"{name}: ms since the epoch must be in [0, 1e16)")

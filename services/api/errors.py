@@ -15,7 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from projections.exceptions import InvalidCursor
+from dagfold.exceptions import LogError, disk_full
+from projections.exceptions import InvalidCursor, StoreError
 
 logger = logging.getLogger("dagfold.api")
 
@@ -51,6 +52,13 @@ def not_found(job_id: str) -> ApiError:
     return ApiError(404, "not_found", f"job {job_id!r} not found")
 
 
+def storage_unavailable(request: Request, exc: BaseException) -> JSONResponse:
+    """503 for a failure of the storage under the API (full disk, I/O error): the request may succeed later."""
+    reason = "no space left on device" if disk_full(exc) else f"storage error: {str(exc)[:300]}"
+    logger.warning("api: %s %s: %s", request.method, request.url.path, reason)
+    return JSONResponse(error_body("storage_unavailable", reason), status_code=503, headers={"Retry-After": "30"})
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers that turn every failure into the JSON error shape."""
 
@@ -75,7 +83,13 @@ def install(app: FastAPI) -> None:
     async def cursor_error(request: Request, exc: InvalidCursor) -> JSONResponse:
         return JSONResponse(error_body("invalid_cursor", str(exc)), status_code=400)
 
+    @app.exception_handler(LogError)
+    async def log_error(request: Request, exc: LogError) -> JSONResponse:
+        return storage_unavailable(request, exc)
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        if disk_full(exc) or isinstance(exc, (OSError, StoreError)):
+            return storage_unavailable(request, exc)
         logger.exception("api: unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(error_body("internal_error", "internal error"), status_code=500)

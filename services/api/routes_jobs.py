@@ -89,7 +89,7 @@ def _page(page: Page, name: str) -> dict[str, Any]:
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "payload_too_large", f"body is {declared} bytes, limit {limit}")
     chunks: list[bytes] = []
     size = 0

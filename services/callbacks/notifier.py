@@ -101,7 +101,7 @@ def _retry_after(value: str | None) -> float | None:
     if not value:
         return None
     v = value.strip()
-    if v.isdigit():
+    if v.isascii() and v.isdigit():  # isdigit alone accepts "²", which float() refuses
         return float(v)
     try:
         when = email.utils.parsedate_to_datetime(v)
