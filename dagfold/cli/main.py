@@ -813,3 +813,6 @@ from dagfold.cli import gpu as _gpu  # noqa: E402,F401  (allocator, agent)
 from dagfold.cli.sim import sim_app  # noqa: E402  (the allocator core in virtual time)
 
 app.add_typer(sim_app, name="sim", help="Simulate the GPU allocator in virtual time (fgd, openb, day).")
+from dagfold.cli.deadletters import dl_app  # noqa: E402  (list, show, resubmit dead letters)
+
+app.add_typer(dl_app, name="deadletters")

@@ -41,7 +41,7 @@ from projections.cluster import ClusterModel
 from projections.jobs import ReadModel
 from projections.operator import OperatorModel
 from services.api import auth as auth_mod
-from services.api import errors, routes_gpu, routes_jobs, routes_ops, routes_outputs
+from services.api import errors, routes_deadletters, routes_gpu, routes_jobs, routes_ops, routes_outputs
 from services.api.admission import Admission, AdmissionConfig
 from services.api.auth import AuthConfig, Principal
 from services.api.context import ApiContext, CommandSender
@@ -172,6 +172,7 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
     app.include_router(routes_gpu.router(ctx, principal))
     app.include_router(routes_outputs.router(ctx, principal))
     app.include_router(routes_ops.router(ctx, principal))
+    app.include_router(routes_deadletters.router(ctx, principal))
 
     # -- dashboard: static files, hash-routed single page ---------------------------------
     app.mount("/ui/static", StaticFiles(directory=STATIC), name="static")

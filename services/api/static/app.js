@@ -1,6 +1,6 @@
 /* dagfold dashboard: plain JavaScript, canvas for the DAG and the timeline, no build step, no CDN.
  *
- * Pages (hash routes): #/jobs, #/jobs/<id>, #/ops, #/cluster. Data comes from the REST API under /v1;
+ * Pages (hash routes): #/jobs, #/jobs/<id>, #/ops, #/cluster, #/deadletters (static/deadletters.js). Data comes from the REST API under /v1;
  * a job page follows GET /v1/jobs/<id>/events (server-sent events, read with fetch so the API key can
  * travel in a header) and recolours graph nodes from each history entry's task_state.
  * window.__dagfold exposes a few read-only hooks for the end-to-end browser test.
@@ -783,6 +783,7 @@ function route() {
   if (name === "jobs" && parts[1]) pageJob(parts.slice(1).join("/"), current.signal);
   else if (name === "ops") pageOps(current.signal);
   else if (name === "cluster") pageCluster(current.signal);
+  else if (name === "deadletters") pageDeadLetters(current.signal);  // static/deadletters.js
   else pageJobs(params, current.signal);
 }
 hooks.stateOf = (id) => (hooks.graph ? hooks.graph.states[hooks.graph.index.get(id)] ?? null : null);
