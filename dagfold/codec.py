@@ -117,6 +117,10 @@ class Codec:
         """Decode one record, or raise CodecError saying exactly why not."""
         if data is None:
             raise CodecError("record has no value (tombstone)")
+        if data[:1] == b"\x00" and len(data) >= 5:  # what Confluent's AvroSerializer (and Connect) write
+            schema_id = int.from_bytes(data[1:5], "big")
+            raise CodecError(f"Confluent Schema Registry framing (magic 0, schema ID {schema_id}) is not read: "
+                             "produce Avro single-object encoding (bad magic bytes; docs/architecture.md)")
         if len(data) < HEADER_LEN or data[:2] != MAGIC:
             raise CodecError("not an Avro single-object encoded record (bad magic bytes)")
         fp = bytes(data[2:HEADER_LEN])

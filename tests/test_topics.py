@@ -1,4 +1,5 @@
-"""Topic namespaces (prefixes) and the partitioner every Kafka client agrees on (issue 15, 1 and 3)."""
+"""Topic namespaces (prefixes), the partitioner every Kafka client agrees on, and the record
+framings dagfold reads (issue 15, 1, 3 and 4)."""
 
 from __future__ import annotations
 
@@ -132,3 +133,13 @@ def test_two_stacks_with_different_prefixes_share_one_broker(kafka_bootstrap: st
         for stack, _ in stacks:
             stack.stop()
         assert time.monotonic() - t0 < 60
+
+
+def test_confluent_registry_framing_is_refused_with_a_reason_that_says_so() -> None:
+    """No registry could be run here (docs/architecture.md, Schema Registry): a Confluent-framed
+    record is dead-lettered with a reason that names the framing and the format to use."""
+    from dagfold.codec import default_codec
+    from dagfold.exceptions import CodecError
+
+    with pytest.raises(CodecError, match=r"Confluent Schema Registry framing \(magic 0, schema ID 258\)"):
+        default_codec().decode(b"\x00\x00\x00\x01\x02" + b"\x02ab")
