@@ -33,7 +33,7 @@ from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition
-from services.agent.devices import Devices, SimulatedDevices
+from services.agent.devices import Devices, Health, SimulatedDevices
 from services.agent.launcher import MAX_RESULT_BYTES, JobProcess, Launcher
 from services.allocator import commands as cmds
 
@@ -67,6 +67,7 @@ class NodeAgent:
         self.report_every_s: dict[str, float] = {}  # per led allocation: a quarter of its scheduler lease
         self._next_report: dict[str, float] = {}
         self.partitioned = False
+        self.last_health: Health | None = None  # the last heartbeat's snapshot (metrics)
         self.crashed = False
         self._next_hb = 0.0
         self.producer = log_.producer(f"agent-{node_id}")
@@ -103,14 +104,16 @@ class NodeAgent:
         self._next_hb = self.clock() + self.hb_interval_s
 
     def heartbeat(self) -> None:
-        h = self.devices.health()
+        busy = frozenset(g for jp in self.procs.values() if jp.exited() is None for g in jp.gpus)
+        h = self.last_health = self.devices.health(busy)
         statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress,
                                       last_checkpoint_ms=jp.last_checkpoint_ms, checkpoint_uri=jp.checkpoint_uri)
                     for jp in self.procs.values() if jp.active]
         self._alloc_cmd(cmds.node_heartbeat(
             self.pool, self.node_id, incarnation=self.incarnation, ts_ms=self._now_ms(), health=h.health,
             detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
-            xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses))
+            xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses,
+            gpus=[g.record() for g in h.gpus]))
         now = self.clock()
         for aid, jp in self.procs.items():  # the attempt's lease: renewed 4 times per lease, progress or not
             if jp.active and jp.stop_reason is None and now >= self._next_report.get(aid, 0.0):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from dagfold.codec import Record
 from services.allocator import keys
-from services.allocator.model import AllocView, NodeView, Part, RequestView
+from services.allocator.model import FULL, AllocView, NodeView, Part, RequestView
 from services.allocator.profile import active_classes, shape_key, should_refresh
 from services.allocator.state import PoolState
 
@@ -38,7 +38,16 @@ def _heartbeat(st: PoolState, e: Record) -> None:
     n.lease_until = e["lease_deadline_ms"]
     n.health = e["health"]
     n.ok_streak = n.ok_streak + 1 if e["health"] == "ok" else 0
-    st.put_node(n, capacity_changed=False)
+    cordoned = [i for i in e.get("cordoned_gpus") or [] if 0 <= i < len(n.free)]
+    if cordoned != n.cordoned:  # per-GPU cordon: FULL withheld from each cordoned GPU's free milli
+        for i in set(n.cordoned) - set(cordoned):
+            n.free[i] += FULL
+        for i in set(cordoned) - set(n.cordoned):
+            n.free[i] -= FULL
+        n.cordoned = cordoned
+        st.put_node(n)
+    else:
+        st.put_node(n, capacity_changed=False)
     st.set_timer("lease", n.id, n.lease_until)
     for c in e["checkpoints"]:
         a = st.allocs.get(c["alloc_id"])

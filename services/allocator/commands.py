@@ -30,11 +30,22 @@ def alloc_status(alloc_id: str, epoch: int, *, progress: float | None = None, la
 def node_heartbeat(pool: str, node_id: str, *, incarnation: int = 1, ts_ms: int = 0, health: str = "ok",
                    detail: str | None = None, perf: float | None = None, temperature_c: float | None = None,
                    ecc_errors: int = 0, xid_errors: int = 0, throttle_events: int = 0,
-                   allocations: list[Record] | None = None) -> Record:
+                   allocations: list[Record] | None = None, gpus: list[Record] | None = None) -> Record:
     return {"type": C + "NodeHeartbeat", "pool": pool, "node_id": node_id, "incarnation": incarnation,
             "ts_ms": ts_ms, "health": health, "detail": detail, "perf": perf, "temperature_c": temperature_c,
             "ecc_errors": ecc_errors, "xid_errors": xid_errors, "throttle_events": throttle_events,
-            "allocations": allocations or []}
+            "allocations": allocations or [], "gpus": gpus or []}
+
+
+def gpu_status(index: int, *, health: str = "ok", detail: str | None = None, utilization: float | None = None,
+               memory_used_mib: int | None = None, memory_total_mib: int | None = None,
+               temperature_c: float | None = None, throttle_reasons: int = 0, ecc_errors: int = 0,
+               xid_errors: int = 0, last_xid: int | None = None) -> Record:
+    """One GPU's entry of a NodeHeartbeat (``dagfold.allocator.GpuStatus``)."""
+    return {"index": index, "health": health, "detail": detail, "utilization": utilization,
+            "memory_used_mib": memory_used_mib, "memory_total_mib": memory_total_mib,
+            "temperature_c": temperature_c, "throttle_reasons": throttle_reasons, "ecc_errors": ecc_errors,
+            "xid_errors": xid_errors, "last_xid": last_xid}
 
 
 def request_allocation(pool: str, job_id: str, task_id: str = "gpu", attempt: int = 1, *, tenant: str = "default",

@@ -16,7 +16,7 @@ FULL = 1000  # milli of one whole GPU
 class NodeView:
     """One GPU host: inventory, free capacity per GPU, lease and health."""
 
-    __slots__ = ("allocs", "cpu", "cpu_free", "draining_reason", "free", "gpu_type", "health", "id",
+    __slots__ = ("allocs", "cordoned", "cpu", "cpu_free", "draining_reason", "free", "gpu_type", "health", "id",
                  "incarnation", "lease_until", "mem", "mem_free", "ok_streak", "state")
 
     def __init__(self, node_id: str, gpu_type: str, gpus: int, cpu: int, mem: int, incarnation: int,
@@ -35,6 +35,9 @@ class NodeView:
         self.health = "ok"
         self.ok_streak = 0
         self.allocs: list[str] = []
+        # GPUs reported unhealthy one by one: each holds FULL less in ``free`` (at most 0, so nothing is
+        # ever placed on it, and grants/releases on it keep adding up); the node's other GPUs serve on
+        self.cordoned: list[int] = []
 
     @property
     def gpus(self) -> int:
@@ -50,7 +53,8 @@ class NodeView:
         return {"gpu_type": self.gpu_type, "free": list(self.free), "cpu": self.cpu, "mem": self.mem,
                 "cpu_free": self.cpu_free, "mem_free": self.mem_free, "incarnation": self.incarnation,
                 "lease_until": self.lease_until, "state": self.state, "reason": self.draining_reason,
-                "health": self.health, "ok_streak": self.ok_streak, "allocs": list(self.allocs)}
+                "health": self.health, "ok_streak": self.ok_streak, "allocs": list(self.allocs),
+                "cordoned": list(self.cordoned)}
 
     @classmethod
     def from_record(cls, node_id: str, r: dict[str, Any]) -> NodeView:
@@ -59,6 +63,7 @@ class NodeView:
         n.cpu_free, n.mem_free = r["cpu_free"], r["mem_free"]
         n.state, n.draining_reason, n.health, n.ok_streak = r["state"], r["reason"], r["health"], r["ok_streak"]
         n.allocs = list(r["allocs"])
+        n.cordoned = list(r.get("cordoned", []))
         return n
 
 

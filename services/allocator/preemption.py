@@ -62,6 +62,8 @@ def find_victims(st: PoolState, r: RequestView, now_ms: int,
                 a = allocs[x]
                 if a.state != "running":
                     continue
+                if n.cordoned and any(gi in n.cordoned for p in a.parts if p.node == nid for gi in p.gpus):
+                    continue  # its GPUs are cordoned: stopping it frees nothing placeable (it is moving anyway)
                 q = a.req
                 ar = rank_of(q.tier)
                 if ar <= rank:

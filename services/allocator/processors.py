@@ -71,14 +71,29 @@ def _drain(ctx: Ctx, nid: str, reason: str) -> None:
     ctx.event("NodeDrained", node_id=nid, reason=reason, lost=False)
     deadline = ctx.now_ms + int(ctx.opts.grace_s * 1000)
     for aid in list(st.nodes[nid].allocs):
-        a = st.allocs[aid]
-        if a.state == "preempting":
-            continue
-        ctx.event("PreemptionRequested", alloc_id=a.id, epoch=a.epoch, job_id=a.req.job_id,
-                  task_id=a.req.task_id, attempt=a.req.attempt, tenant=a.req.tenant, tier=a.req.tier,
-                  grace_deadline_ms=deadline, reason=f"node {nid} drained: {reason}",
-                  preemptor_job_id=None, preemptor_task_id=None, preemptor_tier=None)
-        ctx.stop(a, f"node drained: {reason}", checkpoint=True, deadline_ms=deadline)
+        _move_off(ctx, st.allocs[aid], deadline, f"node {nid} drained: {reason}", f"node drained: {reason}")
+
+
+def _move_off(ctx: Ctx, a: AllocView, deadline: int, reason: str, stop_reason: str) -> None:
+    """Ask a running allocation to checkpoint and stop (it is requeued and resumes elsewhere)."""
+    if a.state == "preempting":
+        return
+    ctx.event("PreemptionRequested", alloc_id=a.id, epoch=a.epoch, job_id=a.req.job_id,
+              task_id=a.req.task_id, attempt=a.req.attempt, tenant=a.req.tenant, tier=a.req.tier,
+              grace_deadline_ms=deadline, reason=reason,
+              preemptor_job_id=None, preemptor_task_id=None, preemptor_tier=None)
+    ctx.stop(a, stop_reason, checkpoint=True, deadline_ms=deadline)
+
+
+def _cordoned(cmd: Record, n: NodeView) -> list[int]:
+    """The GPUs of a heartbeat's per-GPU report that are not ok (sorted, on the node)."""
+    return sorted({g["index"] for g in cmd.get("gpus") or []
+                   if g.get("health", "ok") != "ok" and 0 <= g["index"] < n.gpus})
+
+
+def _utilization(cmd: Record) -> float | None:
+    us = [float(g["utilization"]) for g in cmd.get("gpus") or [] if g.get("utilization") is not None]
+    return round(min(1.0, max(0.0, sum(us) / len(us))), 4) if us else None
 
 
 def _end_orphans(ctx: Ctx, n: NodeView, listed: set[str]) -> bool:
@@ -131,8 +146,22 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     avg = st.perf.get(n.gpu_type)
     if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
         health = "slow"
+    cordoned = _cordoned(cmd, n)
+    newly = set(cordoned) - set(n.cordoned)
+    restored = bool(set(n.cordoned) - set(cordoned))
     ctx.event("NodeHeartbeatRecorded", node_id=nid, lease_deadline_ms=ctx.now_ms + int(ctx.opts.lease_s * 1000),
-              health=health, perf=perf, checkpoints=ckpts)
+              health=health, perf=perf, checkpoints=ckpts, cordoned_gpus=cordoned, utilization=_utilization(cmd))
+    if newly:  # jobs on a GPU just cordoned checkpoint and move; the node's other GPUs keep serving
+        bad = {g["index"]: g.get("detail") or g.get("health") for g in cmd["gpus"] if g["index"] in newly}
+        deadline = ctx.now_ms + int(ctx.opts.grace_s * 1000)
+        for aid in list(n.allocs):
+            a = ctx.st.allocs[aid]
+            hit = sorted({gi for p in a.parts if p.node == nid for gi in p.gpus} & newly)
+            if hit:
+                why = "; ".join(f"GPU {gi}: {bad[gi]}" for gi in hit)
+                _move_off(ctx, a, deadline, f"GPU cordoned on node {nid}: {why}", f"GPU cordoned: {why}")
+    if restored:
+        schedule(ctx)  # a GPU came back
     if _end_orphans(ctx, n, {s["alloc_id"] for s in cmd["allocations"]}):
         schedule(ctx)
     if n.state == "up" and health in DRAIN_HEALTH:
