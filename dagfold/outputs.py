@@ -7,10 +7,10 @@ harnesses and simulators interchangeable.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dagfold.clock import now_ms
 from dagfold.codec import Record
 from dagfold.config import COMMANDS, DEADLETTER
 from dagfold.log.base import LogRecord
@@ -44,4 +44,4 @@ def dead_letter(rec: LogRecord, reason: str, service: str) -> Output:
     return Output(DEADLETTER, f"{rec.topic}/{rec.partition}", {
         "type": "dagfold.deadletter.DeadLetter", "source_topic": rec.topic, "partition": rec.partition,
         "offset": rec.offset, "key": rec.key, "value": rec.value, "reason": reason, "service": service,
-        "ts_ms": int(time.time() * 1000)})
+        "ts_ms": now_ms()})

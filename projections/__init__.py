@@ -2,7 +2,7 @@
 
 The projector (``Projector``) tails every partition of the events topic (and
 the GPU allocator's events topic once it exists) and applies each polled batch,
-together with the consumed offsets, in one RocksDB write batch (``Store``), so
+together with the consumed offsets, in one RocksDB write batch (``ReadModelStore``), so
 the read models and their position never disagree and a restart resumes
 exactly where it stopped. Deleting the store rebuilds every model by replay.
 
@@ -16,7 +16,7 @@ from projections.exceptions import InvalidCursor, ProjectionError, StoreError
 from projections.jobs import JOB_STATES, TASK_STATES, TERMINAL_JOB_STATES, Page, ReadModel, apply
 from projections.operator import OperatorModel
 from projections.projector import Projector
-from projections.store import Store, Txn
+from projections.store import ReadModelStore, ReadModelTxn
 
 __all__ = [
     "JOB_STATES",
@@ -29,8 +29,8 @@ __all__ = [
     "ProjectionError",
     "Projector",
     "ReadModel",
-    "Store",
+    "ReadModelStore",
     "StoreError",
-    "Txn",
+    "ReadModelTxn",
     "apply",
 ]

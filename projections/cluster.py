@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from projections.keys import SEP, Page, Record, clamp_limit, decode_cursor, key, paginate, part
-from projections.store import Store, Txn, decode_value
+from projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 PREFIX = "dagfold.allocator."
 NODE = b"cn"
@@ -70,7 +70,7 @@ def _node_id(ev: Record) -> str | None:
     return None if v is None else str(v)
 
 
-def _totals(txn: Txn) -> Record:
+def _totals(txn: ReadModelTxn) -> Record:
     t: Record | None = txn.get(TOTALS)
     return t if t is not None else {"nodes": 0, "gpus": 0, "healthy_gpus": 0, "allocated": 0, "queued": 0,
                                     "queued_gpus": 0, "events": 0, "last_ms": None}
@@ -101,7 +101,7 @@ def _capacity(node: Record) -> tuple[int, int, int]:
     return 1, int(node["gpus"]), int(node["gpus"]) if _healthy(node) else 0
 
 
-def _save_node(txn: Txn, tot: Record, before: tuple[int, int, int], node: Record) -> None:
+def _save_node(txn: ReadModelTxn, tot: Record, before: tuple[int, int, int], node: Record) -> None:
     after = _capacity(node)
     tot["nodes"] += after[0] - before[0]
     tot["gpus"] += after[1] - before[1]
@@ -119,7 +119,7 @@ def _util(ev: Record) -> float | None:
     return round(u / 100.0 if u > 1.0 else u, 4)
 
 
-def _node_event(txn: Txn, tot: Record, short: str, ev: Record, ts: int | None) -> None:
+def _node_event(txn: ReadModelTxn, tot: Record, short: str, ev: Record, ts: int | None) -> None:
     nid = _node_id(ev)
     if nid is None:
         return
@@ -189,7 +189,7 @@ def _alloc_id(ev: Record) -> str | None:
     return f"{ev['job_id']}/{ev.get('task_id') or ''}/{ev.get('attempt') or ''}"
 
 
-def _tenant_delta(txn: Txn, tenant: str, gpus: int, allocs: int) -> None:
+def _tenant_delta(txn: ReadModelTxn, tenant: str, gpus: int, allocs: int) -> None:
     tk = key(TENANT, part(tenant))
     rec = txn.get(tk) or {"tenant": tenant, "gpus": 0, "allocations": 0, "weight": None, "share": None}
     rec["gpus"] += gpus
@@ -197,7 +197,7 @@ def _tenant_delta(txn: Txn, tenant: str, gpus: int, allocs: int) -> None:
     txn.put(tk, rec)
 
 
-def _node_alloc(txn: Txn, tot: Record, nid: str, aid: str, tenant: str, gpus: int, job_id: Any = None) -> None:
+def _node_alloc(txn: ReadModelTxn, tot: Record, nid: str, aid: str, tenant: str, gpus: int, job_id: Any = None) -> None:
     """Add (``gpus`` > 0) or remove (< 0) an allocation's GPUs on one node."""
     nk = key(NODE, part(nid))
     existing = txn.get(nk)
@@ -221,7 +221,7 @@ def _request_id(ev: Record) -> str | None:
     return f"{ev['job_id']}/{ev.get('task_id') or ''}/{ev.get('attempt') or 0}"
 
 
-def _tenant_queue_delta(txn: Txn, tenant: str, requests: int, gpus: int) -> None:
+def _tenant_queue_delta(txn: ReadModelTxn, tenant: str, requests: int, gpus: int) -> None:
     tk = key(TENANT, part(tenant))
     rec = txn.get(tk) or {"tenant": tenant, "gpus": 0, "allocations": 0, "weight": None, "share": None}
     rec["queued"] = rec.get("queued", 0) + requests
@@ -229,7 +229,7 @@ def _tenant_queue_delta(txn: Txn, tenant: str, requests: int, gpus: int) -> None
     txn.put(tk, rec)
 
 
-def _queued(txn: Txn, tot: Record, ev: Record, ts: int | None) -> None:
+def _queued(txn: ReadModelTxn, tot: Record, ev: Record, ts: int | None) -> None:
     rid = _request_id(ev)
     if rid is None or txn.get(key(QUEUED, part(rid))) is not None:
         return
@@ -244,7 +244,7 @@ def _queued(txn: Txn, tot: Record, ev: Record, ts: int | None) -> None:
     _tenant_queue_delta(txn, tenant, 1, gpus)
 
 
-def _dequeue(txn: Txn, tot: Record, ev: Record) -> None:
+def _dequeue(txn: ReadModelTxn, tot: Record, ev: Record) -> None:
     rid = _request_id(ev)
     if rid is None:
         return
@@ -258,7 +258,7 @@ def _dequeue(txn: Txn, tot: Record, ev: Record) -> None:
     _tenant_queue_delta(txn, req["tenant"], -1, -int(req["gpus"]))
 
 
-def _preempting(txn: Txn, ev: Record) -> None:
+def _preempting(txn: ReadModelTxn, ev: Record) -> None:
     aid = _alloc_id(ev)
     if aid is None:
         return
@@ -269,7 +269,7 @@ def _preempting(txn: Txn, ev: Record) -> None:
         txn.put(ak, alloc)
 
 
-def _grant(txn: Txn, tot: Record, ev: Record, ts: int | None) -> None:
+def _grant(txn: ReadModelTxn, tot: Record, ev: Record, ts: int | None) -> None:
     _dequeue(txn, tot, ev)
     aid = _alloc_id(ev)
     if aid is None or txn.get(key(ALLOC, part(aid))) is not None:
@@ -286,7 +286,7 @@ def _grant(txn: Txn, tot: Record, ev: Record, ts: int | None) -> None:
                                     "preempting": False})
 
 
-def _release(txn: Txn, tot: Record, ev: Record) -> None:
+def _release(txn: ReadModelTxn, tot: Record, ev: Record) -> None:
     aid = _alloc_id(ev)
     if aid is None:
         return
@@ -300,7 +300,7 @@ def _release(txn: Txn, tot: Record, ev: Record) -> None:
     txn.delete(ak)
 
 
-def _share(txn: Txn, ev: Record) -> None:
+def _share(txn: ReadModelTxn, ev: Record) -> None:
     tenant = ev.get("tenant")
     if tenant is None:
         return
@@ -311,7 +311,7 @@ def _share(txn: Txn, ev: Record) -> None:
     txn.put(tk, rec)
 
 
-def apply(txn: Txn, ev: Record) -> bool:
+def apply(txn: ReadModelTxn, ev: Record) -> bool:
     """Fold one allocator event into ``txn``; False if it is not an allocator event."""
     t = str(ev.get("type", ""))
     if not t.startswith(PREFIX):
@@ -343,7 +343,7 @@ def apply(txn: Txn, ev: Record) -> bool:
 class ClusterModel:
     """Queries over the cluster model; safe from any thread."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ReadModelStore) -> None:
         self.store = store
 
     def totals(self) -> Record | None:

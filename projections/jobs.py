@@ -1,7 +1,7 @@
 """The jobs read model: job summaries, tasks, attempts and history, folded from events.
 
 ``apply(txn, event, partition, offset)`` folds one decoded event (a dict from
-``dagfold.codec``) into a ``Txn``; it looks the event's type up in ``APPLIERS``,
+``dagfold.codec``) into a ``ReadModelTxn``; it looks the event's type up in ``APPLIERS``,
 a table of small functions (Zeebe style). Every applier does O(1) work, except
 ``JobAccepted``, which writes one record per task once. Task counts by state
 are maintained incrementally on every transition, never recounted.
@@ -27,7 +27,7 @@ reasons; ``projections.operator``) are secondary indexes kept by the same
 appliers in the same write batch; the GPU cluster model (``projections.cluster``)
 folds the allocator's events.
 
-``ReadModel`` answers queries from a ``Store``; listings are paginated with an
+``ReadModel`` answers queries from a ``ReadModelStore``; listings are paginated with an
 opaque cursor (the last key of the page, base64url).
 """
 
@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
+from dagfold.lifecycle import JOB_FINAL, TASK_TERMINAL
 from projections import operator as ops
 from projections.keys import (
     MAX_LIMIT,
@@ -48,13 +49,16 @@ from projections.keys import (
     clamp_limit,
     decode_cursor,
     encode_cursor,
+    job_key,
     ms,
     paginate,
     part,
     public,
+    task_key,
+    tasks_prefix,
     unpart,
 )
-from projections.store import Store, Txn, decode_value
+from projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 
 class _JobTenant(msgspec.Struct):
@@ -63,12 +67,12 @@ class _JobTenant(msgspec.Struct):
 
 _TENANT_OF = msgspec.msgpack.Decoder(_JobTenant).decode
 
-Applier = Callable[[Txn, Record, int, int], None]
+Applier = Callable[[ReadModelTxn, Record, int, int], None]
 
 TASK_STATES = ops.TASK_STATES
-FINISHED_TASK_STATES = frozenset({"succeeded", "failed", "skipped", "cancelled"})
+FINISHED_TASK_STATES = TASK_TERMINAL
 JOB_STATES = ops.JOB_STATES
-TERMINAL_JOB_STATES = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
+TERMINAL_JOB_STATES = JOB_FINAL
 
 DETAIL_MAX = 500
 
@@ -95,18 +99,6 @@ __all__ = ["MAX_LIMIT", "Page", "ReadModel", "apply", "part", "unpart"]
 
 
 # -- keys -------------------------------------------------------------------
-def job_key(job_id: str) -> bytes:
-    return b"j" + _SEP + part(job_id)
-
-
-def tasks_prefix(job_id: str) -> bytes:
-    return b"t" + _SEP + part(job_id) + _SEP
-
-
-def task_key(job_id: str, task_id: str) -> bytes:
-    return tasks_prefix(job_id) + part(task_id)
-
-
 def attempts_prefix(job_id: str, task_id: str) -> bytes:
     return b"a" + _SEP + part(job_id) + _SEP + part(task_id) + _SEP
 
@@ -246,7 +238,7 @@ def _set_progress(job: Record) -> None:
     job["progress"] = round(100.0 * job["finished_tasks"] / total, 2) if total else 0.0
 
 
-def _set_job_state(txn: Txn, job: Record, state: str) -> None:
+def _set_job_state(txn: ReadModelTxn, job: Record, state: str) -> None:
     """Change a job's state, moving its state index entries (O(1))."""
     if job["state"] == state:
         return
@@ -272,7 +264,7 @@ def _set_task_state(job: Record, task: Record, state: str) -> None:
     _set_progress(job)
 
 
-def _end_job(txn: Txn, job: Record, state: str, ts: int, reason: str | None) -> None:
+def _end_job(txn: ReadModelTxn, job: Record, state: str, ts: int, reason: str | None) -> None:
     _set_job_state(txn, job, state)
     job["ended_ms"] = ts
     job["duration_ms"] = max(ts - job["created_ms"], 0)
@@ -291,7 +283,7 @@ class _Ctx:
 
     __slots__ = ("txn", "job", "jkey", "task", "tkey")
 
-    def __init__(self, txn: Txn, job_id: str, task_id: str | None) -> None:
+    def __init__(self, txn: ReadModelTxn, job_id: str, task_id: str | None) -> None:
         self.txn = txn
         self.jkey = job_key(job_id)
         self.job: Record | None = txn.get(self.jkey)
@@ -312,12 +304,12 @@ class _Ctx:
             self.txn.put(self.jkey, self.job)
 
 
-def _task_ctx(txn: Txn, ev: Record) -> _Ctx | None:
+def _task_ctx(txn: ReadModelTxn, ev: Record) -> _Ctx | None:
     ctx = _Ctx(txn, ev["job_id"], ev["task_id"])
     return ctx if ctx.task is not None else None
 
 
-def _load_attempt(txn: Txn, ev: Record, worker_id: str | None) -> tuple[bytes, Record]:
+def _load_attempt(txn: ReadModelTxn, ev: Record, worker_id: str | None) -> tuple[bytes, Record]:
     key = attempt_key(ev["job_id"], ev["task_id"], ev["attempt"])
     att = txn.get(key)
     if att is None:
@@ -332,7 +324,7 @@ def _end_attempt(att: Record, outcome: str, ts: int) -> None:
         att["duration_ms"] = max(ts - att["started_ms"], 0)
 
 
-def _job_accepted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _job_accepted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     spec = ev["spec"]
     job_id = ev["job_id"]
     jkey = job_key(job_id)
@@ -366,7 +358,7 @@ def _job_accepted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
         txn.put(k, 0)
 
 
-def _job_rejected(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _job_rejected(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     jkey = job_key(ev["job_id"])
     job = txn.get(jkey)
     ts = ev["ts_ms"]
@@ -382,7 +374,7 @@ def _job_rejected(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     txn.put(jkey, job)
 
 
-def _task_dispatched(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_dispatched(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
@@ -394,7 +386,7 @@ def _task_dispatched(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ev["ts_ms"])
 
 
-def _task_allocated(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_allocated(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.task is None:
         return
@@ -405,7 +397,7 @@ def _task_allocated(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.txn.put(ctx.tkey, ctx.task)
 
 
-def _task_checkpointing(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_checkpointing(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     """The allocator asked the attempt to checkpoint and give its GPUs back (preemption, drain)."""
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.task is None or ctx.task["state"] in FINISHED_TASK_STATES:
@@ -414,7 +406,7 @@ def _task_checkpointing(txn: Txn, ev: Record, partition: int, offset: int) -> No
     ctx.txn.put(ctx.tkey, ctx.task)
 
 
-def _task_requeued(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_requeued(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     """A GPU attempt lost its allocation (preempted, node lost): it waits for GPUs again."""
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
@@ -427,7 +419,7 @@ def _task_requeued(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ev["ts_ms"])
 
 
-def _lease_granted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _lease_granted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
@@ -446,7 +438,7 @@ def _lease_granted(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ts)
 
 
-def _lease_extended(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _lease_extended(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.task is None:
         return
@@ -466,7 +458,7 @@ def _lease_extended(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     txn.put(key, att)
 
 
-def _task_succeeded(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
@@ -487,7 +479,7 @@ def _task_succeeded(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ts)
 
 
-def _task_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_failed(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
@@ -507,7 +499,7 @@ def _task_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ts)
 
 
-def _task_retry_scheduled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_retry_scheduled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
@@ -520,7 +512,7 @@ def _task_retry_scheduled(txn: Txn, ev: Record, partition: int, offset: int) -> 
     ctx.save(ev["ts_ms"])
 
 
-def _task_skipped(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_skipped(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
@@ -530,7 +522,7 @@ def _task_skipped(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ev["ts_ms"])
 
 
-def _task_cancelled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _task_cancelled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
@@ -547,7 +539,7 @@ def _task_cancelled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ts)
 
 
-def _job_succeeded(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _job_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _Ctx(txn, ev["job_id"], None)
     if ctx.job is None:
         return
@@ -557,7 +549,7 @@ def _job_succeeded(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ev["ts_ms"])
 
 
-def _job_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _job_failed(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _Ctx(txn, ev["job_id"], None)
     if ctx.job is None:
         return
@@ -565,7 +557,7 @@ def _job_failed(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ev["ts_ms"])
 
 
-def _job_cancelled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _job_cancelled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _Ctx(txn, ev["job_id"], None)
     if ctx.job is None:
         return
@@ -573,7 +565,7 @@ def _job_cancelled(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ev["ts_ms"])
 
 
-def _job_redriven(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _job_redriven(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _Ctx(txn, ev["job_id"], None)
     job = ctx.job
     if job is None:
@@ -595,7 +587,7 @@ def _job_redriven(txn: Txn, ev: Record, partition: int, offset: int) -> None:
     ctx.save(ts)
 
 
-def _history_only(txn: Txn, ev: Record, partition: int, offset: int) -> None:
+def _history_only(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     return None
 
 
@@ -695,7 +687,7 @@ def history_entry(ev: Record, partition: int, offset: int) -> Record:
     }
 
 
-def apply(txn: Txn, event: Record, partition: int, offset: int) -> None:
+def apply(txn: ReadModelTxn, event: Record, partition: int, offset: int) -> None:
     """Fold one event (from ``partition`` at ``offset`` of the events topic) into ``txn``."""
     job_id = event.get("job_id")
     if not isinstance(job_id, str):
@@ -730,7 +722,7 @@ def _attempt_task_id(k: bytes, prefix: bytes) -> str:
 class ReadModel:
     """Queries over the jobs read model; safe to call from any thread."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ReadModelStore) -> None:
         self.store = store
 
     def job_tenant(self, job_id: str) -> str | None:

@@ -40,6 +40,19 @@ def unpart(b: bytes) -> str:
     return b.decode()
 
 
+def job_key(job_id: str) -> bytes:
+    """A job's summary (the jobs read model; the operator model reads it too)."""
+    return b"j" + SEP + part(job_id)
+
+
+def tasks_prefix(job_id: str) -> bytes:
+    return b"t" + SEP + part(job_id) + SEP
+
+
+def task_key(job_id: str, task_id: str) -> bytes:
+    return tasks_prefix(job_id) + part(task_id)
+
+
 def ms(t: int) -> bytes:
     """A time in ms as a sortable key part (negative times clamp to 0)."""
     return b"%016d" % max(int(t), 0)

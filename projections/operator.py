@@ -34,8 +34,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from projections.keys import SEP, U32, Record, clamp_limit, key, ms, part, public, unpart
-from projections.store import Store, Txn, decode_value
+from projections.keys import SEP, U32, Record, clamp_limit, job_key, key, ms, part, public, task_key, unpart
+from projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 QUEUE_STATES = ("runnable", "running", "retrying")
 TASK_STATES = ("pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled")
@@ -56,7 +56,7 @@ _DIGITS = re.compile(r"\d+")
 
 
 # -- tenant usage ---------------------------------------------------------------
-def _usage(txn: Txn, tenant: str) -> tuple[bytes, Record]:
+def _usage(txn: ReadModelTxn, tenant: str) -> tuple[bytes, Record]:
     k = key(USAGE, part(tenant))
     u = txn.get(k)
     if u is None:
@@ -65,7 +65,7 @@ def _usage(txn: Txn, tenant: str) -> tuple[bytes, Record]:
     return k, u
 
 
-def count_job(txn: Txn, tenant: str, state: str | None, delta: int) -> None:
+def count_job(txn: ReadModelTxn, tenant: str, state: str | None, delta: int) -> None:
     """A job of ``tenant`` entered (``delta`` 1) or left (-1) ``state``."""
     if state is None:
         return
@@ -74,7 +74,7 @@ def count_job(txn: Txn, tenant: str, state: str | None, delta: int) -> None:
     txn.put(k, u)
 
 
-def tasks_created(txn: Txn, tenant: str, n: int) -> None:
+def tasks_created(txn: ReadModelTxn, tenant: str, n: int) -> None:
     """A job of ``n`` pending tasks was accepted (tasks start with ``_ix = {"st": "pending"}``)."""
     k, u = _usage(txn, tenant)
     u["tasks"]["pending"] = u["tasks"].get("pending", 0) + n
@@ -110,7 +110,7 @@ def _deadline(task: Record) -> tuple[int, str] | None:
     return None
 
 
-def _bump_queue(txn: Txn, tenant: str, queue: str, state: str, delta: int) -> None:
+def _bump_queue(txn: ReadModelTxn, tenant: str, queue: str, state: str, delta: int) -> None:
     for k in (key(QUEUE, part(queue)), key(QUEUE_TENANT, part(tenant), part(queue))):
         q = txn.get(k) or dict.fromkeys(QUEUE_STATES, 0)
         q[state] = q.get(state, 0) + delta
@@ -124,7 +124,7 @@ def _task_suffix(job_id: str, task_id: str) -> bytes:
     return part(job_id) + SEP + part(task_id)
 
 
-def sync_task(txn: Txn, job: Record, task: Record) -> None:
+def sync_task(txn: ReadModelTxn, job: Record, task: Record) -> None:
     """Bring the indexes of ``task`` in line with its current fields (call before saving it)."""
     ix: Record = task.get("_ix") or initial_ix()
     tenant = job["tenant"]
@@ -189,7 +189,7 @@ def reason_class(reason: str, exit_code: int | None, error_type: str | None) -> 
     return text[:60] or "unknown"
 
 
-def record_failure(txn: Txn, job: Record, ev: Record) -> None:
+def record_failure(txn: ReadModelTxn, job: Record, ev: Record) -> None:
     """A TaskFailed event: count its reason class, keep the entry for the recent-failures listing."""
     tenant = job["tenant"]
     final = bool(ev.get("final", True))
@@ -216,7 +216,7 @@ def record_failure(txn: Txn, job: Record, ev: Record) -> None:
     txn.put(uk, u)
 
 
-def record_retry(txn: Txn, tenant: str) -> None:
+def record_retry(txn: ReadModelTxn, tenant: str) -> None:
     k, u = _usage(txn, tenant)
     u["retries"] += 1
     txn.put(k, u)
@@ -233,7 +233,7 @@ def _parse_due_key(k: bytes, prefix_len: int) -> tuple[int, str, str]:
 class OperatorModel:
     """Queries over the operator read models; safe from any thread."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ReadModelStore) -> None:
         self.store = store
 
     # -- tenants -----------------------------------------------------------------
@@ -269,14 +269,10 @@ class OperatorModel:
 
     # -- stuck tasks -----------------------------------------------------------------
     def _task(self, job_id: str, task_id: str) -> Record | None:
-        from projections.jobs import task_key
-
         rec: Record | None = self.store.get(task_key(job_id, task_id))
         return rec
 
     def _job_tenant(self, job_id: str) -> str | None:
-        from projections.jobs import job_key
-
         job = self.store.get(job_key(job_id))
         return None if job is None else str(job["tenant"])
 

@@ -28,13 +28,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dagfold import metrics
+from dagfold.clock import now_ms
 from dagfold.codec import Codec, default_codec
 from dagfold.config import ALLOCATOR_EVENTS, EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
 from projections import cluster
 from projections.jobs import ReadModel, apply, meta_key, position_key
-from projections.store import Store
+from projections.store import ReadModelStore
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Projector:
     def __init__(
         self,
         log: Log,
-        path: Path | Store,
+        path: Path | ReadModelStore,
         *,
         topic: str = EVENTS,
         extra_topics: Sequence[str] | None = None,
@@ -57,8 +58,8 @@ class Projector:
         codec: Codec | None = None,
     ) -> None:
         self.log = log
-        self._owns_store = not isinstance(path, Store)
-        self.store = path if isinstance(path, Store) else Store(path)
+        self._owns_store = not isinstance(path, ReadModelStore)
+        self.store = path if isinstance(path, ReadModelStore) else ReadModelStore(path)
         self.topic = topic
         default_extra = (ALLOCATOR_EVENTS,) if topic == EVENTS else ()
         self.topics = (topic, *(default_extra if extra_topics is None else extra_topics))
@@ -127,7 +128,7 @@ class Projector:
         nexts: dict[tuple[str, int], int] = {}
         applied = skipped = errors = 0
         lags: list[float] = []
-        now_ms = time.time() * 1000
+        now = now_ms()
         for rec in records:
             pkey = position_key(rec.topic, rec.partition)
             pos = nexts.get((rec.topic, rec.partition))
@@ -150,7 +151,7 @@ class Projector:
                 applied += 1
                 ts = event.get("ts_ms")
                 if isinstance(ts, int):
-                    lags.append(max(now_ms - ts, 0.0) / 1000.0)
+                    lags.append(max(now - ts, 0.0) / 1000.0)
             except Exception:  # one bad event must not stop the read model
                 errors += 1
                 log.exception("projector failed to apply %s at %s[%d]@%d", event.get("type"), rec.topic,

@@ -3,10 +3,10 @@
 Keys are raw bytes; values are msgpack (``msgspec``), so a value is any plain
 Python structure (dicts, lists, str, int, float, bool, None).
 
-Writes go through a ``Txn``: an in-memory overlay that answers its own reads
+Writes go through a ``ReadModelTxn``: an in-memory overlay that answers its own reads
 (read-your-writes) and coalesces repeated writes of one key, then becomes one
-RocksDB ``WriteBatch`` on ``Store.commit``. The projector puts one polled batch
-of events plus the consumed offsets into one ``Txn``, so the read model and its
+RocksDB ``WriteBatch`` on ``ReadModelStore.commit``. The projector puts one polled batch
+of events plus the consumed offsets into one ``ReadModelTxn``, so the read model and its
 position are written atomically (RocksDB's write-ahead log makes the batch
 survive a kill -9 as a whole or not at all).
 
@@ -48,7 +48,7 @@ def prefix_end(prefix: bytes) -> bytes | None:
     return p[:-1] + bytes([p[-1] + 1])
 
 
-class Txn:
+class ReadModelTxn:
     """A write batch with read-your-writes; values are the decoded Python objects.
 
     A value returned by ``get`` is the txn's own copy: mutate it, then ``put``
@@ -57,7 +57,7 @@ class Txn:
 
     __slots__ = ("_store", "_cache", "_dirty")
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ReadModelStore) -> None:
         self._store = store
         self._cache: dict[bytes, Any] = {}
         self._dirty: set[bytes] = set()
@@ -94,8 +94,13 @@ class Txn:
         return wb
 
 
-class Store:
-    """RocksDB (rocksdict, raw mode) under ``path``; one process may open it at a time."""
+class ReadModelStore:
+    """RocksDB (rocksdict, raw mode) under ``path``; one process may open it at a time.
+
+    A read model's store, not a fold's (``dagfold.state.Store``): its transactions hand out
+    copies to mutate and put back, where a fold's state values are replaced, never mutated
+    (which is what lets ``PartitionTransaction`` roll a command back without copying).
+    """
 
     def __init__(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
@@ -169,10 +174,10 @@ class Store:
                 it.prev()
 
     # -- writing ---------------------------------------------------------
-    def txn(self) -> Txn:
-        return Txn(self)
+    def txn(self) -> ReadModelTxn:
+        return ReadModelTxn(self)
 
-    def commit(self, txn: Txn) -> None:
+    def commit(self, txn: ReadModelTxn) -> None:
         """Write every change of ``txn`` atomically."""
         if not len(txn):
             return

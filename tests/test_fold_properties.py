@@ -52,11 +52,11 @@ from hypothesis import strategies as st
 
 from dagfold.codec import Record, default_codec
 from dagfold.config import SchedulerOptions
+from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE
+from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.state.store import META_PREFIX
 from services.scheduler import keys
-from services.scheduler.appliers import JOB_TERMINAL, TERMINAL
 from services.scheduler.harness import FoldHarness
-from services.scheduler.processors import REDRIVABLE
 from services.scheduler.retry import NO_RETRY, backoff_ms, jitter_fraction
 from services.scheduler.spec import parse_spec, to_job_spec
 from services.scheduler.timers import due_timers

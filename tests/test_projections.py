@@ -14,7 +14,7 @@ from dagfold.codec import default_codec, make
 from dagfold.config import EVENTS, Config
 from dagfold.log.base import Log, TopicPartition, TopicSpec
 from dagfold.log.embedded import EmbeddedLog
-from projections import Projector, ReadModel, Store
+from projections import Projector, ReadModel, ReadModelStore
 from projections.jobs import TASK_STATES
 
 T0 = 1_700_000_000_000
@@ -349,10 +349,10 @@ def test_run_waits_for_topic(tmp_path: Path) -> None:
 
 
 def test_store_shared_with_reader(tmp_path: Path) -> None:
-    """A projector given an open Store leaves it open for its readers."""
+    """A projector given an open ReadModelStore leaves it open for its readers."""
     log = EmbeddedLog(tmp_path / "log")
     log.create_topics(Config(partitions=1).core_topics())
-    store = Store(tmp_path / "read")
+    store = ReadModelStore(tmp_path / "read")
     projector = Projector(log, store)
     projector.close()
     assert ReadModel(store).get_job("none") is None

@@ -11,7 +11,7 @@ import pytest
 from dagfold.config import ALLOCATOR_EVENTS, Config
 from dagfold.log.base import LogRecord, TopicSpec
 from dagfold.log.embedded import EmbeddedLog
-from projections import ClusterModel, Projector, Store
+from projections import ClusterModel, Projector, ReadModelStore
 from projections import cluster as cluster_model
 
 T0 = 1_700_000_000_000
@@ -29,20 +29,20 @@ def grant(aid: str, tenant: str, placements: list[tuple[str, int]], job: str = "
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    s = Store(tmp_path / "read")
+def store(tmp_path: Path) -> Iterator[ReadModelStore]:
+    s = ReadModelStore(tmp_path / "read")
     yield s
     s.close()
 
 
-def fold(store: Store, *events: dict[str, Any]) -> None:
+def fold(store: ReadModelStore, *events: dict[str, Any]) -> None:
     txn = store.txn()
     for e in events:
         cluster_model.apply(txn, e)
     store.commit(txn)
 
 
-def test_empty_until_allocator_events(store: Store) -> None:
+def test_empty_until_allocator_events(store: ReadModelStore) -> None:
     cm = ClusterModel(store)
     assert cm.totals() is None and cm.nodes().items == [] and cm.tenants() == []
     txn = store.txn()
@@ -50,7 +50,7 @@ def test_empty_until_allocator_events(store: Store) -> None:
     assert len(txn) == 0
 
 
-def test_occupancy_grants_releases_and_health(store: Store) -> None:
+def test_occupancy_grants_releases_and_health(store: ReadModelStore) -> None:
     cm = ClusterModel(store)
     fold(store, node("h1"), node("h2"), node("h3", gpus=4, pool="p2"))
     tot = cm.totals()
@@ -92,7 +92,7 @@ def test_occupancy_grants_releases_and_health(store: Store) -> None:
     assert tot is not None and tot["nodes"] == 2 and tot["gpus"] == 16
 
 
-def test_tolerates_other_field_names(store: Store) -> None:
+def test_tolerates_other_field_names(store: ReadModelStore) -> None:
     """Allocator schemas may name fields differently (host, gpu_count, hosts with gpus_per_host)."""
     cm = ClusterModel(store)
     fold(store, {"type": A + "NodeHeartbeat", "host": "n1", "gpu_count": 8, "model": "A100", "healthy": True},
@@ -150,7 +150,7 @@ def test_projector_reads_the_allocator_topic_once_it_exists(tmp_path: Path) -> N
         log.close()
 
 
-def test_follows_the_real_allocator(store: Store) -> None:
+def test_follows_the_real_allocator(store: ReadModelStore) -> None:
     """Events of the allocator's own fold (virtual time): the model agrees with the allocator's state."""
     from services.allocator.harness import AllocatorHarness
 

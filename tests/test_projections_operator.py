@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dagfold.codec import make
-from projections import OperatorModel, ReadModel, Store
+from projections import OperatorModel, ReadModel, ReadModelStore
 from projections.jobs import apply
 from projections.operator import QUEUE_STATES, reason_class
 from services.scheduler.harness import FoldHarness
@@ -39,7 +39,7 @@ class Model:
     """Events applied straight into a store (the projector's batching is tested elsewhere)."""
 
     def __init__(self, path: Path) -> None:
-        self.store = Store(path)
+        self.store = ReadModelStore(path)
         self.rm = ReadModel(self.store)
         self.ops = OperatorModel(self.store)
         self.offset = 0

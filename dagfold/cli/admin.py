@@ -188,7 +188,7 @@ def serve(folder: Path = typer.Argument(..., help="a folder written by `dagfold 
     import uvicorn
 
     from projections.jobs import ReadModel
-    from projections.store import Store
+    from projections.store import ReadModelStore
     from services.api.app import create_app
     from services.api.auth import AuthConfig, AuthConfigError
 
@@ -201,7 +201,7 @@ def serve(folder: Path = typer.Argument(..., help="a folder written by `dagfold 
     except AuthConfigError as exc:
         raise fail(str(exc)) from None
     try:
-        store = Store(proj)
+        store = ReadModelStore(proj)
     except Exception as exc:  # RocksDB refuses a folder that a running stack holds
         raise fail(f"cannot open {proj}: {exc} (is a stack still running on it?)", 1) from None
     cfg = _config("embedded", folder, port)

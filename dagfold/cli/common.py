@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dagfold import clock
 from dagfold.config import Config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -151,7 +152,7 @@ def _ago(ms: int | None, now_ms: int | None = None) -> str:
     (``in 5s`` for a time still ahead)."""
     if ms is None:
         return ""
-    delta = ((now_ms if now_ms is not None else int(time.time() * 1000)) - ms) / 1000
+    delta = ((now_ms if now_ms is not None else clock.now_ms()) - ms) / 1000
     s = abs(delta)
     text = (f"{s:.0f}s" if s < 60 else f"{s // 60:.0f}m" if s < 3600 else f"{s // 3600:.0f}h" if s < 86400
             else f"{s // 86400:.0f}d")
@@ -162,11 +163,11 @@ def _when(ms: int | None, now_ms: int | None = None) -> str:
     """A time absolute and relative: ``08:40:06.123 (3m ago)`` today, with the date on other days."""
     if ms is None:
         return ""
-    now = now_ms if now_ms is not None else int(time.time() * 1000)
+    now = now_ms if now_ms is not None else clock.now_ms()
     day = time.strftime("%Y-%m-%d", time.localtime(ms / 1000))
     today = time.strftime("%Y-%m-%d", time.localtime(now / 1000))
-    clock = _ts(ms)
-    return f"{clock if day == today else day + ' ' + clock} ({_ago(ms, now)})"
+    hhmm = _ts(ms)
+    return f"{hhmm if day == today else day + ' ' + hhmm} ({_ago(ms, now)})"
 
 
 _UNITS_S = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -181,7 +182,7 @@ def _time_arg(value: str | None, option: str) -> str | None:
         return None
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(s|m|min|h|d|w)\s*", value)
     if m:
-        return str(int(time.time() * 1000 - float(m.group(1)) * _UNITS_S[m.group(2)] * 1000))
+        return str(int(clock.now_ms() - float(m.group(1)) * _UNITS_S[m.group(2)] * 1000))
     if value.strip().isdigit() or value.strip()[:4].isdigit():
         return value.strip()
     raise fail(f"{option} {value!r}: give an age (30s, 15m, 1h, 2d, 1w), an ISO 8601 time or epoch ms")

@@ -24,9 +24,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from dagfold.cli.common import fail
+from dagfold.lifecycle import JOB_FINAL
 
 Event = tuple[str, dict[str, Any]]
-TERMINAL = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
+TERMINAL = JOB_FINAL
 PLAIN_EVERY_S = 2.0
 SHOWN_RUNNING = 6
 STATE_ORDER = ("running", "runnable", "retrying", "pending", "succeeded", "failed", "skipped", "cancelled")

@@ -55,6 +55,7 @@ from dagfold.cli.common import (
     run_until_stopped,
     serve_metrics,
 )
+from dagfold.clock import now_ms
 from projections.jobs import APPLIERS as _JOB_APPLIERS
 
 JobArg = Annotated[str, typer.Argument(help="job ID, a unique prefix of it, or the job's name", show_default=False)]
@@ -574,7 +575,7 @@ def jobs(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = F
     if as_json:
         _print_json({**page, "jobs": rows})
         return
-    now = int(time.time() * 1000)
+    now = now_ms()
     if out.width >= 110:
         t = _id_table("job", "name", "tenant", "state", "progress", "tasks", "created", "duration", "reason")
         for j in rows:
@@ -795,7 +796,7 @@ def history(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, a
     if as_json:
         _print_json(items)
         return
-    now = int(time.time() * 1000)
+    now = now_ms()
     t = _table("time", "event", "task", "attempt", "detail")
     for x in items:
         t.add_row(_when(x["ts_ms"], now), x["type"].rsplit(".", 1)[-1], x.get("task_id") or "",

@@ -30,6 +30,7 @@ from typing import cast
 
 from rocksdict import AccessType, Options, Rdict, ReadOptions, WriteBatch
 
+from dagfold.clock import now_ms
 from dagfold.exceptions import FencedError, LogError
 from dagfold.log.base import (
     DEFAULT_PARTITIONER,
@@ -70,10 +71,6 @@ def _items(db: Rdict, start: bytes, end: bytes | None = None) -> Iterator[tuple[
     opts = ReadOptions()  # must outlive the iterator (RocksDB keeps a pointer to the bound): a generator
     opts.set_iterate_upper_bound(end)
     yield from cast(Iterator[tuple[bytes, bytes]], iter(db.items(from_key=start, read_opt=opts)))
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 TAIL_RECORDS = 4096  # per partition, the newest records kept in memory for caught-up consumers
@@ -252,7 +249,7 @@ class EmbeddedLog:
             if fence is not None and self._epochs.get(fence[0]) != fence[1]:
                 raise FencedError(f"transactional id {fence[0]!r} was taken over by a newer instance")
             wb = WriteBatch(raw_mode=True)
-            ts = _now_ms()
+            ts = now_ms()
             last: dict[TopicPartition, int] = {}
             next_off: dict[TopicPartition, int] = {}
             written: list[LogRecord] = []

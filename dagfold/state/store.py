@@ -26,7 +26,8 @@ APPLIED_EVENTS = b"applied_events"
 
 
 class Store(Protocol):
-    """Backing storage of one partition's state."""
+    """Backing storage of one partition's fold state (a read model has its own,
+    ``projections.store.ReadModelStore``). Values are replaced, never mutated."""
 
     def raw_get(self, key: bytes) -> bytes | None: ...
 

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dagfold.artifacts import Artifact, ArtifactError, ArtifactStore, checkpoint_prefix, output_prefix
+from dagfold.clock import now_ms
 
 log = logging.getLogger("dagfold.agent")
 MAX_RESULT_BYTES = 64 * 1024
@@ -166,7 +167,7 @@ class Launcher:
         except Exception as exc:  # storage errors: the previous checkpoint stays the resume point
             log.warning("%s: checkpoint upload failed: %r", jp.alloc_id, exc)
             return
-        jp.last_checkpoint_ms = int(time.time() * 1000)
+        jp.last_checkpoint_ms = now_ms()
 
     def collect(self, jp: JobProcess) -> Future[list[Artifact]]:
         """Upload the outputs of a process that exited 0 (in the background: big outputs do not stall

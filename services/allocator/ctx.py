@@ -8,6 +8,7 @@ from typing import Any
 from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.outputs import Output
+from dagfold.processor.fold import FoldContext
 from services.allocator.appliers import A, apply_event
 from services.allocator.model import AllocView
 from services.allocator.options import AllocatorOptions
@@ -15,7 +16,9 @@ from services.allocator.state import PoolState
 
 
 @dataclass(slots=True)
-class Ctx:
+class Ctx(FoldContext):
+    """An allocator command's context: the pool's state (bound to the transaction), options, counters."""
+
     st: PoolState
     now_ms: int
     offset: int
@@ -40,10 +43,10 @@ class Ctx:
         partition, so the decision crosses as a command, like Zeebe's inter-partition commands)."""
         if not self.opts.notify_scheduler:
             return
-        self.out.append(Output(COMMANDS, job_id, {
+        self.emit(COMMANDS, job_id, {
             "type": "dagfold.command.TaskAllocation", "job_id": job_id, "task_id": task_id, "attempt": attempt,
             "pool": self.opts.pool, "ts_ms": self.now_ms, "status": status, "alloc_id": alloc_id, "epoch": epoch,
-            "hosts": hosts or [], "reason": reason, "checkpoint_uri": checkpoint_uri, "cause_offset": self.offset}))
+            "hosts": hosts or [], "reason": reason, "checkpoint_uri": checkpoint_uri, "cause_offset": self.offset})
 
     def stop(self, a: AllocView, reason: str, *, checkpoint: bool = False, deadline_ms: int | None = None,
              nodes: list[str] | None = None) -> None:
@@ -57,14 +60,14 @@ class Ctx:
         for p in a.parts:
             if nodes is not None and p.node not in nodes:
                 continue
-            self.out.append(Output(CONTROL, p.node, {
+            self.emit(CONTROL, p.node, {
                 "type": A + "StopAllocation", "pool": self.opts.pool, "node_id": p.node, "alloc_id": a.id,
                 "epoch": a.epoch, "job_id": a.req.job_id, "task_id": a.req.task_id, "attempt": a.req.attempt,
-                "reason": reason, "checkpoint": checkpoint, "deadline_ms": deadline_ms, "ts_ms": self.now_ms}))
+                "reason": reason, "checkpoint": checkpoint, "deadline_ms": deadline_ms, "ts_ms": self.now_ms})
 
     def fence(self, node_id: str, alloc_id: str, epoch: int, reason: str) -> None:
         """Stop a process the allocator does not know (stale epoch, lost node): no state involved."""
-        self.out.append(Output(CONTROL, node_id, {
+        self.emit(CONTROL, node_id, {
             "type": A + "StopAllocation", "pool": self.opts.pool, "node_id": node_id, "alloc_id": alloc_id,
             "epoch": epoch, "job_id": "", "task_id": "", "attempt": 0, "reason": reason, "checkpoint": False,
-            "deadline_ms": None, "ts_ms": self.now_ms}))
+            "deadline_ms": None, "ts_ms": self.now_ms})

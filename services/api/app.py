@@ -44,7 +44,7 @@ from services.api import auth as auth_mod
 from services.api import errors, routes_deadletters, routes_gpu, routes_jobs, routes_ops, routes_outputs
 from services.api.admission import Admission, AdmissionConfig
 from services.api.auth import AuthConfig, Principal
-from services.api.context import ApiContext, CommandSender
+from services.api.context import ApiContext, ApiSender
 from services.api.errors import ApiError
 from services.api.guard import BrowserGuard, GuardConfig
 from services.api.metrics_collector import ReadModelCollector
@@ -125,7 +125,7 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
     adm_config = admission if admission is not None else AdmissionConfig.from_env(auth_config.limits)
     ops = OperatorModel(read_model.store)
     ctx = ApiContext(
-        log=log, rm=read_model, config=config, sender=CommandSender(log), auth=auth_config,
+        log=log, rm=read_model, config=config, sender=ApiSender(log), auth=auth_config,
         admission=Admission(adm_config, ops.open_jobs, lambda j: read_model.get_job(j) is not None),
         body_limit=max_body_bytes if max_body_bytes is not None else config.scheduler.limits.max_spec_bytes,
         sse_poll_s=sse_poll_s, callbacks=callbacks,

@@ -8,17 +8,15 @@ tests).
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from dagfold.artifacts import ArtifactStore, open_store
-from dagfold.codec import default_codec
-from dagfold.config import COMMANDS, Config
+from dagfold.commands import CommandSender
+from dagfold.config import Config
 from dagfold.exceptions import CodecError, LogError, disk_full
-from dagfold.log.base import Log, Producer
+from dagfold.log.base import Log
 from projections.cluster import ClusterModel
 from projections.jobs import ReadModel
 from projections.operator import OperatorModel
@@ -31,41 +29,32 @@ from services.callbacks.ledger import CallbackLedger
 logger = logging.getLogger("dagfold.api")
 
 
-class CommandSender:
-    """The API's producer, shared by request threads; ``send`` returns once the record is durable."""
+class ApiSender:
+    """The API's use of the one ``CommandSender`` (shared by request threads): its errors become
+    HTTP answers. ``log`` None: a read-only API (dagfold serve), every send refused."""
 
     def __init__(self, log: Log | None) -> None:
-        self._log = log  # None: a read-only API (dagfold serve), every send refused
-        self._producer: Producer | None = None
-        self._lock = threading.Lock()
+        self._sender = CommandSender(log, "api") if log is not None else None
 
     def send(self, record: dict[str, Any], key: str) -> None:
+        if self._sender is None:
+            raise ApiError(405, "read_only", "this API is read-only: it has no command log")
         try:
-            value = default_codec().encode(record)
+            self._sender.send(record, key)
         except CodecError as exc:
             raise ApiError(400, "invalid_spec", str(exc)) from None
-        if self._log is None:
-            raise ApiError(405, "read_only", "this API is read-only: it has no command log")
-        with self._lock:
-            try:
-                if self._producer is None:
-                    self._producer = self._log.producer("api")
-                self._producer.send(COMMANDS, key.encode(), value)
-                self._producer.flush()
-            except LogError as exc:
-                logger.warning("api: cannot write %s: %s", record["type"], exc)
-                reason = "no space left on device" if disk_full(exc) else str(exc)
-                raise ApiError(503, "log_unavailable", f"the command log is unavailable: {reason}",
-                               headers={"Retry-After": "30"}) from None
+        except LogError as exc:
+            logger.warning("api: cannot write %s: %s", record["type"], exc)
+            reason = "no space left on device" if disk_full(exc) else str(exc)
+            raise ApiError(503, "log_unavailable", f"the command log is unavailable: {reason}",
+                           headers={"Retry-After": "30"}) from None
 
     def close(self) -> None:
-        with self._lock:
-            if self._producer is not None:
-                try:
-                    self._producer.close()
-                except LogError as exc:
-                    logger.warning("api: producer close failed: %s", exc)
-                self._producer = None
+        if self._sender is not None:
+            try:
+                self._sender.close()
+            except LogError as exc:
+                logger.warning("api: producer close failed: %s", exc)
 
 
 @dataclass
@@ -73,7 +62,7 @@ class ApiContext:
     log: Log | None  # None: a read-only API
     rm: ReadModel
     config: Config
-    sender: CommandSender
+    sender: ApiSender
     auth: AuthConfig
     admission: Admission
     body_limit: int
@@ -111,8 +100,6 @@ class ApiContext:
         return job
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def parse_time_ms(value: str | None, name: str) -> int | None:

@@ -9,12 +9,12 @@ part of the deadline index, never all tasks.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from dagfold.clock import now_ms
 from projections.cluster import ClusterModel
 from projections.operator import QUEUE_STATES, OperatorModel
 
@@ -51,16 +51,16 @@ class ReadModelCollector(Collector):
         qtasks = GaugeMetricFamily("dagfold_queue_tasks", "Open tasks of a queue by state.", labels=["queue", "state"])
         age = GaugeMetricFamily("dagfold_queue_oldest_runnable_age_seconds",
                                 "Wait of the longest-waiting runnable task of a queue.", labels=["queue"])
-        now_ms = int(time.time() * 1000)
+        now = now_ms()
         for q in self.ops.queues():
             depth.add_metric([q["queue"]], q["runnable"])
             for s in QUEUE_STATES:
                 qtasks.add_metric([q["queue"], s], q[s])
             oldest = self.ops.oldest_runnable_ms(q["queue"])
-            age.add_metric([q["queue"]], max(now_ms - oldest, 0) / 1000 if oldest is not None else 0.0)
+            age.add_metric([q["queue"]], max(now - oldest, 0) / 1000 if oldest is not None else 0.0)
         yield from (depth, qtasks, age)
 
-        stuck = self.ops.stuck(now_ms, grace_ms=STUCK_GRACE_MS, limit=STUCK_SCAN_LIMIT)
+        stuck = self.ops.stuck(now, grace_ms=STUCK_GRACE_MS, limit=STUCK_SCAN_LIMIT)
         sg = GaugeMetricFamily("dagfold_stuck_tasks", "Open tasks past a deadline (lease, start-to-close, "
                                f"schedule-to-start, backoff) by more than 5 s; capped at {STUCK_SCAN_LIMIT}.",
                                labels=["kind"])

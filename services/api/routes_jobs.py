@@ -16,11 +16,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
+from dagfold.clock import now_ms
 from dagfold.codec import make
+from dagfold.lifecycle import REDRIVABLE
 from dagfold.parsing import ParseError, load_json, load_yaml
 from projections.jobs import TERMINAL_JOB_STATES, Page
 from services.api.auth import Principal
-from services.api.context import ApiContext, now_ms, parse_time_ms
+from services.api.context import ApiContext, parse_time_ms
 from services.api.errors import ApiError
 from services.api.graph import graph_json, layout
 from services.api.sse import stream_response
@@ -34,7 +36,6 @@ Limit = Annotated[int, Query(ge=1, le=1000, description="page size (at most 1000
 
 JSON_TYPES = ("application/json",)
 YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
-REDRIVABLE_STATES = frozenset({"failed", "succeeded_partial", "cancelled"})
 
 
 class CancelIn(BaseModel):
@@ -305,9 +306,9 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
             summary="Re-run a finished job's failed, skipped and cancelled tasks")
     def redrive_job(job_id: str, principal: Caller) -> dict[str, Any]:
         job = ctx.job_for(job_id, principal)
-        if job["state"] not in REDRIVABLE_STATES:
+        if job["state"] not in REDRIVABLE:
             raise ApiError(409, "not_redrivable", f"job {job_id!r} is {job['state']}; only "
-                           f"{', '.join(sorted(REDRIVABLE_STATES))} jobs can be redriven")
+                           f"{', '.join(sorted(REDRIVABLE))} jobs can be redriven")
         ctx.sender.send(make("dagfold.command.RedriveJob", job_id=job_id, requested_at_ms=now_ms()), job_id)
         return {"job_id": job_id, "state": "redrive_requested"}
 

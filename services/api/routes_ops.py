@@ -12,9 +12,10 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
 
+from dagfold.clock import now_ms
 from projections.keys import Record
 from services.api.auth import Principal
-from services.api.context import ApiContext, now_ms, parse_time_ms
+from services.api.context import ApiContext, parse_time_ms
 
 NODE_SCAN_LIMIT = 20_000
 

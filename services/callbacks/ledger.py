@@ -1,6 +1,6 @@
 """The notifier's durable ledger: which jobs want a callback, and each delivery's state.
 
-A RocksDB store (``projections.store.Store``: msgpack values, atomic write
+A RocksDB store (``projections.store.ReadModelStore``: msgpack values, atomic write
 batches, reads safe from other threads) under ``<data>/callbacks``. Keys
 (string parts escaped by ``projections.keys.part``)::
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from projections.keys import SEP, U32, U64, part, unpart
-from projections.store import Store, Txn, decode_value
+from projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 PENDING = "pending"
 DELIVERED = "delivered"
@@ -66,9 +66,9 @@ def delivery_id(job_id: str, round_: int) -> str:
 class CallbackLedger:
     """The ledger over its own store (a path opens one and owns it)."""
 
-    def __init__(self, path: Path | Store) -> None:
-        self._owns = not isinstance(path, Store)
-        self.store = path if isinstance(path, Store) else Store(path)
+    def __init__(self, path: Path | ReadModelStore) -> None:
+        self._owns = not isinstance(path, ReadModelStore)
+        self.store = path if isinstance(path, ReadModelStore) else ReadModelStore(path)
 
     # -- reads (any thread) ------------------------------------------------------
     def job(self, job_id: str) -> Record | None:
@@ -119,10 +119,10 @@ class CallbackLedger:
         return sum(1 for _ in self.store.scan(_DUE))
 
     # -- writes (the notifier's thread) ------------------------------------------
-    def txn(self) -> Txn:
+    def txn(self) -> ReadModelTxn:
         return self.store.txn()
 
-    def commit(self, txn: Txn) -> None:
+    def commit(self, txn: ReadModelTxn) -> None:
         self.store.commit(txn)
 
     def close(self) -> None:

@@ -47,11 +47,12 @@ from pathlib import Path
 import httpx
 
 from dagfold import metrics
+from dagfold.clock import now_ms
 from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
-from projections.store import Txn
+from projections.store import ReadModelTxn
 from services.callbacks.ledger import (
     DELIVERED,
     GAVE_UP,
@@ -218,7 +219,7 @@ class CallbackNotifier:
             self._consumer.commit(nexts)  # after the ledger: a crash in between re-reads, which is a no-op
         return scheduled
 
-    def _apply(self, txn: Txn, ev: Record, offset: int, now_ms: int) -> int:
+    def _apply(self, txn: ReadModelTxn, ev: Record, offset: int, now_ms: int) -> int:
         job_id: str = ev["job_id"]
         jk = job_key(job_id)
         kind = ev["type"]
@@ -306,7 +307,7 @@ class CallbackNotifier:
             delay = max(delay, min(retry_after_s, o.max_backoff_s))
         return delay
 
-    def _record(self, txn: Txn, job_id: str, rnd: int, outcome: Outcome, now_ms: int) -> str | None:
+    def _record(self, txn: ReadModelTxn, job_id: str, rnd: int, outcome: Outcome, now_ms: int) -> str | None:
         """Write an attempt's outcome; returns the metric it counts for (delivered, retried, gave_up:<why>)."""
         dk = delivery_key(job_id, rnd)
         d = txn.get(dk)
@@ -402,8 +403,8 @@ class CallbackNotifier:
         return started
 
     # -- the loop ------------------------------------------------------------------
-    def _now_ms(self) -> int:
-        return int(time.time() * 1000)
+    def _now_ms(self) -> int:  # a method: tests move this notifier's clock
+        return now_ms()
 
     def _poll_wait_s(self, timeout_s: float | None) -> float:
         wait = self.poll_timeout_s if timeout_s is None else timeout_s

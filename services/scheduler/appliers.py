@@ -14,12 +14,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dagfold.codec import Record
+from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.state import PartitionTransaction
 from services.scheduler import keys
 from services.scheduler.retry import NO_RETRY
-
-TERMINAL = frozenset({"succeeded", "failed", "skipped", "cancelled"})
-JOB_TERMINAL = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled"})
 
 Applier = Callable[[PartitionTransaction, Record], None]
 

@@ -18,13 +18,14 @@ import fastavro
 
 from dagfold.codec import Record, default_codec
 from dagfold.config import ALLOCATOR_COMMANDS, CONTROL, EVENTS, SchedulerOptions, dispatch_topic
+from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE
+from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.outputs import Output
+from dagfold.processor.fold import FoldContext
 from dagfold.state import PartitionTransaction
 from services.allocator import commands as alloc_cmds
 from services.scheduler import keys
 from services.scheduler.appliers import (
-    JOB_TERMINAL,
-    TERMINAL,
     apply_event,
     get_dependents,
     read_job,
@@ -37,7 +38,9 @@ E = "dagfold.event."
 
 
 @dataclass
-class Ctx:
+class Ctx(FoldContext):
+    """A scheduler command's context: the partition's transaction, and its events applied at once."""
+
     txn: PartitionTransaction
     now_ms: int
     offset: int
@@ -54,9 +57,9 @@ class Ctx:
     def stop_task(self, worker_id: str | None, job_id: str, task_id: str, attempt: int, reason: str) -> None:
         if not worker_id:
             return
-        self.out.append(Output(CONTROL, worker_id, {
+        self.emit(CONTROL, worker_id, {
             "type": "dagfold.control.StopTask", "worker_id": worker_id, "job_id": job_id,
-            "task_id": task_id, "attempt": attempt, "reason": reason, "ts_ms": self.now_ms}))
+            "task_id": task_id, "attempt": attempt, "reason": reason, "ts_ms": self.now_ms})
 
 
 def stop_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], reason: str) -> None:
@@ -65,8 +68,8 @@ def stop_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], reas
     whose agents the allocator stops)."""
     if is_gpu(t):
         if t["state"] in ("runnable", "running"):
-            ctx.out.append(Output(ALLOCATOR_COMMANDS, t["queue"], alloc_cmds.cancel_request(
-                t["queue"], job_id, task_id, reason, ts_ms=ctx.now_ms)))
+            ctx.emit(ALLOCATOR_COMMANDS, t["queue"], alloc_cmds.cancel_request(
+                t["queue"], job_id, task_id, reason, ts_ms=ctx.now_ms))
     elif t["state"] == "running":
         ctx.stop_task(t["worker"], job_id, task_id, t["attempt"], reason)
 
@@ -121,15 +124,15 @@ def dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt:
         req = alloc_cmds.from_resources(t["queue"], job_id, task_id, attempt, tenant, tier, t["resources"],
                                         ctx.now_ms)
         req["resume_checkpoint"] = t.get("ckpt")
-        ctx.out.append(Output(ALLOCATOR_COMMANDS, t["queue"], req))
+        ctx.emit(ALLOCATOR_COMMANDS, t["queue"], req)
         return
     # keyed by job and task, not job: a job's parallel tasks spread over the queue's partitions
     # (and so over workers) instead of queueing behind each other on one partition
-    ctx.out.append(Output(dispatch_topic(t["queue"]), f"{job_id}/{task_id}", {
+    ctx.emit(dispatch_topic(t["queue"]), f"{job_id}/{task_id}", {
         "type": "dagfold.dispatch.TaskDispatch", "job_id": job_id, "task_id": task_id, "attempt": attempt,
         "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
         "idempotency_key": f"{job_id}/{task_id}", "lease_timeout_s": lease_timeout_ms(ctx, t) / 1000,
-        "start_to_close_s": (t["timeouts"] or {}).get("start_to_close_s"), "dispatched_at_ms": ctx.now_ms}))
+        "start_to_close_s": (t["timeouts"] or {}).get("start_to_close_s"), "dispatched_at_ms": ctx.now_ms})
 
 
 def propagate(ctx: Ctx, job_id: str, task_id: str, outcome: str) -> None:
@@ -218,7 +221,6 @@ def cancel_job(ctx: Ctx, cmd: Record) -> None:
     ctx.event("JobCancelled", job_id, reason=cmd["reason"])
 
 
-REDRIVABLE = frozenset({"failed", "succeeded_partial", "cancelled"})
 
 
 def redrive_job(ctx: Ctx, cmd: Record) -> None:
@@ -387,12 +389,12 @@ def _gpu_dispatch(ctx: Ctx, cmd: Record, t: Mapping[str, Any], tenant: str) -> N
     """The grant's hosts get the attempt on control, keyed by node; the first host reports it."""
     lease_s = lease_timeout_ms(ctx, t) / 1000
     for i, h in enumerate(cmd["hosts"]):
-        ctx.out.append(Output(CONTROL, h["node_id"], {
+        ctx.emit(CONTROL, h["node_id"], {
             "type": "dagfold.control.GpuTaskDispatch", "node_id": h["node_id"], "pool": cmd["pool"],
             "alloc_id": cmd["alloc_id"], "epoch": cmd["epoch"], "job_id": cmd["job_id"], "task_id": cmd["task_id"],
             "attempt": cmd["attempt"], "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
             "gpu_indices": list(h["gpu_indices"]), "leader": i == 0, "resume_checkpoint": cmd["checkpoint_uri"],
-            "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms}))
+            "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms})
 
 
 def _allocation_mismatch(t: Mapping[str, Any], status: str, alloc: str | None) -> str | None:
@@ -430,8 +432,8 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
         if over and status in ("granted", "requeued"):
             # the task ended without its pool hearing (it succeeded while its allocation was being
             # preempted): free the GPUs or the queue slot; no later attempt of it can be hurt
-            ctx.out.append(Output(ALLOCATOR_COMMANDS, cmd["pool"], alloc_cmds.cancel_request(
-                cmd["pool"], job_id, task_id, f"task ended: {why}", ts_ms=ctx.now_ms)))
+            ctx.emit(ALLOCATOR_COMMANDS, cmd["pool"], alloc_cmds.cancel_request(
+                cmd["pool"], job_id, task_id, f"task ended: {why}", ts_ms=ctx.now_ms))
         return
     if status == "granted":
         ctx.event("TaskAllocated", job_id, task_id=task_id, attempt=attempt, pool=cmd["pool"], alloc_id=alloc,

@@ -44,6 +44,7 @@ from typing import Any
 
 from dagfold import codec, metrics
 from dagfold.artifacts import ArtifactStore, output_prefix
+from dagfold.clock import now_ms
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic, worker_group
 from dagfold.exceptions import CodecError, LogError
@@ -77,10 +78,6 @@ class WorkerCrashed(Exception):
     scheduler reclaims the attempt when its lease expires (``lease_expired``).
     Never raised by dagfold itself; no built-in handler raises it.
     """
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def _clean(s: str) -> str:
@@ -456,7 +453,7 @@ class Worker:
     def _dead_letter(self, rec: LogRecord, reason: str) -> None:
         dl = codec.make("dagfold.deadletter.DeadLetter", source_topic=rec.topic, partition=rec.partition,
                         offset=rec.offset, key=rec.key, value=rec.value, reason=reason, service=SERVICE,
-                        ts_ms=_now_ms())
+                        ts_ms=now_ms())
         self._send(DEADLETTER, rec.key or b"", dl)
         self.dead_lettered += 1
         metrics.DEAD_LETTERS.labels(SERVICE).inc()
@@ -488,9 +485,9 @@ class Worker:
         kb = d["job_id"].encode()
         self._send(COMMANDS, kb, codec.make(
             "dagfold.command.TaskStarted", job_id=key[0], task_id=key[1], attempt=key[2],
-            worker_id=self.worker_id, ts_ms=_now_ms()))
+            worker_id=self.worker_id, ts_ms=now_ms()))
         self.tasks_run += 1
-        metrics.observe_dispatch(self.queue, d["dispatched_at_ms"], _now_ms())
+        metrics.observe_dispatch(self.queue, d["dispatched_at_ms"], now_ms())
         if not batched:
             self._producer.flush()  # take the lease before a long run
         started = time.monotonic()
@@ -610,7 +607,7 @@ class Worker:
         self.tasks_succeeded += 1
         log.debug("task succeeded", extra=self._extra((ctx.job_id, ctx.task_id, ctx.attempt)))
         return codec.make("dagfold.command.TaskSucceeded", job_id=ctx.job_id, task_id=ctx.task_id,
-                          attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=_now_ms(), result_json=result_json,
+                          attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=now_ms(), result_json=result_json,
                           stdout_tail=_tail(ctx.stdout_tail), stderr_tail=_tail(ctx.stderr_tail))
 
     def _failed(self, ctx: TaskContext, exc: Exception) -> Record:
@@ -626,7 +623,7 @@ class Worker:
         else:
             log.info("task failed: %s: %s", type(exc).__name__, reason, extra=extra, exc_info=exc)
         return codec.make("dagfold.command.TaskFailed", job_id=ctx.job_id, task_id=ctx.task_id,
-                          attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=_now_ms(), reason=reason,
+                          attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=now_ms(), reason=reason,
                           exit_code=exit_code, error_type=error_type, retryable=retryable,
                           stdout_tail=_tail(ctx.stdout_tail), stderr_tail=_tail(ctx.stderr_tail))
 
@@ -634,7 +631,7 @@ class Worker:
     def _send_heartbeat(self, ctx: TaskContext, progress: float | None, message: str | None, *,
                         flush: bool) -> None:
         hb = codec.make("dagfold.command.TaskHeartbeat", job_id=ctx.job_id, task_id=ctx.task_id,
-                        attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=_now_ms(), progress=progress,
+                        attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=now_ms(), progress=progress,
                         message=_clean(str(message)[:1024]) if message is not None else None)
         try:
             self._send(COMMANDS, ctx.job_id.encode(), hb)

@@ -1,0 +1,91 @@
+"""The layer contract, over the import graph of dagfold, services and projections.
+
+Layers point one way: plumbing (``dagfold``: log, codec, state, processor, config...) <- services
+and projections <- the CLI (``dagfold.cli``, the top layer; nothing imports it) and the API.
+And no module imports another that (directly or not) imports it back. Every import counts,
+including those inside functions (they run, only later); imports under ``if TYPE_CHECKING:``
+do not (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("dagfold", "services", "projections")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node except those under ``if TYPE_CHECKING:``."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        out.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from the module's package
+                    base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = base[:len(base) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:  # ``from pkg import submodule`` imports the submodule
+                    deps.add(f"{target}.{a.name}" if f"{target}.{a.name}" in files else target)
+        graph[mod] = {d for d in deps if d in files and d != mod}
+    return graph
+
+
+def layer(mod: str) -> str:
+    if mod in ("dagfold.cli", "dagfold.__main__") or mod.startswith("dagfold.cli."):  # python -m dagfold
+        return "cli"
+    return mod.split(".")[0]
+
+
+def test_layers_point_one_way() -> None:
+    allowed = {"dagfold": {"dagfold"}, "services": {"dagfold", "services", "projections"},
+               "projections": {"dagfold", "projections"}, "cli": {"dagfold", "services", "projections", "cli"}}
+    wrong = sorted(f"{mod} imports {dep}" for mod, deps in import_graph().items() for dep in deps
+                   if layer(dep) not in allowed[layer(mod)])
+    assert wrong == []
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    # A package's __init__ that re-exports its modules is not a cycle with them.
+    edges = {m: {d for d in deps if not (d in graph and m.startswith(d + "."))} for m, deps in graph.items()}
+    try:
+        graphlib.TopologicalSorter(edges).prepare()
+    except graphlib.CycleError as exc:
+        raise AssertionError(f"import cycle: {' -> '.join(exc.args[1])}") from None
+
+
+def test_the_graph_sees_imports_inside_functions() -> None:
+    """The checks would pass vacuously if the graph missed function-level imports."""
+    graph = import_graph()
+    assert "services.scheduler.runner" in graph["dagfold.cli.admin"]  # imported inside a command
+    assert "dagfold.processor.processor" in graph["dagfold.processor"]
