@@ -21,6 +21,7 @@ on both backends:
 from __future__ import annotations
 
 import functools
+import struct
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,11 +72,9 @@ def murmur2(data: bytes) -> int:
     n = len(data)
     h = (0x9747B28C ^ n) & 0xFFFFFFFF
     end = n & ~3
-    for i in range(0, end, 4):
-        k = data[i] | (data[i + 1] << 8) | (data[i + 2] << 16) | (data[i + 3] << 24)
+    for k in struct.unpack_from(f"<{end >> 2}I", data):  # the 4-byte little-endian words
         k = (k * m) & 0xFFFFFFFF
-        k ^= k >> 24
-        k = (k * m) & 0xFFFFFFFF
+        k = ((k ^ (k >> 24)) * m) & 0xFFFFFFFF
         h = ((h * m) & 0xFFFFFFFF) ^ k
     rest = n & 3
     if rest == 3:
