@@ -117,3 +117,39 @@ def test_an_abortable_commit_error_says_nothing_committed() -> None:
     p.begin()
     with pytest.raises(TransactionAbortedError):
         p.commit({})
+
+
+class BrokerRestartDuringCommit(ScriptedProducer):
+    """commit_transaction meets a broker that went away: the coordinator is unreachable for
+    ``failures`` calls (retriable), then answers again."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls.append("commit")
+        if self.failures:
+            self.failures -= 1
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Broker: disconnected", retriable=True))
+
+    def poll(self, timeout: float) -> int:
+        return 0
+
+
+def test_a_broker_restart_during_commit_is_retried_through() -> None:
+    client = BrokerRestartDuringCommit(failures=2)
+    p = KafkaTransactionalProducer(OnePartition(), client)  # type: ignore[arg-type]
+    p.begin()
+    assert p.commit({}) == {}
+    assert client.calls.count("commit") == 3
+
+
+def test_a_broker_down_past_the_retries_of_a_commit_is_an_unknown_outcome() -> None:
+    """Not "aborted": the broker may have written the commit before it went down."""
+    client = BrokerRestartDuringCommit(failures=10)
+    p = KafkaTransactionalProducer(OnePartition(), client)  # type: ignore[arg-type]
+    p.begin()
+    with pytest.raises(CommitUnknownError):
+        p.commit({})
+    assert "abort" not in client.calls

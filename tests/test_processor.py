@@ -18,7 +18,7 @@ import pytest
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, EVENTS, Config
-from dagfold.exceptions import CommitUnknownError, LogError, TransactionAbortedError
+from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
 from dagfold.log import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog, EmbeddedTransactionalProducer
 from dagfold.processor import catch_up
@@ -256,3 +256,55 @@ def test_an_allocator_grant_whose_commit_outcome_is_unknown_is_neither_lost_nor_
     catch_up(log, rebuilt, AllocatorFold(rebuilt, AllocatorOptions(pool="p")), TopicPartition(ALLOCATOR_EVENTS, 0))
     assert state_digest(rebuilt) == live
     log.close()
+
+
+# -- zombies: an instance stopped (SIGSTOP) while a newer one took over, then resumed --------------------
+
+
+def test_a_resumed_zombie_allocator_is_fenced_and_its_late_writes_change_nothing(tmp_path: Path) -> None:
+    cfg = Config(data_dir=tmp_path / "data", partitions=PARTS, allocator_partitions=1)
+    log = EmbeddedLog(tmp_path / "log")
+    log.create_topics(cfg.core_topics())
+    opts = AllocatorOptions(pool="p")
+    zombie = AllocatorRunner(log, opts, tmp_path / "zombie")
+    alloc_send(log, alloc_cmds.register_node("p", "n0", "H100", 8))
+    step_until(zombie, lambda: any(e["type"].endswith("NodeRegistered") for e in alloc_events(log)))
+    # the zombie polls a request, then stops (SIGSTOP) before its transaction; a new instance takes over
+    alloc_send(log, alloc_cmds.request_allocation("p", "job1", gpus=2))
+    recs = zombie.consumer.poll(100, 1.0)
+    assert recs
+    successor = AllocatorRunner(log, opts, tmp_path / "successor")
+    step_until(successor, lambda: any(e["type"].endswith("AllocationGranted") for e in alloc_events(log)))
+    with pytest.raises(FencedError):  # SIGCONT: the zombie's late transaction is refused
+        zombie.process_batch(recs)
+    zombie.close()
+    grants = [e for e in alloc_events(log) if e["type"].endswith("AllocationGranted")]
+    assert len(grants) == 1
+    state = successor.folds[0].state  # type: ignore[attr-defined]
+    assert [a.req.job_id for a in state.allocs.values()] == ["job1"]
+    successor.close()
+    log.close()
+
+
+def test_a_resumed_zombie_scheduler_is_fenced_and_its_late_writes_change_nothing(env: Any) -> None:
+    log, cfg = env
+    zombie = SchedulerRunner(log, cfg, "t")
+    zombie.step(0.5)
+    assert zombie.stores
+    send(log, "Z", submit_job(to_job_spec(load_spec_text("id: Z\ntasks: [{id: a}]"))))
+    recs = zombie.consumer.poll(100, 1.0)
+    assert recs
+    # SIGSTOP past the session timeout: the group drops the zombie; its replacement (same instance ID,
+    # started elsewhere, e.g. rescheduled by an orchestrator) takes its work
+    zombie.consumer.close()
+    successor = Scheduler(log, Config(data_dir=cfg.data_dir.parent / "elsewhere", partitions=PARTS))
+    try:
+        wait_for(lambda: types(log, "Z") == ["JobAccepted", "TaskDispatched"])
+        with pytest.raises(FencedError):  # SIGCONT: the zombie's late transaction is refused
+            zombie.process_batch(recs)
+        time.sleep(0.2)
+        assert types(log, "Z") == ["JobAccepted", "TaskDispatched"]
+        run_job_to_the_end(log, "Z")
+    finally:
+        successor.close()
+        zombie.close()
