@@ -170,6 +170,21 @@ ALLOCATOR_QUEUE_WAIT = Histogram(
     buckets=LATENCY_BUCKETS + (300.0, 900.0, 1800.0, 3600.0),
 )
 
+# -- node agents (set by services/agent at every heartbeat; `dagfold agent --metrics-port`) ----------
+AGENT_GPU_UTILIZATION = Gauge("dagfold_agent_gpu_utilization_ratio",
+                              "Utilisation of each GPU of the host (0..1), as NVML (or the simulated model) reads it.",
+                              ["node", "gpu"])
+AGENT_GPU_MEMORY_USED = Gauge("dagfold_agent_gpu_memory_used_bytes", "Device memory in use per GPU.",
+                              ["node", "gpu"])
+AGENT_GPU_TEMPERATURE = Gauge("dagfold_agent_gpu_temperature_celsius", "GPU temperature.", ["node", "gpu"])
+AGENT_GPU_HEALTHY = Gauge("dagfold_agent_gpu_healthy", "1 when the GPU is ok, 0 when it is cordoned "
+                          "(throttled, ECC errors, Xid).", ["node", "gpu"])
+AGENT_GPU_ECC_ERRORS = Gauge("dagfold_agent_gpu_ecc_errors", "Uncorrectable ECC errors (volatile) per GPU.",
+                             ["node", "gpu"])
+AGENT_GPU_XID_ERRORS = Gauge("dagfold_agent_gpu_xid_errors", "Critical Xid events seen per GPU since the agent "
+                             "started.", ["node", "gpu"])
+AGENT_JOBS = Gauge("dagfold_agent_job_processes", "Job processes the agent runs now.", ["node"])
+
 
 # -- helpers the components call -----------------------------------------------------
 def _short(type_name: str) -> str:
@@ -197,6 +212,22 @@ def record_scheduler_events(events: Iterable[Mapping[str, Any]]) -> None:
                 LEASE_EXPIRIES.inc()
     for short, n in by_type.items():
         EVENTS_EMITTED.labels(short).inc(n)
+
+
+def observe_agent(node: str, gpus: Iterable[Any], jobs: int) -> None:
+    """A node agent's heartbeat: its GPUs' snapshot (``services.agent.devices.GpuHealth``) and job count."""
+    for g in gpus:
+        i = str(g.index)
+        if g.utilization is not None:
+            AGENT_GPU_UTILIZATION.labels(node, i).set(g.utilization)
+        if g.memory_used_mib is not None:
+            AGENT_GPU_MEMORY_USED.labels(node, i).set(g.memory_used_mib * 2**20)
+        if g.temperature_c is not None:
+            AGENT_GPU_TEMPERATURE.labels(node, i).set(g.temperature_c)
+        AGENT_GPU_HEALTHY.labels(node, i).set(1 if g.health == "ok" else 0)
+        AGENT_GPU_ECC_ERRORS.labels(node, i).set(g.ecc_errors)
+        AGENT_GPU_XID_ERRORS.labels(node, i).set(g.xid_errors)
+    AGENT_JOBS.labels(node).set(jobs)
 
 
 def observe_fold(component: str, records: int, seconds: float) -> None:

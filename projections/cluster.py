@@ -98,7 +98,8 @@ def _capacity(node: Record) -> tuple[int, int, int]:
     """(present, GPUs counted, healthy GPUs) of a node, for the totals."""
     if node["health"] == "removed":
         return 0, 0, 0
-    return 1, int(node["gpus"]), int(node["gpus"]) if _healthy(node) else 0
+    healthy = max(int(node["gpus"]) - len(node.get("cordoned_gpus") or []), 0)
+    return 1, int(node["gpus"]), healthy if _healthy(node) else 0
 
 
 def _save_node(txn: ReadModelTxn, tot: Record, before: tuple[int, int, int], node: Record) -> None:
@@ -145,6 +146,7 @@ def _node_event(txn: ReadModelTxn, tot: Record, short: str, ev: Record, ts: int 
         node["reason"] = None
         if short == "NodeRegistered":
             node["reported"] = "ok"
+            node["cordoned_gpus"] = []  # a new incarnation: its GPUs are judged afresh
     health = _first(ev, "health", "status", "healthy")
     if isinstance(health, bool):
         health = "ok" if health else "degraded"
@@ -153,6 +155,8 @@ def _node_event(txn: ReadModelTxn, tot: Record, short: str, ev: Record, ts: int 
     util = _util(ev)
     if util is not None:
         node["utilization"] = util
+    if isinstance(ev.get("cordoned_gpus"), list):  # GPUs cordoned one by one (the rest of the node serves)
+        node["cordoned_gpus"] = list(ev["cordoned_gpus"])
     if isinstance(ev.get("perf"), int | float):
         node["perf"] = float(ev["perf"])
     if ev.get("lease_deadline_ms") is not None:

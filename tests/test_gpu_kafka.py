@@ -8,7 +8,9 @@ SIGSTOP of an agent past its node lease and SIGCONT after.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,6 +23,7 @@ import httpx
 import pytest
 
 from services.callbacks.signing import verify
+from tests.api_support import free_port
 from tests.callback_support import Receiver
 from tests.cli_support import DAGFOLD, ROOT, UpProcess
 
@@ -36,8 +39,9 @@ class GpuPool:
         self.pool = f"gpu-{uuid.uuid4().hex[:8]}"  # the session broker is shared: a pool of its own
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.faults = {f"n{i}": tmp / f"faults-n{i}" for i in range(nodes)}
+        self.metrics = {name: free_port() for name in ["allocator", *self.faults]}  # each serves /metrics
         self.start("allocator", "allocator", "--pool", self.pool, "--log", url, "--data", str(tmp / "alloc"),
-                   "--lease-s", "3", "--grace-s", "4")
+                   "--lease-s", "3", "--grace-s", "4", "--metrics-port", str(self.metrics["allocator"]))
         for node in self.faults:
             self.start_agent(node)
 
@@ -49,7 +53,11 @@ class GpuPool:
     def start_agent(self, node: str) -> None:
         self.start(node, "agent", "--pool", self.pool, "--log", self.url, "--node", node, "--simulate",
                    "--gpus", "2", "--heartbeat-s", "0.3", "--faults-file", str(self.faults[node]),
-                   "--artifacts", str(self.tmp / "artifacts"))
+                   "--artifacts", str(self.tmp / "data" / "artifacts"),  # the API's (UpProcess(tmp / "data"))
+                   "--work-dir", str(self.tmp / "work" / node), "--metrics-port", str(self.metrics[node]))
+
+    def scrape(self, name: str) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.metrics[name]}/metrics", timeout=10).text
 
     def signal(self, node: str, sig: int) -> None:
         os.kill(self.procs[node].pid, sig)
@@ -143,6 +151,15 @@ def test_gpu_jobs_survive_a_killed_and_a_throttled_agent_and_call_back_once(
                 assert '"resumed_from": 0' not in final_output(up, j)  # it went on from its checkpoint
             h = history(up, calm)
             assert len([e for e in h if e["type"] == "TaskAllocated"]) == 1
+            # the job's file, through the API; the processes' own /metrics were fed
+            [out] = httpx.get(f"{up.api}/v1/gpu-jobs/{calm}", timeout=10).json()["outputs"]
+            body = httpx.get(up.api + out["download"], timeout=10).content
+            assert hashlib.sha256(body).hexdigest() == out["sha256"]
+            alloc_metrics = pool.scrape("allocator")
+            assert re.search(r'dagfold_allocator_decision_latency_seconds_count\{decision="grant"\} [1-9]',
+                             alloc_metrics)
+            assert re.search(r'dagfold_allocator_queue_wait_seconds_count\{tier="standard"\} [1-9]', alloc_metrics)
+            assert f'dagfold_agent_gpu_utilization_ratio{{gpu="0",node="{nodes[calm]}"}}' in pool.scrape(nodes[calm])
             for j in jobs:
                 got = rx.wait_for(j, 1, timeout_s=60)
             time.sleep(2.0)  # a duplicate would come now

@@ -18,15 +18,19 @@ from pathlib import Path
 
 import typer
 
-from dagfold.cli.common import DataOpt, LogOpt, _config, _logging, app, fail, out, run_until_stopped
+from dagfold.cli.common import DataOpt, LogOpt, _config, _logging, app, fail, out, run_until_stopped, serve_metrics
 
 PoolOpt = typer.Option("default", "--pool", help="GPU pool: the queue name of the GPU tasks it serves")
+MetricsPortOpt = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
+                              help="serve Prometheus /metrics on this port")
+MetricsAddrOpt = typer.Option("127.0.0.1", "--metrics-addr", help="address for --metrics-port")
 
 
 @app.command()
 def allocator(pool: str = PoolOpt, log: LogOpt = "embedded", data: DataOpt = None,
               lease_s: float = typer.Option(30.0, "--lease-s", help="node lease: heartbeats must come this often"),
               grace_s: float = typer.Option(30.0, "--grace-s", help="preemption/drain: checkpoint -> forced stop"),
+              metrics_port: int | None = MetricsPortOpt, metrics_addr: str = MetricsAddrOpt,
               verbose: bool = typer.Option(False, "-v")) -> None:
     """Run the GPU allocator of one pool (one writer per pool; a newer instance fences an older one)."""
     from dagfold.log import open_log
@@ -35,6 +39,7 @@ def allocator(pool: str = PoolOpt, log: LogOpt = "embedded", data: DataOpt = Non
 
     _logging(verbose)
     cfg = _config(log, data)
+    serve_metrics(metrics_port, metrics_addr)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     lg.create_topics(cfg.core_topics())
     runner = AllocatorRunner(lg, AllocatorOptions(pool=pool, lease_s=lease_s, grace_s=grace_s), cfg.data_dir)
@@ -63,16 +68,24 @@ def agent(pool: str = PoolOpt, log: LogOpt = "embedded",
           node: str = typer.Option(socket.gethostname(), "--node", help="node ID, unique in the pool"),
           command: str = typer.Option(f"{shlex.quote(sys.executable)} -m services.agent.demo_job", "--command",
                                       help="the job process a grant runs (DAGFOLD_* environment, see docs)"),
-          artifacts: Path = typer.Option(Path(".dagfold/artifacts"), "--artifacts",
-                                         help="checkpoint store (a folder every host can reach)"),
+          artifacts: str = typer.Option("", "--artifacts", envvar="DAGFOLD_ARTIFACTS",
+                                        help="artifact storage of outputs and checkpoints: a folder every host "
+                                        "and the API reach, or s3://bucket/prefix?endpoint=URL (default: "
+                                        ".dagfold/artifacts)"),
+          work_dir: Path | None = typer.Option(None, "--work-dir", help="host-local folder of the job processes' "
+                                               "checkpoint and output folders (default .dagfold/agent-work/NODE)"),
+          keep_checkpoints: bool = typer.Option(False, "--keep-checkpoints",
+                                                help="keep a task's checkpoints in storage after it succeeded"),
           simulate: bool = typer.Option(False, "--simulate", help="simulated GPUs instead of NVML"),
           gpus: int = typer.Option(8, "--gpus", min=1, max=64, help="simulated GPU count"),
           gpu_type: str = typer.Option("H100", "--gpu-type", help="simulated GPU type"),
           faults_file: Path | None = typer.Option(None, "--faults-file",
                                                   help="simulated faults to apply, one a line (throttle, ecc, ...)"),
           hb_interval_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05),
+          metrics_port: int | None = MetricsPortOpt, metrics_addr: str = MetricsAddrOpt,
           verbose: bool = typer.Option(False, "-v")) -> None:
     """Run the node agent of one GPU host: register, heartbeat health, run granted jobs."""
+    from dagfold.artifacts import ArtifactError, LocalArtifactStore, open_store
     from dagfold.log import open_log
     from services.agent.agent import NodeAgent
     from services.agent.devices import Devices, NvmlDevices, SimulatedDevices
@@ -89,9 +102,16 @@ def agent(pool: str = PoolOpt, log: LogOpt = "embedded",
         devices = SimulatedDevices(gpus, gpu_type) if simulate else NvmlDevices()
     except NvmlUnavailable as exc:
         raise fail(f"no GPUs found through NVML ({exc}); use --simulate for a simulated host") from None
+    try:
+        store = open_store(artifacts, Path(".")) if "://" in artifacts or artifacts.startswith("file:") \
+            else LocalArtifactStore(Path(artifacts or ".dagfold/artifacts"))
+    except (ArtifactError, OSError) as exc:
+        raise fail(f"--artifacts: {exc}") from None
+    serve_metrics(metrics_port, metrics_addr)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
-    launcher = Launcher(shlex.split(command), artifacts)
-    node_agent = NodeAgent(lg, pool, node, devices, launcher, hb_interval_s=hb_interval_s)
+    launcher = Launcher(shlex.split(command), store, work_dir or Path(".dagfold") / "agent-work" / node)
+    node_agent = NodeAgent(lg, pool, node, devices, launcher, hb_interval_s=hb_interval_s,
+                           keep_checkpoints=keep_checkpoints)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     out.print(f"dagfold agent: node {node} ({devices.count}x {devices.gpu_type}) in pool {pool}")

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dagfold import metrics
 from dagfold.artifacts import LocalArtifactStore
 from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
@@ -114,6 +115,7 @@ class NodeAgent:
             detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
             xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses,
             gpus=[g.record() for g in h.gpus]))
+        metrics.observe_agent(self.node_id, h.gpus, len(statuses))
         now = self.clock()
         for aid, jp in self.procs.items():  # the attempt's lease: renewed 4 times per lease, progress or not
             if jp.active and jp.stop_reason is None and now >= self._next_report.get(aid, 0.0):

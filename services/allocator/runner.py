@@ -21,7 +21,8 @@ from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS
 from dagfold.log import Log, LogRecord
 from dagfold.outputs import Output
 from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
-from services.allocator.fold import AllocatorFold
+from services.allocator import observe
+from services.allocator.observe import ObservedAllocatorFold
 from services.allocator.options import AllocatorOptions
 from services.allocator.timers import due_timers_in_store
 
@@ -51,7 +52,8 @@ def allocator_spec(log_: Log, opts: AllocatorOptions, data_dir: Path | None,
     return ProcessorSpec(
         service="allocator", commands=ALLOCATOR_COMMANDS, events=ALLOCATOR_EVENTS, group=GROUP,
         transactional_id=f"dagfold-allocator-{pool}",
-        fold_for=lambda partition, store: AllocatorFold(store, opts), admit=admit,
+        fold_for=lambda partition, store: ObservedAllocatorFold(store, opts), admit=admit,
+        on_committed=observe.on_committed,  # decision latency and queue wait (services/allocator/observe.py)
         events_partition=lambda partition: events_p, accepts=accepts, partitions=[commands_p],
         timers=TimerPolicy(ALLOCATOR_COMMANDS, lambda s, n, f: due_timers_in_store(s, pool, n, f), _pool_key),
         store_path=(lambda partition: store_path(data_dir, pool)) if data_dir is not None else None,
