@@ -524,6 +524,8 @@ async function showTask(jobId, taskId) {
         ${t.reason ? `<dt>reason</dt><dd class="reason" id="task-reason">${esc(t.reason)}${exitNote(t.reason, t.exit_code)}${t.error_type ? ` [${esc(t.error_type)}]` : ""}</dd>` : ""}
         ${t.lease_deadline_ms ? `<dt>lease until</dt><dd>${fmtTime(t.lease_deadline_ms)}</dd>` : ""}
         ${t.progress != null ? `<dt>progress</dt><dd>${(t.progress * 100).toFixed(0)}%</dd>` : ""}
+        ${t.gpu_state ? `<dt>GPU job</dt><dd id="task-gpu-state">${badge(t.gpu_state)}</dd>` : ""}
+        ${(t.outputs || []).length ? `<dt>outputs</dt><dd id="task-outputs">${t.outputs.map((o) => `<div class="small"><a href="/v1/jobs/${enc(jobId)}/tasks/${enc(taskId)}/outputs/${o.name.split("/").map(enc).join("/")}">${esc(o.name)}</a> <span class="muted">${o.size} B · ${esc(o.content_type)} · sha256 ${esc(o.sha256.slice(0, 12))}…</span></div>`).join("")}</dd>` : ""}
       </dl>
       <h2>Attempts</h2>
       ${attempts.length ? attempts.map((x) => `<div class="panel" style="margin-bottom:8px" data-attempt="${x.attempt}">
