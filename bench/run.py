@@ -112,7 +112,7 @@ def dependency_latencies(log: Any, spec: dict[str, Any], config: Config) -> list
     parents = {t["task_id"]: t["depends_on"] for t in spec["tasks"]}
     done_at: dict[str, int] = {}
     dispatched_at: dict[str, int] = {}
-    for topic, n in ((COMMANDS, config.partitions), (dispatch_topic("default"), config.dispatch_partitions)):
+    for topic, n in ((COMMANDS, config.partitions), (dispatch_topic("default"), config.dispatch_partition_count())):
         for p in range(n):
             for recs in read_to_end(log, TopicPartition(topic, p)):
                 for r in recs:

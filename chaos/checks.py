@@ -186,6 +186,13 @@ class EventModel:
             if str(e.get("reason") or "").startswith("lease_expired"):
                 self.lease_expiries += 1
             j.state[task], j.worker[task] = ("failed" if e["final"] else "retrying"), None
+        elif name == "LeaseReclaimed":
+            if s != "running" or attempt != j.attempt[task]:
+                self._bad(ILLEGAL_TRANSITION, e, f"reclaim of attempt {attempt} while attempt "
+                                                 f"{j.attempt[task]} is {s}")
+            if str(e.get("reason") or "").startswith("lease_expired"):
+                self.lease_expiries += 1
+            j.state[task], j.worker[task] = "retrying", None
         elif name == "TaskRetryScheduled":
             if s != "retrying":
                 self._bad(ILLEGAL_TRANSITION, e, f"retry scheduled while the task is {s}")

@@ -104,6 +104,9 @@ class SchedulerOptions:
     """Knobs of the scheduler fold and its loop."""
 
     lease_timeout_s: float = 30.0  # heartbeat at least this often (default heartbeat_s)
+    # A task whose worker is lost (LeaseReclaimed) runs again without spending its retry budget, up
+    # to this many losses per run; then it fails with worker_lost (a poison task that kills workers).
+    max_worker_losses: int = 3
     batch_max_records: int = 2000
     poll_timeout_s: float = 0.05
     limits: Limits = field(default_factory=Limits)
@@ -115,7 +118,8 @@ class Config:
     topic_prefix: str = ""  # DAGFOLD_TOPIC_PREFIX; or ?prefix= in log_url (see Topics)
     data_dir: Path = Path(".dagfold")
     partitions: int = 8  # commands and events (same count: partition p of both belong together)
-    dispatch_partitions: int = 8
+    # None: 8 on the embedded log, 1 on Kafka (see dispatch_partition_count)
+    dispatch_partitions: int | None = None
     allocator_partitions: int = 4  # GPU pools hash onto these; one allocator writes each pool
     replication: int = 1
     events_retention_ms: int = -1  # the events topic is the audit log: keep everything
@@ -136,7 +140,8 @@ class Config:
             topic_prefix=env.get("DAGFOLD_TOPIC_PREFIX", cls.topic_prefix),
             data_dir=Path(env.get("DAGFOLD_DATA", str(cls.data_dir))),
             partitions=int(env.get("DAGFOLD_PARTITIONS", cls.partitions)),
-            dispatch_partitions=int(env.get("DAGFOLD_DISPATCH_PARTITIONS", cls.dispatch_partitions)),
+            dispatch_partitions=(int(env["DAGFOLD_DISPATCH_PARTITIONS"]) if env.get("DAGFOLD_DISPATCH_PARTITIONS")
+                                 else cls.dispatch_partitions),
             replication=int(env.get("DAGFOLD_REPLICATION", cls.replication)),
             events_retention_ms=int(env.get("DAGFOLD_EVENTS_RETENTION_MS", cls.events_retention_ms)),
             commands_retention_ms=int(env.get("DAGFOLD_COMMANDS_RETENTION_MS", cls.commands_retention_ms)),
@@ -166,7 +171,22 @@ class Config:
             TopicSpec(ALLOCATOR_EVENTS, self.allocator_partitions, self.events_retention_ms, r, isr),
         ]
 
+    def dispatch_partition_count(self) -> int:
+        """Partitions of a dispatch topic (a queue; dispatch records are keyed by tenant).
+
+        The embedded queue lets every worker take records of every partition, round-robin across
+        partitions: 8 give tenants lanes of their own. Kafka's share groups (KIP-932) share a
+        partition among all members only when the topic has one partition; with P partitions each
+        is served by about workers/P of them (a partition per worker when there are fewer
+        workers), so one long task can again hold up the records of its worker's partitions.
+        Hence 1 on Kafka: every worker takes any record, at the price of one FIFO for all tenants.
+        Set DAGFOLD_DISPATCH_PARTITIONS=P (with at least 2P workers) for tenant lanes on Kafka.
+        """
+        if self.dispatch_partitions is not None:
+            return self.dispatch_partitions
+        return 1 if self.log_url.startswith("kafka://") else 8
+
     def dispatch_spec(self, queue: str) -> TopicSpec:
         r = self.replication
-        return TopicSpec(dispatch_topic(queue), self.dispatch_partitions, self.commands_retention_ms, r,
+        return TopicSpec(dispatch_topic(queue), self.dispatch_partition_count(), self.commands_retention_ms, r,
                          2 if r >= 3 else None)

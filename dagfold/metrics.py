@@ -59,7 +59,13 @@ TASK_RETRIES = Counter(
 )
 LEASE_EXPIRIES = Counter(
     "dagfold_lease_expiries_total",
-    "Attempts failed because their lease expired (no heartbeat in time).",
+    "Attempts whose lease expired (no heartbeat in time): their worker was lost.",
+)
+WORKER_LOSSES = Counter(
+    "dagfold_worker_losses_total",
+    "Attempts reclaimed because their worker was lost (LeaseReclaimed): lease expired or given back; "
+    "final=true means the task reached its limit of worker losses and failed with worker_lost.",
+    ["final"],
 )
 TASK_FAILURES = Counter(
     "dagfold_task_failures_total",
@@ -208,6 +214,8 @@ def record_scheduler_events(events: Iterable[Mapping[str, Any]]) -> None:
             TASK_RETRIES.inc()
         elif short == "TaskFailed":
             TASK_FAILURES.labels("true" if ev.get("final", True) else "false").inc()
+        elif short == "LeaseReclaimed":
+            WORKER_LOSSES.labels("true" if ev.get("final") else "false").inc()
             if str(ev.get("reason", "")).startswith("lease_expired"):
                 LEASE_EXPIRIES.inc()
     for short, n in by_type.items():

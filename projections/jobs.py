@@ -512,6 +512,25 @@ def _task_retry_scheduled(txn: ReadModelTxn, ev: Record, partition: int, offset:
     ctx.save(ev["ts_ms"])
 
 
+def _lease_reclaimed(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """The attempt's worker was lost: the attempt ends ``lost``, counted apart from failures and retries."""
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    ts = ev["ts_ms"]
+    task = ctx.task
+    _set_task_state(ctx.job, task, "retrying")
+    task.update(worker_losses=task.get("worker_losses", 0) + 1, reason=ev["reason"], worker_id=None,
+                lease_deadline_ms=None)
+    ctx.job["worker_losses"] = ctx.job.get("worker_losses", 0) + 1
+    key, att = _load_attempt(txn, ev, ev["worker_id"] or None)
+    _end_attempt(att, "lost", ts)
+    att["reason"] = ev["reason"]
+    txn.put(key, att)
+    ops.record_worker_loss(txn, ctx.job["tenant"], ev["reason"])
+    ctx.save(ts)
+
+
 def _task_skipped(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
@@ -604,6 +623,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.LeaseRejected": _history_only,
     "dagfold.event.ReportIgnored": _history_only,
     "dagfold.event.TaskSucceeded": _task_succeeded,
+    "dagfold.event.LeaseReclaimed": _lease_reclaimed,
     "dagfold.event.TaskFailed": _task_failed,
     "dagfold.event.TaskRetryScheduled": _task_retry_scheduled,
     "dagfold.event.TaskSkipped": _task_skipped,
@@ -664,6 +684,9 @@ def _detail(kind: str, ev: Record) -> str:
         return f"{why}{extra}" + ("" if g("final", True) else " (will retry)")
     if kind == "TaskRetryScheduled":
         return f"attempt {g('next_attempt')}" + _within(" in ", g("retry_at_ms"), g("ts_ms")) + f": {g('reason')}"
+    if kind == "LeaseReclaimed":
+        then = "fails (worker_lost)" if g("final") else "runs again, retry budget untouched"
+        return f"worker {g('worker_id')} lost ({g('losses')} in this run): {g('reason')}; {then}"
     if kind == "JobSucceeded":
         return "partial success" if g("partial") else "all tasks succeeded"
     if kind == "JobRedriven":

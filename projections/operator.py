@@ -61,7 +61,7 @@ def _usage(txn: ReadModelTxn, tenant: str) -> tuple[bytes, Record]:
     u = txn.get(k)
     if u is None:
         u = {"tenant": tenant, "jobs": dict.fromkeys(JOB_STATES, 0), "tasks": dict.fromkeys(TASK_STATES, 0),
-             "retries": 0, "failures": 0, "lease_expiries": 0}
+             "retries": 0, "failures": 0, "lease_expiries": 0, "worker_losses": 0}
     return k, u
 
 
@@ -211,9 +211,18 @@ def record_failure(txn: ReadModelTxn, job: Record, ev: Record) -> None:
     txn.put(FAILURES_TENANT + SEP + part(tenant) + SEP + suffix, entry)
     uk, u = _usage(txn, tenant)
     u["failures"] += 1
-    if cls == "lease_expired":
+    if cls == "lease_expired":  # logs written before LeaseReclaimed failed tasks on lease expiry
         u["lease_expiries"] += 1
     txn.put(uk, u)
+
+
+def record_worker_loss(txn: ReadModelTxn, tenant: str, reason: str) -> None:
+    """A LeaseReclaimed event: a worker lost, counted apart from the task's own failures."""
+    k, u = _usage(txn, tenant)
+    u["worker_losses"] = u.get("worker_losses", 0) + 1
+    if reason.startswith("lease_expired"):
+        u["lease_expiries"] += 1
+    txn.put(k, u)
 
 
 def record_retry(txn: ReadModelTxn, tenant: str) -> None:

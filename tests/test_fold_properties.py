@@ -531,6 +531,8 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
     granted_ts: dict[tuple[str, str], int] = {}
     dispatched_ts: dict[tuple[str, str], int] = {}
     successes: Counter[tuple[str, str]] = Counter()
+    lost: Counter[tuple[str, str]] = Counter()  # attempts of this run whose worker was lost
+    reclaimed: set[tuple[str, str]] = set()  # a LeaseReclaimed (not final) awaits its TaskDispatched
     job_state: dict[str, str] = {}
     fail_fast_until_end: dict[str, int] = {}  # job -> cause offset of the final failure
 
@@ -557,7 +559,9 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             assert e["attempt"] == attempt.get(k, 0) + 1, f"{k}: attempt {e['attempt']} after {attempt.get(k)}"
             attempt[k] = e["attempt"]
             dispatched_ts[k] = e["ts_ms"]
-            if k in retry_due:
+            if k in reclaimed:
+                reclaimed.discard(k)  # a lost worker's attempt runs again at once
+            elif k in retry_due:
                 next_attempt, at = retry_due.pop(k)
                 assert e["attempt"] == next_attempt and e["ts_ms"] >= at, f"{k} retried early: {e['ts_ms']} < {at}"
             else:
@@ -567,7 +571,17 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
                 assert k not in in_run
             in_run.add(k)
             run_dispatches[k] += 1
-            assert run_dispatches[k] <= policy_of(k)["max_attempts"], f"{k}: more attempts than max_attempts"
+            assert run_dispatches[k] - lost[k] <= policy_of(k)["max_attempts"], f"{k}: more attempts than max_attempts"
+        elif typ == "LeaseReclaimed":
+            assert e["attempt"] == attempt[k] and k not in outcome
+            if e["reason"].startswith("lease_expired"):
+                assert e["ts_ms"] >= lease[k], f"{k}: lease expired early"
+            lost[k] += 1
+            assert e["losses"] == lost[k] and e["final"] == (lost[k] >= opts.max_worker_losses)
+            nxt = events[i + 1]
+            assert nxt["task_id"] == k[1] and short(nxt) == ("TaskFailed" if e["final"] else "TaskDispatched")
+            if not e["final"]:
+                reclaimed.add(k)
         elif typ == "LeaseGranted":
             assert e["attempt"] == attempt[k]
             lease[k] = e["lease_deadline_ms"]
@@ -588,9 +602,13 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
                 assert e["final"], f"{k}: non-retryable exit code {e['exit_code']} retried"
             if e["error_type"] is not None and e["error_type"] in pol["non_retryable_errors"]:
                 assert e["final"]
-            run_attempt = e["attempt"] - base.get(k, 0)
-            assert run_attempt == run_dispatches[k]
-            if reason.startswith("lease_expired") or reason == "start_to_close_timeout":
+            run_attempt = e["attempt"] - base.get(k, 0) - lost[k]  # lost workers spend no retry budget
+            assert run_attempt == run_dispatches[k] - lost[k]
+            if reason.startswith("worker_lost"):
+                assert e["final"] and e["error_type"] == "worker_lost" and lost[k] == opts.max_worker_losses
+            elif reason.startswith("lease_expired"):
+                raise AssertionError(f"{k}: a lease expiry is a worker loss, never the task's failure")
+            if reason == "start_to_close_timeout":
                 # retryable by nature: final exactly when this run's attempts are used up
                 assert e["final"] == (run_attempt >= pol["max_attempts"]), f"{k}: retry budget"
             if not e["final"]:
@@ -634,6 +652,7 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
                 assert outcome.pop(tk) in ("failed", "skipped", "cancelled")
                 in_run.discard(tk)
                 run_dispatches[tk] = 0
+                lost[tk] = 0
                 base[tk] = attempt.get(tk, 0)  # a redrive gives a fresh retry budget
                 retry_due.pop(tk, None)
         elif typ == "TaskRetryScheduled":

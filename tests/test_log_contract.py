@@ -14,7 +14,18 @@ from pathlib import Path
 import pytest
 
 from dagfold.exceptions import FencedError, LogError
-from dagfold.log.base import MAX_RECORD_BYTES, Consumer, Log, LogRecord, TopicPartition, TopicSpec, partition_for
+from dagfold.log.base import (
+    MAX_RECORD_BYTES,
+    Ack,
+    Consumer,
+    Log,
+    LogRecord,
+    QueueConsumer,
+    QueuedRecord,
+    TopicPartition,
+    TopicSpec,
+    partition_for,
+)
 
 TopicName = Callable[..., str]
 
@@ -348,6 +359,199 @@ def test_newer_transactional_producer_fences_the_older(log_backend: Log, unique_
     for p in (old, new, newest):
         p.close()
     reader.close()
+
+
+# -- queues (share groups) -----------------------------------------------------------
+
+
+def _member(log: Log, group: str, topic: str, name: str, *, max_records: int = 1, lock_ms: int = 30_000,
+            max_deliveries: int = 5) -> QueueConsumer:
+    q = log.queue_consumer(group, client_id=name, max_records=max_records, lock_ms=lock_ms,
+                           max_deliveries=max_deliveries)
+    q.subscribe([topic])
+    return q
+
+
+def _acquire(q: QueueConsumer, want: int = 1, timeout_s: float = 30.0) -> list[QueuedRecord]:
+    """Poll until at least ``want`` records were acquired (or the deadline passed)."""
+    out: list[QueuedRecord] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < want and time.monotonic() < deadline:
+        out.extend(q.poll(timeout_s=0.2))
+    return out
+
+
+def _ack_all(q: QueueConsumer, recs: list[QueuedRecord], ack: Ack = Ack.ACCEPT) -> None:
+    for r in recs:
+        q.acknowledge(r, ack)
+    q.commit()
+
+
+def _send(log: Log, topic: str, values: list[bytes], partition: int = 0) -> None:
+    p = log.producer("test")
+    for v in values:
+        p.send(topic, b"k", v, partition=partition)
+    p.flush()
+
+
+def test_queue_a_busy_member_holds_nothing_back(log_backend: Log, unique_topic: TopicName) -> None:
+    """Records go to whichever member polls: one member holding a record (busy) does not keep the
+    next records from an idle member (the head-of-line case of consumer groups)."""
+    topic = unique_topic("queue")
+    log_backend.create_topics([TopicSpec(topic, 1)])
+    group = "q-" + topic
+    busy, idle = _member(log_backend, group, topic, "busy"), _member(log_backend, group, topic, "idle")
+    _send(log_backend, topic, [b"long"])
+    held = _acquire(busy)
+    assert [r.value for r in held] == [b"long"] and held[0].delivery_count == 1
+    _send(log_backend, topic, [b"a", b"b", b"c"])
+    got: list[QueuedRecord] = []
+    while len(got) < 3:
+        recs = _acquire(idle)
+        assert recs, f"idle member got {[r.value for r in got]} while the busy one held its record"
+        got += recs
+        _ack_all(idle, recs)
+    assert [r.value for r in got] == [b"a", b"b", b"c"]  # lowest offset first, and never the held one
+    _ack_all(busy, held)
+    assert _acquire(idle, timeout_s=1.5) == []  # accepted records are never delivered again
+    busy.close()
+    idle.close()
+
+
+def test_queue_release_and_lock_expiry_redeliver(log_backend: Log, unique_topic: TopicName) -> None:
+    topic = unique_topic("queue")
+    log_backend.create_topics([TopicSpec(topic, 1)])
+    group = "q-" + topic
+    a = _member(log_backend, group, topic, "a", lock_ms=1000)
+    b = _member(log_backend, group, topic, "b", lock_ms=1000)
+    _send(log_backend, topic, [b"r"])
+    first = _acquire(a)
+    assert [(r.value, r.delivery_count) for r in first] == [(b"r", 1)]
+    _ack_all(a, first, Ack.RELEASE)  # given back: available at once, to any member
+    holder, again = _acquire_any([b, a])
+    assert [(r.value, r.delivery_count) for r in again] == [(b"r", 2)]
+    # The holder neither accepts nor releases: after the lock (1 s) the record is available again.
+    other = a if holder is b else b
+    third = _acquire(other, timeout_s=30)
+    assert [(r.value, r.delivery_count) for r in third] == [(b"r", 3)]
+    _ack_all(other, third)
+    _ack_all(holder, again)  # the late acknowledgement of a lost lock changes nothing
+    assert _acquire(a, timeout_s=1.0) + _acquire(b, timeout_s=0.5) == []
+    a.close()
+    b.close()
+
+
+def _acquire_any(members: list[QueueConsumer], timeout_s: float = 30.0) -> tuple[QueueConsumer, list[QueuedRecord]]:
+    """The first member to acquire something, and what it acquired."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for m in members:
+            recs = m.poll(0.1)
+            if recs:
+                return m, recs
+    raise AssertionError("no member acquired anything")
+
+
+def test_queue_reject_and_delivery_limit(log_backend: Log, unique_topic: TopicName) -> None:
+    topic = unique_topic("queue")
+    log_backend.create_topics([TopicSpec(topic, 1)])
+    q = _member(log_backend, "q-" + topic, topic, "m", max_deliveries=2)
+    _send(log_backend, topic, [b"bad", b"poison", b"ok"])
+    seen: list[tuple[bytes | None, int]] = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        recs = q.poll(0.2)
+        for r in recs:
+            seen.append((r.value, r.delivery_count))
+            q.acknowledge(r, Ack.REJECT if r.value == b"bad" else Ack.RELEASE if r.value == b"poison" else Ack.ACCEPT)
+        q.commit()
+        if (b"ok", 1) in seen and seen.count((b"poison", 2)) == 1 and not recs:
+            break
+    # rejected once, never again; released up to the limit (2 deliveries), then archived
+    assert seen.count((b"bad", 1)) == 1 and [v for v, _ in seen].count(b"bad") == 1
+    assert [n for v, n in seen if v == b"poison"] == [1, 2]
+    assert (b"ok", 1) in seen
+    q.close()
+
+
+def test_queue_records_of_a_member_that_leaves_go_to_the_others(log_backend: Log, unique_topic: TopicName) -> None:
+    topic = unique_topic("queue")
+    log_backend.create_topics([TopicSpec(topic, 1)])
+    group = "q-" + topic
+    gone = _member(log_backend, group, topic, "gone", max_records=10)
+    _send(log_backend, topic, [b"x", b"y"])
+    held = _acquire(gone, 2)
+    assert sorted(r.value or b"" for r in held) == [b"x", b"y"]
+    gone.close()  # a member that leaves (or dies) without acknowledging gives its records back
+    stays = _member(log_backend, group, topic, "stays", max_records=10)
+    got = _acquire(stays, 2)
+    assert sorted((r.value or b"", r.delivery_count) for r in got) == [(b"x", 2), (b"y", 2)]
+    _ack_all(stays, got)
+    stays.close()
+
+
+def test_queue_reads_committed_records_only(log_backend: Log, unique_topic: TopicName) -> None:
+    topic = unique_topic("queue")
+    log_backend.create_topics([TopicSpec(topic, 1)])
+    q = _member(log_backend, "q-" + topic, topic, "m", max_records=10)
+    txp = log_backend.transactional_producer("tx-" + topic)
+    txp.begin()
+    txp.send(topic, b"k", b"aborted", partition=0)
+    txp.abort()
+    txp.begin()
+    txp.send(topic, b"k", b"open", partition=0)
+    assert _acquire(q, timeout_s=1.5) == []
+    txp.commit({}, None)
+    got = _acquire(q)
+    assert [r.value for r in got] == [b"open"]
+    _ack_all(q, got)
+    txp.close()
+    q.close()
+
+
+def test_embedded_queue_is_fair_across_partitions(tmp_path: Path, unique_topic: TopicName) -> None:
+    """Dispatch records are keyed by tenant: one tenant's backlog on its partition delays another
+    tenant's records by one record per round, not by the backlog's length."""
+    from dagfold.log.embedded import EmbeddedLog
+
+    log = EmbeddedLog(tmp_path / "log")
+    topic = unique_topic("fair")
+    log.create_topics([TopicSpec(topic, 4)])
+    _send(log, topic, [b"A%d" % i for i in range(1000)], partition=1)
+    _send(log, topic, [b"B%d" % i for i in range(10)], partition=3)
+    q = _member(log, "q-" + topic, topic, "m", max_records=4)
+    order: list[bytes] = []
+    while len(order) < 40:
+        recs = _acquire(q, timeout_s=2)
+        order += [r.value or b"" for r in recs]
+        _ack_all(q, recs)
+    assert [v for v in order[:20] if v.startswith(b"B")] == [b"B%d" % i for i in range(10)]
+    q.close()
+    log.close()
+
+
+def test_embedded_queue_done_state_survives_reopen(tmp_path: Path, unique_topic: TopicName) -> None:
+    from dagfold.log.embedded import EmbeddedLog
+
+    log = EmbeddedLog(tmp_path / "log")
+    topic = unique_topic("qdurable")
+    log.create_topics([TopicSpec(topic, 1)])
+    _send(log, topic, [b"0", b"1", b"2", b"3"])
+    q = _member(log, "g", topic, "m", max_records=4)
+    recs = _acquire(q, 4)
+    q.acknowledge(recs[0], Ack.ACCEPT)
+    q.acknowledge(recs[1], Ack.RELEASE)
+    q.acknowledge(recs[2], Ack.REJECT)
+    q.acknowledge(recs[3], Ack.ACCEPT)
+    q.commit()
+    log.close()  # like a kill -9 after the commit: locks and delivery counts are gone, done stays
+
+    log = EmbeddedLog(tmp_path / "log")
+    try:
+        q = _member(log, "g", topic, "m", max_records=4)
+        assert [r.value for r in _acquire(q, 1)] == [b"1"]
+    finally:
+        log.close()
 
 
 # -- one backend only ------------------------------------------------------------

@@ -24,13 +24,17 @@ def value(name: str, labels: dict[str, str] | None = None) -> float:
 def test_record_scheduler_events() -> None:
     before = {n: value(n) for n in ("dagfold_task_retries_total", "dagfold_lease_expiries_total")}
     failed_final = value("dagfold_task_failures_total", {"final": "true"})
+    failed_retried = value("dagfold_task_failures_total", {"final": "false"})
+    lost = value("dagfold_worker_losses_total", {"final": "false"})
     dispatched = value("dagfold_scheduler_events_emitted_total", {"type": "TaskDispatched"})
     metrics.record_scheduler_events([
         make("dagfold.event.TaskDispatched", job_id="j", task_id="a", attempt=1, ts_ms=1, queue="q"),
-        make("dagfold.event.TaskFailed", job_id="j", task_id="a", attempt=1, worker_id="w", ts_ms=2,
-             reason="lease_expired: no heartbeat", final=False),
-        make("dagfold.event.TaskRetryScheduled", job_id="j", task_id="a", attempt=1, ts_ms=2, next_attempt=2,
-             retry_at_ms=3, reason="lease_expired"),
+        make("dagfold.event.LeaseReclaimed", job_id="j", task_id="a", attempt=1, worker_id="w", ts_ms=2,
+             reason="lease_expired: no heartbeat", losses=1, final=False),
+        make("dagfold.event.TaskFailed", job_id="j", task_id="a", attempt=2, worker_id="w", ts_ms=2,
+             reason="exit code 2", final=False),
+        make("dagfold.event.TaskRetryScheduled", job_id="j", task_id="a", attempt=2, ts_ms=2, next_attempt=3,
+             retry_at_ms=3, reason="exit code 2"),
         make("dagfold.event.TaskFailed", job_id="j", task_id="b", attempt=1, worker_id="w", ts_ms=2,
              reason="exit code 1", final=True),
         {"type": "dagfold.dispatch.TaskDispatch", "job_id": "j"},  # not an event: ignored
@@ -38,6 +42,8 @@ def test_record_scheduler_events() -> None:
     assert value("dagfold_task_retries_total") == before["dagfold_task_retries_total"] + 1
     assert value("dagfold_lease_expiries_total") == before["dagfold_lease_expiries_total"] + 1
     assert value("dagfold_task_failures_total", {"final": "true"}) == failed_final + 1
+    assert value("dagfold_task_failures_total", {"final": "false"}) == failed_retried + 1  # the task's own
+    assert value("dagfold_worker_losses_total", {"final": "false"}) == lost + 1  # the worker's, apart
     assert value("dagfold_scheduler_events_emitted_total", {"type": "TaskDispatched"}) == dispatched + 1
 
 

@@ -200,6 +200,14 @@ def test_failure_reasons_and_retries(m: Model) -> None:
     assert [x["task_id"] for x in m.ops.recent_failures(since_ms=T0 + 6)] == ["c", "b"]
     acme = m.ops.tenant("acme")
     assert acme is not None and acme["failures"] == 3 and acme["lease_expiries"] == 1 and acme["retries"] == 1
+    assert acme.get("worker_losses", 0) == 0
+    # a lost worker (LeaseReclaimed) is counted apart from the task's own failures
+    m.project(accepted("k2", [task("d")], tenant="beta"),
+              ev("LeaseReclaimed", job_id="k2", task_id="d", attempt=1, worker_id="w", ts_ms=T0 + 8,
+                 reason="lease_expired: no heartbeat from w within the lease", losses=1, final=False))
+    beta = m.ops.tenant("beta")
+    assert beta is not None
+    assert (beta["worker_losses"], beta["lease_expiries"], beta["failures"]) == (1, 1, 1)
     job = m.rm.get_job("j")
     assert job is not None and job["retries"] == 1 and job["spec_hash"] == "h-j"
 

@@ -167,11 +167,84 @@ def test_lease_expires_without_heartbeats_and_heartbeats_keep_it() -> None:
         h.report("Heartbeat", da)
     assert h.task("J", "a")["state"] == "running"
     h.advance(2001)  # b never heartbeated: 24 s > 10 s; a heartbeated 2 s ago
-    assert h.task("J", "b")["state"] == "failed"
-    failed = [e for e in h.events if e["type"].endswith("TaskFailed")]
-    assert failed[-1]["reason"].startswith("lease_expired") and failed[-1]["worker_id"] == "w2"
+    # b's worker is lost, which is not b's failure: attempt 2 is dispatched at once
+    assert h.task("J", "b")["state"] == "runnable" and h.task("J", "b")["attempt"] == 2
+    lost = [e for e in h.events if e["type"].endswith("LeaseReclaimed")]
+    assert len(lost) == 1 and lost[0]["reason"].startswith("lease_expired") and lost[0]["worker_id"] == "w2"
+    assert (lost[0]["losses"], lost[0]["final"]) == (1, False)
+    assert "TaskFailed" not in h.event_types()
     assert any(c["worker_id"] == "w2" and c["reason"] == "lease_expired" for c in h.controls)
     assert h.task("J", "a")["state"] == "running"
+    assert h.replayed_digest() == h.digest()
+
+
+def test_a_lost_worker_spends_no_retry_budget() -> None:
+    """Default policy (max_attempts 1): a task whose workers die twice still runs and succeeds; before
+    worker losses were told apart from failures, the first lease expiry failed the task and its job."""
+    h = FoldHarness(SchedulerOptions(lease_timeout_s=10))
+    h.submit(spec_of("id: J\ntasks: [{id: a}, {id: b, depends_on: [a]}]"))
+    for worker in ("w1", "w2"):
+        d = h.dispatched.popleft()
+        h.report("Started", d, worker)
+        h.advance(10_001)  # the worker died: no heartbeat
+    d = h.dispatched.popleft()
+    assert d["attempt"] == 3
+    h.report("Started", d, "w3")
+    h.report("Failed", d, "w3")  # the task's own failure: the retry policy (1 attempt) decides
+    assert h.task("J", "a")["state"] == "failed"
+    assert h.event_types().count("LeaseReclaimed") == 2
+    h.process({"type": "dagfold.command.RedriveJob", "job_id": "J", "reason": "again", "requested_at_ms": 0})
+    h.run_all("w4")
+    assert h.job("J")["state"] == "succeeded"
+    assert h.replayed_digest() == h.digest()
+
+
+def test_a_task_that_loses_every_worker_fails_with_worker_lost_after_the_limit() -> None:
+    h = FoldHarness(SchedulerOptions(lease_timeout_s=10, max_worker_losses=3))
+    h.submit(spec_of("id: J\ntasks: [{id: poison, retry: {max_attempts: 5, initial_interval_s: 1}}, {id: ok}]"))
+    ok = [d for d in h.dispatched if d["task_id"] == "ok"][0]
+    h.dispatched.remove(ok)
+    h.report("Started", ok, "w0")
+    h.report("Succeeded", ok, "w0")
+    for i in range(3):
+        d = h.dispatched.popleft()
+        assert d["task_id"] == "poison" and d["attempt"] == i + 1
+        h.report("Started", d, f"w{i + 1}")
+        h.advance(10_001)
+    assert not h.dispatched
+    t = h.task("J", "poison")
+    assert t["state"] == "failed"
+    failed = [e for e in h.events if e["type"].endswith("TaskFailed")]
+    assert len(failed) == 1 and failed[0]["final"] and failed[0]["error_type"] == "worker_lost"
+    assert failed[0]["reason"].startswith("worker_lost x 3: lease_expired")
+    assert [e["final"] for e in h.events if e["type"].endswith("LeaseReclaimed")] == [False, False, True]
+    assert h.job("J")["state"] == "failed"
+    assert h.replayed_digest() == h.digest()
+
+
+def test_a_released_attempt_runs_again_and_stale_reports_stay_fenced() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [{id: a}]"))
+    d = h.dispatched.popleft()
+    h.report("Started", d, "w1")
+    h.report("Released", d, "w2", reason="worker_shutdown")  # not the holder: ignored
+    assert h.event_types()[-1] == "ReportIgnored"
+    h.report("Released", d, "w1", reason="worker_shutdown")
+    assert h.event_types()[-2:] == ["LeaseReclaimed", "TaskDispatched"]
+    assert h.events[-2]["reason"] == "released: worker_shutdown"
+    h.report("Succeeded", d, "w1")  # the given-back attempt's late outcome does not count
+    assert h.event_types()[-1] == "ReportIgnored"
+    h.run_all("w3")
+    assert h.job("J")["state"] == "succeeded"
+    assert h.replayed_digest() == h.digest()
+
+
+def test_dispatch_records_are_keyed_by_tenant() -> None:
+    h = FoldHarness()
+    spec = spec_of("id: J\ntenant: acme\ntasks: [{id: a}, {id: b}]")
+    outs = h.submit(spec)
+    keys = {o.key for o in outs if o.record["type"] == "dagfold.dispatch.TaskDispatch"}
+    assert keys == {"acme"}
 
 
 def test_cancel_cancels_open_tasks_stops_running_ones_and_ignores_late_reports() -> None:

@@ -15,7 +15,7 @@ from dagfold import codec
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic, worker_group
 from dagfold.exceptions import LogError
-from dagfold.log.base import Log, TopicPartition
+from dagfold.log.base import Ack, Log, QueuedRecord, TopicPartition
 from dagfold.log.embedded import EmbeddedLog
 from services.worker.exceptions import NonRetryableError
 from services.worker.handlers import HandlerRegistry, TaskContext
@@ -27,6 +27,7 @@ STARTED = "dagfold.command.TaskStarted"
 HEARTBEAT = "dagfold.command.TaskHeartbeat"
 SUCCEEDED = "dagfold.command.TaskSucceeded"
 FAILED = "dagfold.command.TaskFailed"
+RELEASED = "dagfold.command.TaskReleased"
 
 
 # -- fixtures and helpers ---------------------------------------------------------------
@@ -116,8 +117,15 @@ def outcome(log: EmbeddedLog, job_id: str, timeout: float = 5.0) -> Record:
 
 
 def committed(log: EmbeddedLog) -> dict[TopicPartition, int]:
+    """Per dispatch partition, how many records the workers' queue group is done with (accepted or
+    rejected): they are never handed out again."""
     topic = dispatch_topic(QUEUE)
-    return log.committed(worker_group(QUEUE), [TopicPartition(topic, p) for p in range(log.partitions(topic))])
+    group = log._queues.get(worker_group(QUEUE))
+    out = {}
+    for p in range(log.partitions(topic)):
+        q = group.queues.get(TopicPartition(topic, p)) if group is not None else None
+        out[TopicPartition(topic, p)] = q.start + len(q.done) if q is not None else 0
+    return out
 
 
 # -- reports --------------------------------------------------------------------------------
@@ -315,15 +323,19 @@ def test_start_to_close_timeout(elog: EmbeddedLog, start: WorkerFactory) -> None
     assert (py["type"], py["reason"]) == (FAILED, "start_to_close_timeout")
 
 
-def test_shutdown_fails_running_task_after_grace(elog: EmbeddedLog, start: WorkerFactory) -> None:
+def test_shutdown_gives_the_running_task_back_after_grace(elog: EmbeddedLog, start: WorkerFactory) -> None:
+    """A drained worker is no failure of the task: it reports TaskReleased, not TaskFailed (which spent
+    the task's retry budget and, with the default policy, failed it for good)."""
     w, stop, t = start(shutdown_grace_s=0.2)
     dispatch(elog, "job-long", handler="sleep", args={"seconds": 30})
     wait_for(lambda: commands(elog, "job-long", STARTED))
     stop.set()
     t.join(5)
     assert not t.is_alive()
-    out = outcome(elog, "job-long")
-    assert (out["type"], out["reason"], out["retryable"]) == (FAILED, "worker_shutdown", True)
+    recs = wait_for(lambda: commands(elog, "job-long", RELEASED), what="TaskReleased")
+    assert [(r["reason"], r["worker_id"], r["attempt"]) for r in recs] == [("worker_shutdown", "w1", 1)]
+    assert not commands(elog, "job-long", FAILED) and not commands(elog, "job-long", SUCCEEDED)
+    assert w.tasks_given_back == 1
     assert sum(committed(elog).values()) == 1
 
 
@@ -348,12 +360,13 @@ def test_undecodable_record_goes_to_deadletter(elog: EmbeddedLog, start: WorkerF
 
 
 class _CheckingLog:
-    """Wraps the log: checks at each offset commit that the committed records' reports are durable."""
+    """Wraps the log: checks, when the worker accepts a dispatch record, that its TaskStarted is durable
+    (from then on the attempt's lease, not the record, stands for it)."""
 
     def __init__(self, log: EmbeddedLog, fail_flushes: int = 0) -> None:
         self._log = log
-        self.commits: list[dict[TopicPartition, int]] = []
-        self.waits: list[bool] = []  # per commit: did the worker wait for the log's answer
+        self.accepted = 0
+        self.released = 0
         self.flushes = 0
         self.fail_flushes = fail_flushes
         self.violations: list[str] = []
@@ -382,30 +395,35 @@ class _CheckingLog:
 
         return P()
 
-    def consumer(self, group_id: str | None, client_id: str = "dagfold") -> Any:
-        inner = self._log.consumer(group_id, client_id)
-        if group_id is None:
-            return inner
+    def queue_consumer(self, group_id: str, client_id: str = "dagfold", **kw: Any) -> Any:
+        inner = self._log.queue_consumer(group_id, client_id, **kw)
         outer = self
-        orig = inner.commit
+        orig_ack, orig_commit = inner.acknowledge, inner.commit
+        accepted: list[QueuedRecord] = []
 
-        def commit(offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:
-            reported = {(r["job_id"], r["task_id"]) for r in commands(outer._log)
-                        if r["type"] in (SUCCEEDED, FAILED)}
-            for tp, nxt in offsets.items():
-                for rec in outer._log.read(tp, 0, nxt):
-                    d = default_codec().decode(rec.value)
-                    if (d["job_id"], d["task_id"]) not in reported:
-                        outer.violations.append(f"{tp}@{rec.offset} committed before its report")
-            outer.commits.append(dict(offsets))
-            outer.waits.append(wait)
-            orig(offsets, wait)
+        def acknowledge(rec: QueuedRecord, ack: Ack = Ack.ACCEPT) -> None:
+            if ack is Ack.ACCEPT:
+                accepted.append(rec)
+                outer.accepted += 1
+            elif ack is Ack.RELEASE:
+                outer.released += 1
+            orig_ack(rec, ack)
 
+        def commit(wait: bool = True) -> None:
+            started = {(r["job_id"], r["task_id"], r["attempt"]) for r in commands(outer._log, type_=STARTED)}
+            for rec in accepted:
+                d = default_codec().decode(rec.value)
+                if (d["job_id"], d["task_id"], d["attempt"]) not in started:
+                    outer.violations.append(f"{rec.partition}@{rec.offset} accepted before its TaskStarted")
+            accepted.clear()
+            orig_commit(wait)
+
+        inner.acknowledge = acknowledge  # type: ignore[method-assign]
         inner.commit = commit  # type: ignore[method-assign]
         return inner
 
 
-def test_offsets_committed_after_reports_and_not_rerun(elog: EmbeddedLog, start: WorkerFactory) -> None:
+def test_records_accepted_after_their_start_and_not_rerun(elog: EmbeddedLog, start: WorkerFactory) -> None:
     wrapped = _CheckingLog(elog)
     w, stop, t = start(log=wrapped)
     for i in range(20):
@@ -414,16 +432,10 @@ def test_offsets_committed_after_reports_and_not_rerun(elog: EmbeddedLog, start:
     stop.set()
     t.join(5)
     w.close()
-    assert wrapped.commits and not wrapped.violations
+    assert wrapped.accepted == 20 and not wrapped.violations
     assert sum(committed(elog).values()) == 20
-    # between batches the worker does not wait for its commits; when it stops, it commits again
-    # and waits, so what it committed without waiting is confirmed before another worker takes over
-    assert False in wrapped.waits
-    assert wrapped.waits[-1] is True
-    last_waited = wrapped.commits[-1]
-    assert last_waited == {tp: o for tp, o in committed(elog).items() if o}
 
-    # A new worker in the same group resumes after the committed offsets.
+    # A new worker in the same queue group gets only what is new.
     w2, _, _ = start(worker_id="w2")
     dispatch(elog, "job-new")
     outcome(elog, "job-new")
@@ -443,14 +455,22 @@ def test_failed_flush_redelivers_the_batch(elog: EmbeddedLog, start: WorkerFacto
     assert not wrapped.violations
 
 
-def test_long_batch_is_cut_and_rest_reread(elog: EmbeddedLog, start: WorkerFactory) -> None:
-    for i in range(4):
-        dispatch(elog, "job-same", f"t{i}", handler="sleep", args={"seconds": 0.1})  # one partition
-    w, _, _ = start(max_batch_duration_s=0.05)
-    wait_for(lambda: len(commands(elog, "job-same", SUCCEEDED)) == 4)
-    wait_for(lambda: sum(committed(elog).values()) == 4)
-    assert len(commands(elog, "job-same", STARTED)) == 4  # each ran once
-    assert w.batches == 4
+def test_a_busy_worker_releases_what_it_cannot_run_now(elog: EmbeddedLog, start: WorkerFactory) -> None:
+    """The head-of-line case: a worker that acquired a long task and two short ones runs the long one
+    and gives the short ones back at once, so an idle worker runs them while the long one runs."""
+    dispatch(elog, "job-long", "long", handler="sleep", args={"seconds": 30})
+    dispatch(elog, "job-long", "s1", handler="sleep", args={"seconds": 0.01})
+    dispatch(elog, "job-long", "s2", handler="sleep", args={"seconds": 0.01})
+    wrapped = _CheckingLog(elog)
+    busy, _, _ = start(log=wrapped, worker_id="busy", max_batch=8)
+    wait_for(lambda: busy.tasks_run == 1)
+    assert wrapped.released == 2 and busy.tasks_released == 2
+    idle, _, _ = start(worker_id="idle")
+    wait_for(lambda: len(commands(elog, "job-long", SUCCEEDED)) == 2, what="short tasks")
+    assert {r["task_id"]: r["worker_id"] for r in commands(elog, "job-long", STARTED)} == {
+        "long": "busy", "s1": "idle", "s2": "idle"}
+    assert not commands(elog, "job-long", FAILED)
+    assert not wrapped.violations
 
 
 def test_noop_batches_flush_once(elog: EmbeddedLog, start: WorkerFactory) -> None:
@@ -465,7 +485,7 @@ def test_noop_batches_flush_once(elog: EmbeddedLog, start: WorkerFactory) -> Non
     wrapped = _CheckingLog(elog)
     t0 = time.monotonic()
     w, _, _ = start(log=wrapped, max_batch=500)
-    wait_for(lambda: sum(committed(elog).values()) == n, timeout=30)  # committed after the reports
+    wait_for(lambda: sum(committed(elog).values()) == n, timeout=30)  # accepted after the reports
     elapsed = time.monotonic() - t0
     assert wrapped.flushes <= w.batches + 1
     assert w.batches <= n // 500 + 2
@@ -499,10 +519,10 @@ def test_worker_creates_dispatch_topic_and_waits_for_core_topics(tmp_path: Path)
 
 
 def test_several_workers_share_a_queue(elog: EmbeddedLog, start: WorkerFactory) -> None:
-    workers = [start(worker_id=f"w{i}")[0] for i in range(3)]
+    workers = [start(worker_id=f"w{i}", max_batch=2)[0] for i in range(3)]
     time.sleep(0.2)
     for i in range(30):
-        dispatch(elog, f"job-{i}")
+        dispatch(elog, f"job-{i}", handler="sleep", args={"seconds": 0.02})
     wait_for(lambda: {r["job_id"] for r in commands(elog, type_=SUCCEEDED)} == {f"job-{i}" for i in range(30)})
     assert sum(w.tasks_succeeded for w in workers) >= 30
-    assert sum(1 for w in workers if w.tasks_run) >= 2  # 2 dispatch partitions, 3 workers
+    assert sum(1 for w in workers if w.tasks_run) >= 2  # each acquires 2 at a time: the others get the rest

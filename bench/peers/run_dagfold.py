@@ -55,7 +55,7 @@ def read_reports(stack: Stack, cfg: Config, job_id: str) -> tuple[dict[str, floa
     started: dict[str, float] = {}
     done: dict[str, float] = {}
     dispatched: dict[str, float] = {}
-    for topic, n in ((COMMANDS, cfg.partitions), (dispatch_topic("default"), cfg.dispatch_partitions)):
+    for topic, n in ((COMMANDS, cfg.partitions), (dispatch_topic("default"), cfg.dispatch_partition_count())):
         c = stack.log.consumer(None, client_id="bench-reader")
         tps = [TopicPartition(topic, p) for p in range(n)]
         ends = stack.log.end_offsets(tps)

@@ -5,10 +5,13 @@ default; a RocksDB-backed log in ``data_dir/log``) or ``kafka://HOST:PORT[,HOST:
 """
 
 from dagfold.log.base import (
+    Ack,
     Consumer,
     Log,
     LogRecord,
     Producer,
+    QueueConsumer,
+    QueuedRecord,
     TopicPartition,
     TopicSpec,
     TransactionalProducer,
@@ -17,10 +20,13 @@ from dagfold.log.base import (
 from dagfold.log.factory import open_log
 
 __all__ = [
+    "Ack",
     "Consumer",
     "Log",
     "LogRecord",
     "Producer",
+    "QueueConsumer",
+    "QueuedRecord",
     "TopicPartition",
     "TopicSpec",
     "TransactionalProducer",

@@ -16,6 +16,25 @@ on both backends:
 * ``TransactionalProducer.commit`` makes the produced records and the consumed
   offsets visible atomically, or neither. A newer producer with the same
   transactional id fences the older one (``FencedError``).
+
+Queues (``Log.queue_consumer``; Kafka's share groups, KIP-932) are the second way to
+read a topic, for work that any free member may take:
+
+* A member *acquires* records: each is locked to it for the group's ``lock_ms``
+  and handed to no other member meanwhile. Every member may acquire from every
+  partition (the embedded log always; Kafka when the share group's assignor shares
+  the partition with the member, which it does for every member of a one-partition
+  topic, and for about members/partitions members of each partition otherwise).
+* The member then acknowledges each record: ``ACCEPT`` (done, never delivered again),
+  ``RELEASE`` (available again at once, to any member) or ``REJECT`` (unprocessable,
+  never delivered again). A lock that runs out, or a member that leaves or dies
+  holding records, makes them available again too.
+* ``QueuedRecord.delivery_count`` counts the acquisitions of a record, this one
+  included; a record acquired ``max_deliveries`` times without being accepted or
+  rejected is archived (never delivered again).
+* A new queue group starts at the beginning of the topic and reads committed
+  records only; records are handed out lowest offset first within a partition
+  (a released or expired record before newer ones), with no order across partitions.
 """
 
 from __future__ import annotations
@@ -25,6 +44,7 @@ import struct
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 # The largest record dagfold writes: a SubmitJob of Limits.max_spec_bytes (64 MiB) with its framing.
@@ -58,6 +78,21 @@ class LogRecord:
     key: bytes | None
     value: bytes | None
     timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRecord(LogRecord):
+    """A record acquired from a queue; ``delivery_count`` counts its acquisitions, this one included."""
+
+    delivery_count: int
+
+
+class Ack(Enum):
+    """How a member acknowledges a record it acquired from a queue (KIP-932's AcknowledgeType)."""
+
+    ACCEPT = "accept"  # processed: never delivered again
+    RELEASE = "release"  # given back: available again at once, to any member
+    REJECT = "reject"  # unprocessable: never delivered again
 
 
 def murmur2(data: bytes) -> int:
@@ -206,6 +241,31 @@ class Consumer(Protocol):
     def close(self) -> None: ...
 
 
+class QueueConsumer(Protocol):
+    """A member of a queue group: records of its topics go to whichever member acquires them first.
+
+    Not thread-safe (as Kafka's share consumer): one thread polls and acknowledges.
+    """
+
+    def subscribe(self, topics: Sequence[str]) -> None:
+        """Join the queue group for these topics."""
+
+    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
+        """Acquire available records (up to the consumer's ``max_records``; Kafka takes that as a
+        hint and may hand out a few more), waiting at most ``timeout_s``. Every record of the
+        previous poll must have been acknowledged first (``LogError`` otherwise)."""
+
+    def acknowledge(self, record: QueuedRecord, ack: Ack = Ack.ACCEPT) -> None:
+        """Mark one acquired record; sent to the log by ``commit`` (or the next ``poll``)."""
+
+    def commit(self, wait: bool = True) -> None:
+        """Send the acknowledgements marked so far; ``wait`` until the log has them. A record
+        whose lock ran out before its acknowledgement arrived may have gone to another member."""
+
+    def close(self) -> None:
+        """Send pending acknowledgements and leave; records still acquired become available."""
+
+
 class Log(Protocol):
     """A partitioned, durable log."""
 
@@ -230,5 +290,10 @@ class Log(Protocol):
 
     def consumer(self, group_id: str | None, client_id: str = "dagfold") -> Consumer:
         """A read_committed consumer; ``group_id`` None means assign-only, no commits."""
+
+    def queue_consumer(self, group_id: str, client_id: str = "dagfold", *, max_records: int = 64,
+                       lock_ms: int = 30_000, max_deliveries: int = 5) -> QueueConsumer:
+        """A member of queue group ``group_id`` (Kafka: a share group). ``lock_ms`` and
+        ``max_deliveries`` are settings of the group (the newest member's values hold)."""
 
     def close(self) -> None: ...

@@ -16,10 +16,21 @@ inside the process, transactional ids carry epochs that fence older producers.
 
 Consumers in one group share partitions through an in-process coordinator
 (round-robin by member, rebalanced when members join or leave or topics appear).
+
+Queue groups (``queue_consumer``, Kafka's share groups) keep, per group and
+partition, which records are done, locked to a member, or available again
+(``_Queue``); only the done part is durable:
+
+* ``q|group|topic|P(4)`` -> ``start(8)`` + the done offsets above it (8 bytes each)
+
+so after a restart every record that was not accepted or rejected is available
+again (locks and delivery counts live in memory: a kill -9 of the process ends
+every member anyway).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import struct
 import threading
@@ -34,9 +45,11 @@ from dagfold.clock import now_ms
 from dagfold.exceptions import FencedError, LogError
 from dagfold.log.base import (
     DEFAULT_PARTITIONER,
+    Ack,
     AssignCallback,
     Consumer,
     LogRecord,
+    QueuedRecord,
     TopicPartition,
     TopicSpec,
     partitioner_named,
@@ -56,6 +69,10 @@ def _rkey(topic: str, partition: int, offset: int) -> bytes:
 
 def _gkey(group: str, tp: TopicPartition) -> bytes:
     return b"g" + group.encode() + _SEP + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
+
+
+def _qkey(group: str, tp: TopicPartition) -> bytes:
+    return b"q" + group.encode() + _SEP + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
 
 
 def _items(db: Rdict, start: bytes, end: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
@@ -150,6 +167,7 @@ class EmbeddedLog:
         self._tails: dict[TopicPartition, _Tail] = {}
         self._epochs: dict[str, int] = {}
         self._groups: dict[str, _Group] = {}
+        self._queues: dict[str, _QueueGroup] = {}
         self._closed = False
         self._load_catalogue()
         self.partitioner = self._load_partitioner(partitioner)
@@ -328,6 +346,17 @@ class EmbeddedLog:
                 group = self._groups.setdefault(group_id, _Group(self, group_id))
         return EmbeddedConsumer(self, group, client_id)
 
+    def queue_consumer(self, group_id: str, client_id: str = "dagfold", *, max_records: int = 64,
+                       lock_ms: int = 30_000, max_deliveries: int = 5) -> EmbeddedQueueConsumer:
+        if max_records < 1 or lock_ms < 1 or max_deliveries < 1:
+            raise LogError("max_records, lock_ms and max_deliveries must be >= 1")
+        with self._lock:
+            group = self._queues.get(group_id)
+            if group is None:
+                group = self._queues[group_id] = _QueueGroup(self, group_id)
+            group.lock_ms, group.max_deliveries = lock_ms, max_deliveries
+        return EmbeddedQueueConsumer(self, group, max_records)
+
     def committed(self, group: str, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
         out = {}
         for tp in tps:
@@ -489,6 +518,238 @@ class EmbeddedConsumer:
             with self._log._lock:
                 self._group.leave(self._member)
             self._member = None
+
+
+class _Queue:
+    """Queue state of one partition in one queue group (the embedded share partition).
+
+    ``start``: every offset below it is done; ``done``: done offsets above it (accepted,
+    rejected or archived); ``fresh``: the lowest offset never acquired; ``locks``: offset ->
+    (member, deadline); ``available``: a heap of offsets released or expired, to hand out
+    before fresh ones; ``deliveries``: acquisitions of offsets not done; ``expiry``: a heap of
+    (deadline, offset) to find the locks that ran out without scanning them all.
+    """
+
+    __slots__ = ("start", "fresh", "done", "locks", "available", "deliveries", "expiry")
+
+    def __init__(self, start: int, done: set[int]) -> None:
+        self.start = start
+        self.fresh = start
+        self.done = done
+        self.locks: dict[int, tuple[int, float]] = {}
+        self.available: list[int] = []
+        self.deliveries: dict[int, int] = {}
+        self.expiry: list[tuple[float, int]] = []
+
+    def encode(self) -> bytes:
+        return _OFF.pack(self.start) + b"".join(_OFF.pack(o) for o in sorted(self.done))
+
+    @classmethod
+    def decode(cls, v: bytes | None) -> _Queue:
+        if v is None:
+            return cls(0, set())
+        offs = [int(_OFF.unpack_from(v, i)[0]) for i in range(0, len(v), 8)]
+        return cls(offs[0], set(offs[1:]))
+
+    def finish(self, off: int) -> None:
+        """Accepted, rejected or archived: never handed out again."""
+        self.locks.pop(off, None)
+        self.deliveries.pop(off, None)
+        self.done.add(off)
+        while self.start in self.done:
+            self.done.discard(self.start)
+            self.start += 1
+
+    def give_back(self, off: int, max_deliveries: int) -> None:
+        """Released, expired or left behind by a member: available again, or archived at the limit."""
+        self.locks.pop(off, None)
+        if self.deliveries.get(off, 0) >= max_deliveries:
+            self.finish(off)
+        else:
+            heapq.heappush(self.available, off)
+
+    def expire(self, now: float, max_deliveries: int) -> None:
+        while self.expiry and self.expiry[0][0] <= now:
+            deadline, off = heapq.heappop(self.expiry)
+            lock = self.locks.get(off)
+            if lock is not None and lock[1] == deadline:
+                self.give_back(off, max_deliveries)
+
+    def take(self, end: int) -> int | None:
+        """The lowest offset that may be acquired now, or None."""
+        while self.available:
+            off = heapq.heappop(self.available)
+            if off >= self.start and off not in self.done and off not in self.locks:
+                return off
+        while self.fresh < end:
+            off = self.fresh
+            self.fresh += 1
+            if off >= self.start and off not in self.done:
+                return off
+        return None
+
+
+class _QueueGroup:
+    """A queue group of the embedded log: members acquire records of any partition, round-robin."""
+
+    _ids = itertools.count()
+
+    def __init__(self, log: EmbeddedLog, name: str) -> None:
+        self.log = log
+        self.name = name
+        self.lock_ms = 30_000
+        self.max_deliveries = 5
+        self.members: dict[int, tuple[str, ...]] = {}
+        self.queues: dict[TopicPartition, _Queue] = {}
+        self.turn = 0  # partition to start the next acquisition at (fairness across partitions)
+
+    def queue(self, tp: TopicPartition) -> _Queue:
+        q = self.queues.get(tp)
+        if q is None:
+            q = self.queues[tp] = _Queue.decode(self.log._db.get(_qkey(self.name, tp)))
+        return q
+
+    def acquire(self, member: int, max_records: int) -> list[QueuedRecord]:
+        """Up to ``max_records`` records for ``member``, one partition after another in turn.
+
+        Round-robin across partitions, a record at a time, is the queue's fairness: records
+        keyed by tenant land on the tenant's partition, so one tenant's backlog delays another
+        tenant's records by at most one record per turn, not by the backlog's length.
+        """
+        log = self.log
+        tps = sorted(TopicPartition(t, p) for t in self.members.get(member, ())
+                     for p in range(log._topics[t].partitions if t in log._topics else 0))
+        if not tps:
+            return []
+        now = time.monotonic()
+        deadline = now + self.lock_ms / 1000
+        self.turn = (self.turn + 1) % len(tps)
+        order = tps[self.turn:] + tps[: self.turn]
+        out: list[QueuedRecord] = []
+        while len(out) < max_records and order:
+            still = []
+            for tp in order:
+                q = self.queue(tp)
+                q.expire(now, self.max_deliveries)
+                off = q.take(log._hwm.get(tp, 0))
+                if off is None:
+                    continue
+                recs = log.read(tp, off, 1)
+                if not recs:  # cannot happen below the high watermark; hand it out later
+                    heapq.heappush(q.available, off)
+                    continue
+                n = q.deliveries[off] = q.deliveries.get(off, 0) + 1
+                q.locks[off] = (member, deadline)
+                heapq.heappush(q.expiry, (deadline, off))
+                r = recs[0]
+                out.append(QueuedRecord(r.topic, r.partition, r.offset, r.key, r.value, r.timestamp_ms, n))
+                still.append(tp)
+                if len(out) >= max_records:
+                    break
+            order = still
+        return out
+
+    def settle(self, member: int, acks: Sequence[tuple[TopicPartition, int, Ack]]) -> None:
+        """Apply acknowledgements of ``member`` (those of records it no longer holds are void),
+        then store the done state of the partitions they touched in one write."""
+        touched: set[TopicPartition] = set()
+        for tp, off, ack in acks:
+            q = self.queue(tp)
+            lock = q.locks.get(off)
+            if lock is None or lock[0] != member:
+                continue  # the lock ran out and the record is another member's (or available) now
+            if ack is Ack.RELEASE:
+                q.give_back(off, self.max_deliveries)
+            else:
+                q.finish(off)
+            touched.add(tp)
+        self.store(touched)
+
+    def store(self, tps: set[TopicPartition]) -> None:
+        if not tps:
+            return
+        wb = WriteBatch(raw_mode=True)
+        for tp in tps:
+            wb.put(_qkey(self.name, tp), self.queues[tp].encode())
+        self.log._db.write(wb)
+        self.log._cond.notify_all()
+
+    def leave(self, member: int) -> None:
+        """A member leaves (or dies): the records it holds are available again."""
+        self.members.pop(member, None)
+        touched: set[TopicPartition] = set()
+        for tp, q in self.queues.items():
+            mine = [off for off, (m, _) in q.locks.items() if m == member]
+            for off in mine:
+                q.give_back(off, self.max_deliveries)
+                touched.add(tp)
+        self.store(touched)
+
+
+class EmbeddedQueueConsumer:
+    """A member of an embedded queue group (see ``QueueConsumer`` in ``dagfold.log.base``)."""
+
+    def __init__(self, log: EmbeddedLog, group: _QueueGroup, max_records: int) -> None:
+        self._log = log
+        self._group = group
+        self._max = max_records
+        self._member: int | None = None
+        self._held: set[tuple[TopicPartition, int]] = set()  # acquired by the last poll, not yet acknowledged
+        self._acks: list[tuple[TopicPartition, int, Ack]] = []
+
+    def subscribe(self, topics: Sequence[str]) -> None:
+        with self._log._lock:
+            if self._member is None:
+                self._member = next(_QueueGroup._ids)
+            self._group.members[self._member] = tuple(topics)
+
+    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
+        if self._member is None:
+            raise LogError("poll before subscribe")
+        if self._held:
+            raise LogError(f"{len(self._held)} record(s) of the previous poll are not acknowledged")
+        if self._acks:
+            self.commit()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._log._lock:
+                if self._log._closed:
+                    return []
+                out = self._group.acquire(self._member, self._max)
+            if out:
+                self._held = {(TopicPartition(r.topic, r.partition), r.offset) for r in out}
+                return out
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            self._log.wait(min(left, 0.05))
+
+    def acknowledge(self, record: QueuedRecord, ack: Ack = Ack.ACCEPT) -> None:
+        key = (TopicPartition(record.topic, record.partition), record.offset)
+        if key not in self._held:
+            raise LogError(f"{record.topic}[{record.partition}]@{record.offset} is not held by this consumer")
+        self._held.discard(key)
+        self._acks.append((key[0], key[1], ack))
+
+    def commit(self, wait: bool = True) -> None:
+        """A local write: done at once either way."""
+        acks, self._acks = self._acks, []
+        if acks and self._member is not None:
+            with self._log._lock:
+                if not self._log._closed:
+                    self._group.settle(self._member, acks)
+
+    def close(self) -> None:
+        if self._member is None:
+            return
+        with self._log._lock:
+            if not self._log._closed:
+                if self._acks:
+                    self._group.settle(self._member, self._acks)
+                self._group.leave(self._member)
+        self._acks = []
+        self._held = set()
+        self._member = None
 
 
 class EmbeddedProducer:

@@ -28,19 +28,37 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from confluent_kafka import OFFSET_INVALID, ConsumerGroupState, KafkaError, KafkaException, Message
+from confluent_kafka import (
+    OFFSET_INVALID,
+    AcknowledgeType,
+    ConsumerGroupState,
+    KafkaError,
+    KafkaException,
+    Message,
+    ShareConsumer,
+)
 from confluent_kafka import Consumer as _CkConsumer
 from confluent_kafka import Producer as _CkProducer
 from confluent_kafka import TopicPartition as _CkTP
-from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+    OffsetSpec,
+    ResourceType,
+)
 
 from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
 from dagfold.log.base import (
     DEFAULT_PARTITIONER,
     MAX_RECORD_BYTES,
+    Ack,
     AssignCallback,
     Consumer,
     LogRecord,
+    QueuedRecord,
     TopicPartition,
     TopicSpec,
     partitioner_named,
@@ -316,8 +334,123 @@ class KafkaLog:
         }
         return KafkaConsumer(_CkConsumer(conf), group_id)
 
+    def queue_consumer(self, group_id: str, client_id: str = "dagfold", *, max_records: int = 64,
+                       lock_ms: int = 30_000, max_deliveries: int = 5) -> KafkaQueueConsumer:
+        """A member of share group ``group_id`` (KIP-932), explicit acknowledgement.
+
+        The group's settings are set first (Kafka keeps them per group, the newest values hold):
+        it starts at the beginning of its topics (a share group's default is their end, which
+        would lose every record written before the first member joined), reads committed records
+        only (dispatch records are written in the scheduler's transactions), and locks each
+        acquired record for ``lock_ms``, at most ``max_deliveries`` times. The broker bounds both
+        (``group.share.{min,max}.record.lock.duration.ms``, ``group.share.max.delivery.count.limit``).
+        """
+        settings = {"share.auto.offset.reset": "earliest", "share.isolation.level": "read_committed",
+                    "share.record.lock.duration.ms": str(lock_ms), "share.delivery.count.limit": str(max_deliveries)}
+        res = ConfigResource(ResourceType.GROUP, group_id, incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in settings.items()])
+        try:
+            for fut in self._admin.incremental_alter_configs([res], request_timeout=_TIMEOUT_S).values():
+                fut.result()
+        except KafkaException as exc:
+            raise LogError(f"cannot configure share group {group_id!r} (a broker with share groups, "
+                           f"Kafka >= 4.2, is needed): {exc}") from exc
+        conf = {
+            # allow.auto.create.topics is refused by librdkafka's (preview) share consumer; a share
+            # consumer only reads, and subscribing to a missing topic creates nothing
+            **{k: v for k, v in self._base.items() if k != "allow.auto.create.topics"},
+            "group.id": group_id,
+            "client.id": client_id,
+            "share.acknowledgement.mode": "explicit",
+            "max.poll.records": max_records,
+            **{k: v for k, v in self._consumer_config.items() if k in _SHARE_CONSUMER_KEYS},
+        }
+        return KafkaQueueConsumer(ShareConsumer(conf))
+
     def close(self) -> None:
         """Nothing to release: clients are closed by their owners; the admin client needs no close."""
+
+
+# Settings of the log's consumer_config that a share consumer takes too (it has no session or
+# assignment settings of its own: the share group's are broker and group configs).
+_SHARE_CONSUMER_KEYS = frozenset({"max.poll.interval.ms", "fetch.wait.max.ms", "socket.timeout.ms",
+                                  "reconnect.backoff.ms", "reconnect.backoff.max.ms"})
+
+_ACK_TYPES = {Ack.ACCEPT: AcknowledgeType.ACCEPT, Ack.RELEASE: AcknowledgeType.RELEASE,
+              Ack.REJECT: AcknowledgeType.REJECT}
+
+
+class KafkaQueueConsumer:
+    """A share consumer (KIP-932) seen through the ``QueueConsumer`` contract."""
+
+    def __init__(self, consumer: ShareConsumer) -> None:
+        self.raw = consumer
+        self._held: set[tuple[str, int, int]] = set()
+        self._closed = False
+
+    def subscribe(self, topics: Sequence[str]) -> None:
+        try:
+            self.raw.subscribe(list(topics))
+        except KafkaException as exc:
+            raise LogError(f"cannot join the share group: {exc}") from exc
+
+    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
+        if self._held:
+            raise LogError(f"{len(self._held)} record(s) of the previous poll are not acknowledged")
+        try:
+            msgs = self.raw.poll(timeout_s)
+        except KafkaException as exc:
+            raise LogError(f"share consumer poll failed: {exc}") from exc
+        except Exception as exc:  # IllegalStateException and friends are not KafkaExceptions
+            raise LogError(f"share consumer poll failed: {exc}") from exc
+        out: list[QueuedRecord] = []
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise LogError(f"share consumer failed: {err}")
+                log.warning("share consumer: %s", err)
+                continue
+            topic, partition, offset = m.topic(), m.partition(), m.offset()
+            assert topic is not None and partition is not None and offset is not None
+            count = m.delivery_count()
+            out.append(QueuedRecord(topic, partition, offset, m.key(), m.value(), m.timestamp()[1],
+                                    int(count) if count is not None else 1))
+            self._held.add((topic, partition, offset))
+        return out
+
+    def acknowledge(self, record: QueuedRecord, ack: Ack = Ack.ACCEPT) -> None:
+        key = (record.topic, record.partition, record.offset)
+        if key not in self._held:
+            raise LogError(f"{record.topic}[{record.partition}]@{record.offset} is not held by this consumer")
+        try:
+            self.raw.acknowledge_offset(record.topic, record.partition, record.offset, _ACK_TYPES[ack])
+        except Exception as exc:
+            raise LogError(f"cannot acknowledge {record.topic}[{record.partition}]@{record.offset}: {exc}") from exc
+        self._held.discard(key)
+
+    def commit(self, wait: bool = True) -> None:
+        try:
+            if not wait:
+                self.raw.commit_async()
+                return
+            results = self.raw.commit_sync(_TIMEOUT_S)
+        except Exception as exc:
+            raise LogError(f"acknowledgement commit failed: {exc}") from exc
+        failed = [(tp, e) for tp, e in (results or {}).items() if e is not None]
+        if failed:
+            # e.g. INVALID_RECORD_STATE: a lock ran out first and the record went to another member
+            log.warning("acknowledgements not applied for %s[%s]: %s", failed[0][0].topic, failed[0][0].partition,
+                        failed[0][1])
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.raw.close()
+        except Exception as exc:
+            log.debug("closing share consumer: %s", exc)
 
 
 class KafkaProducer:

@@ -13,13 +13,15 @@
 #   KAFKA_DATA=.cache/kafka/data-$KAFKA_PORT   config, logs, pid files and storage
 #   KAFKA_HEAP_OPTS="-Xmx512m -Xms256m"        per broker
 #   KAFKA_START_TIMEOUT=90                     seconds to wait for readiness
-#   KAFKA_LIBS=.cache/kafka/libs               jars (fetch fills it)
+#   KAFKA_LIBS=.cache/kafka/libs-<version>     jars (fetch fills it; one folder per pinned version, so
+#                                              checkouts pinning another version never clobber it)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 POM="$ROOT/deploy/kafka/pom.xml"
 M2="${KAFKA_M2:-$ROOT/.cache/m2}"
-LIBS="${KAFKA_LIBS:-$ROOT/.cache/kafka/libs}"
+KAFKA_VERSION="$(grep -o '<kafka.version>[^<]*' "$POM" | cut -d'>' -f2)"
+LIBS="${KAFKA_LIBS:-$ROOT/.cache/kafka/libs-$KAFKA_VERSION}"
 PORT="${KAFKA_PORT:-9092}"
 BROKERS="${KAFKA_BROKERS:-1}"
 DATA="${KAFKA_DATA:-$ROOT/.cache/kafka/data-$PORT}"
@@ -126,6 +128,14 @@ transaction.state.log.min.isr=$isr
 transaction.state.log.num.partitions=8
 share.coordinator.state.topic.replication.factor=$rf
 share.coordinator.state.topic.min.isr=$isr
+share.coordinator.state.topic.num.partitions=8
+# Share groups (KIP-932) carry dispatch queues. dagfold sets each group's lock duration
+# (share.record.lock.duration.ms, Config.dispatch_lock_ms); tests use locks of a second or two.
+group.share.min.record.lock.duration.ms=1000
+group.share.max.record.lock.duration.ms=3600000
+# A new member gets its share of partitions within a second (Kafka's default heartbeat is 5 s).
+group.share.min.heartbeat.interval.ms=500
+group.share.heartbeat.interval.ms=1000
 group.initial.rebalance.delay.ms=0
 # Light: a dev box with 2 cores.
 num.network.threads=2

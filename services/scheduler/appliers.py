@@ -216,6 +216,14 @@ def _attempt_will_retry(txn: PartitionTransaction, e: Record, t: dict[str, Any])
     t["alloc"] = None
 
 
+@_on_task
+def _lease_reclaimed(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    """The worker is lost: the lease ends; TaskDispatched (next attempt) or TaskFailed (final) follows.
+    ``lost`` counts the losses of this run, which the retry budget does not count."""
+    _clear_timers(txn, e["job_id"], e["task_id"], t)
+    t.update(state="retrying", worker=None, alloc=None, lease_ms=None, lost=e["losses"])
+
+
 def _task_failed(txn: PartitionTransaction, e: Record) -> None:
     if e["final"]:
         _finish_task(txn, e, "failed", "bad")
@@ -263,7 +271,7 @@ def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
         j[t["state"]] -= 1
         # base: attempts before this run; the retry budget counts from it, attempt numbers go on
         t.update(state="pending", rem=waiting[tid], ok=t["n_up"] - waiting[tid], bad=0, skip=0,
-                 worker=None, lease_ms=None, ended_ms=None, base=t["attempt"])
+                 worker=None, lease_ms=None, ended_ms=None, base=t["attempt"], lost=0)
         txn.put(keys.task(job_id, tid), t)
     j.update(state="running", open=j["open"] + len(reopened), first_failure=None, ended_ms=None)
     txn.put(keys.job(job_id), j)
@@ -286,6 +294,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.LeaseRejected": _no_state,
     "dagfold.event.ReportIgnored": _no_state,
     "dagfold.event.TaskSucceeded": lambda txn, e: _finish_task(txn, e, "succeeded", "ok"),
+    "dagfold.event.LeaseReclaimed": _lease_reclaimed,
     "dagfold.event.TaskFailed": _task_failed,
     "dagfold.event.TaskRetryScheduled": _retry_scheduled,
     "dagfold.event.TaskSkipped": lambda txn, e: _finish_task(txn, e, "skipped", "skip"),

@@ -126,9 +126,10 @@ def dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt:
         req["resume_checkpoint"] = t.get("ckpt")
         ctx.emit(ALLOCATOR_COMMANDS, t["queue"], req)
         return
-    # keyed by job and task, not job: a job's parallel tasks spread over the queue's partitions
-    # (and so over workers) instead of queueing behind each other on one partition
-    ctx.emit(dispatch_topic(t["queue"]), f"{job_id}/{task_id}", {
+    # keyed by tenant: the queue hands records out round-robin across partitions, so a tenant's backlog
+    # on its partition delays another tenant's records by one record per round, not by its length
+    # (any free worker takes any record: the dispatch topic is a queue, dagfold.log.base)
+    ctx.emit(dispatch_topic(t["queue"]), tenant, {
         "type": "dagfold.dispatch.TaskDispatch", "job_id": job_id, "task_id": task_id, "attempt": attempt,
         "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
         "idempotency_key": f"{job_id}/{task_id}", "lease_timeout_s": lease_timeout_ms(ctx, t) / 1000,
@@ -332,8 +333,9 @@ def fail_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], *, w
                  stdout_tail: str = "", stderr_tail: str = "") -> None:
     """The current attempt failed: schedule a retry per policy, or fail the task for good."""
     attempt = t["attempt"]
-    # the retry budget and backoff count the attempts of this run (a redrive starts a new run)
-    run_attempt = attempt - t.get("base", 0)
+    # the retry budget and backoff count the attempts of this run (a redrive starts a new run) that
+    # failed or are failing: attempts whose worker was lost (LeaseReclaimed) spent none of it
+    run_attempt = attempt - t.get("base", 0) - t.get("lost", 0)
     retry = should_retry(t["retry"], run_attempt, exit_code, error_type, retryable)
     ctx.event("TaskFailed", job_id, task_id=task_id, attempt=attempt, worker_id=worker, reason=reason,
               exit_code=exit_code, error_type=error_type, final=not retry,
@@ -348,6 +350,36 @@ def fail_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], *, w
         finish_job_if_done(ctx, job_id)
         return
     propagate(ctx, job_id, task_id, "failed")
+
+
+def reclaim_lease(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], *, worker: str, reason: str) -> None:
+    """The attempt's worker is lost (died, froze, cut off, drained): not the task's failure.
+
+    The task runs again at once as the next attempt, its retry budget untouched; after
+    ``max_worker_losses`` losses in this run it fails for good with ``worker_lost``, so a
+    task that kills every worker it lands on stops.
+    """
+    losses = t.get("lost", 0) + 1
+    final = losses >= ctx.opts.max_worker_losses
+    ctx.event("LeaseReclaimed", job_id, task_id=task_id, attempt=t["attempt"], worker_id=worker, reason=reason,
+              losses=losses, final=final)
+    now = read_task(ctx.txn, job_id, task_id)
+    j = read_job(ctx.txn, job_id)
+    assert now is not None and j is not None
+    if final:
+        fail_attempt(ctx, job_id, task_id, now, worker=worker, reason=f"worker_lost x {losses}: {reason}",
+                     error_type="worker_lost", retryable=False)
+    else:
+        dispatch(ctx, job_id, task_id, now, now["attempt"] + 1, j["tenant"])
+
+
+def task_released(ctx: Ctx, cmd: Record) -> None:
+    """The holder gives the attempt back (shutting down, drained): a worker loss, not a failure."""
+    t = _report_target(ctx, cmd, "released")
+    if t is None:
+        return
+    reclaim_lease(ctx, cmd["job_id"], cmd["task_id"], t, worker=cmd["worker_id"],
+                  reason=f"released: {cmd['reason']}")
 
 
 def task_failed(ctx: Ctx, cmd: Record) -> None:
@@ -375,8 +407,8 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
         dispatch(ctx, job_id, task_id, t, attempt + 1, j["tenant"])
     elif kind == "lease" and t["state"] == "running":
         stop_attempt(ctx, job_id, task_id, t, "lease_expired")
-        fail_attempt(ctx, job_id, task_id, t, worker=t["worker"] or "",
-                     reason=f"lease_expired: no heartbeat from {t['worker']} within the lease")
+        reclaim_lease(ctx, job_id, task_id, t, worker=t["worker"] or "",
+                      reason=f"lease_expired: no heartbeat from {t['worker']} within the lease")
     elif kind == "start_to_close" and t["state"] == "running":
         stop_attempt(ctx, job_id, task_id, t, "start_to_close_timeout")
         fail_attempt(ctx, job_id, task_id, t, worker=t["worker"] or "", reason="start_to_close_timeout")
@@ -462,6 +494,7 @@ PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
     "dagfold.command.TaskHeartbeat": task_heartbeat,
     "dagfold.command.TaskSucceeded": task_succeeded,
     "dagfold.command.TaskFailed": task_failed,
+    "dagfold.command.TaskReleased": task_released,
     "dagfold.command.TimerFired": timer_fired,
     "dagfold.command.TaskAllocation": task_allocation,
 }

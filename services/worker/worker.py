@@ -1,28 +1,37 @@
 """The worker: leases dispatched attempts, runs their handlers, reports outcomes.
 
-Data flow (one ``Worker``, its own consumer and producer)::
+Data flow (one ``Worker``, its own queue consumer and producer)::
 
-    dispatch.<queue> --(group dagfold-workers.<queue>)--> Worker
-        -> commands: TaskStarted, TaskHeartbeat..., TaskSucceeded | TaskFailed
+    dispatch.<queue> --(queue group dagfold-workers.<queue>; Kafka: a share group)--> Worker
+        -> commands: TaskStarted, TaskHeartbeat..., TaskSucceeded | TaskFailed | TaskReleased
         -> deadletter: records that do not decode as a TaskDispatch
     control (all partitions, from the end) --> StopTask for this worker_id
 
-Delivery is at least once: the dispatch offsets of a polled batch are committed
-only after the batch's reports are flushed, so a worker that dies before the
-commit has the records redelivered; the scheduler fences duplicate and stale
-reports by attempt. Instant (``batched``) handlers such as ``noop`` have their
-TaskStarted and outcome produced for the whole batch with one flush. Any other
-handler has its TaskStarted flushed before it runs, a heartbeat every
-``lease_timeout_s / 3`` (at least 0.2 s) while it runs, and its outcome flushed
-and offset committed as soon as it ends; after ``max_batch_duration_s`` the
-rest of a polled batch is left to the next poll (Kafka's poll interval).
+The dispatch topic is a queue (``QueueConsumer`` in ``dagfold.log.base``): a worker
+acquires records only when it is free to run them, so a task waits for capacity,
+never behind another task on a busy worker. Per polled batch:
+
+* Instant (``batched``) handlers such as ``noop`` run at once; their TaskStarted
+  and outcome are flushed together, then their records are accepted.
+* Of the other records the worker starts one and releases the rest at once, to
+  whichever worker is free. The started one is accepted as soon as its
+  TaskStarted is flushed: from then on the attempt's lease (heartbeats every
+  ``lease_timeout_s / 3``, at least 0.2 s) is what says the attempt is alive, and
+  the scheduler reclaims it when the lease runs out. Before that, the record's
+  lock does: a worker that dies holding records has them handed to another
+  worker when its lock runs out (or at once when it leaves cleanly).
+
+Delivery is at least once; the scheduler fences duplicate and stale reports by
+attempt.
 
 Stopping: a StopTask for the running attempt cancels it (``ctx.cancelled``; the
 shell handler kills its process group) and nothing is reported for it. Past
 ``start_to_close_s`` the attempt is cancelled and fails with
 ``start_to_close_timeout``. When ``run``'s stop event is set, the running
-attempt gets ``shutdown_grace_s`` to finish, then is cancelled and fails
-retryably with ``worker_shutdown``.
+attempt gets ``shutdown_grace_s`` to finish, then is cancelled and given back
+(``TaskReleased``, reason ``worker_shutdown``): a drained worker is the
+infrastructure's doing, so the scheduler runs the task again elsewhere without
+spending its retry budget.
 
 Fault injection (tests): a handler that raises ``WorkerCrashed`` makes its
 worker behave as if its process were killed at that point (see the class).
@@ -30,7 +39,6 @@ worker behave as if its process were killed at that point (see the class).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import shutil
@@ -38,7 +46,6 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +55,7 @@ from dagfold.clock import now_ms
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic, worker_group
 from dagfold.exceptions import CodecError, LogError
-from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition, TopicSpec
+from dagfold.log.base import Ack, Consumer, Log, LogRecord, QueuedRecord, TopicPartition, TopicSpec
 from services.worker.exceptions import NonRetryableError, TaskError, TaskTimeout, UnknownHandlerError
 from services.worker.handlers import Handler, HandlerRegistry, TaskContext, default_registry
 
@@ -62,6 +69,12 @@ MAX_REASON_CHARS = 4096
 TAIL_CHARS = 4096
 MIN_HEARTBEAT_S = 0.2
 _STOPPED_MEMORY = 4096
+# A dispatch record's lock covers only the moment from its acquisition to its TaskStarted (the lease
+# takes over then), so a short lock hands a dead worker's records on soon.
+DISPATCH_LOCK_MS = 15_000
+# Releases count as deliveries (Kafka's delivery count): a record a busy worker gives back is
+# delivered again, so the limit is Kafka's largest default (group.share.max.delivery.count.limit).
+DISPATCH_MAX_DELIVERIES = 10
 
 AttemptKey = tuple[str, str, int]
 
@@ -71,11 +84,11 @@ class WorkerCrashed(Exception):
 
     For tests of lease expiry where workers are threads of one process (``dagfold
     up`` on the embedded log) and cannot be killed one by one. The attempt is
-    abandoned: no outcome is reported, its heartbeats stop, its dispatch offset
-    is not committed; the worker stops at once and its dispatch consumer leaves
-    the group, so other workers take its partitions over and re-read the
-    uncommitted records (as after a killed process's session timeout). The
-    scheduler reclaims the attempt when its lease expires (``lease_expired``).
+    abandoned: no outcome is reported, its heartbeats stop; the worker stops at
+    once and leaves the queue group, so records it acquired and had not yet
+    accepted go to other workers (as after a killed process's lock expiry). The
+    scheduler reclaims the attempt when its lease expires (``lease_expired``,
+    a worker loss).
     Never raised by dagfold itself; no built-in handler raises it.
     """
 
@@ -151,8 +164,8 @@ class Worker:
         max_batch: int = 64,
         poll_timeout_s: float = 0.2,
         shutdown_grace_s: float = 5.0,
-        max_batch_duration_s: float = 30.0,
-        max_poll_interval_s: float = 3600.0,
+        lock_ms: int = DISPATCH_LOCK_MS,
+        max_deliveries: int = DISPATCH_MAX_DELIVERIES,
         artifacts: ArtifactStore | None = None,
     ) -> None:
         self.log = log
@@ -161,7 +174,7 @@ class Worker:
         self.registry = registry if registry is not None else default_registry()
         self.topic = dispatch_topic(queue)
         self.group = worker_group(queue)
-        cfg = config if config is not None else Config()
+        cfg = config if config is not None else Config(log_url=log.url)
         spec = cfg.dispatch_spec(queue)
         if dispatch_partitions is not None:
             spec = TopicSpec(spec.name, dispatch_partitions, spec.retention_ms, spec.replication,
@@ -170,18 +183,17 @@ class Worker:
         self.max_batch = max_batch
         self.poll_timeout_s = poll_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
-        self.max_batch_duration_s = max_batch_duration_s
         self.artifacts = artifacts  # task outputs: uploaded from ctx.output_dir when an attempt succeeds
         self._codec = default_codec()
         self._producer = log.producer(f"dagfold-worker-{worker_id}")
-        self._consumer = self._group_consumer(max_poll_interval_s)
+        self._consumer = log.queue_consumer(self.group, f"dagfold-worker-{worker_id}", max_records=max_batch,
+                                            lock_ms=lock_ms, max_deliveries=max_deliveries)
         self._control: Consumer | None = None
         self._control_thread: threading.Thread | None = None
         self._control_stop = threading.Event()
         self._lock = threading.Lock()
         self._running: _Running | None = None
         self._stopped: OrderedDict[AttemptKey, str] = OrderedDict()
-        self._pending: dict[TopicPartition, int] = {}  # offsets committed without waiting for the log
         self._closed = False
         self.crashed = False  # stopped by WorkerCrashed (fault injection)
         # counters (read them as attributes; Prometheus metrics come later)
@@ -190,27 +202,11 @@ class Worker:
         self.tasks_failed = 0
         self.tasks_stopped = 0
         self.tasks_skipped = 0
+        self.tasks_released = 0  # records given back to the queue unstarted (another worker runs them)
+        self.tasks_given_back = 0  # started attempts given back at shutdown (TaskReleased)
         self.dead_lettered = 0
         self.heartbeats_sent = 0
         self.batches = 0
-
-    def _group_consumer(self, max_poll_interval_s: float) -> Consumer:
-        """The dispatch consumer; on Kafka with a poll interval that tolerates long tasks.
-
-        The worker polls between tasks only, so Kafka's ``max.poll.interval.ms``
-        (default 5 min) must exceed the longest task plus ``max_batch_duration_s``,
-        or the consumer leaves the group mid-task (its records then go to another
-        worker, whose TaskStarted the scheduler rejects).
-        """
-        client_id = f"dagfold-worker-{self.worker_id}"
-        try:
-            takes_config = "config" in inspect.signature(self.log.consumer).parameters
-        except (TypeError, ValueError):
-            takes_config = False
-        if takes_config:
-            conf = {"max.poll.interval.ms": int(max_poll_interval_s * 1000)}
-            return self.log.consumer(self.group, client_id, config=conf)  # type: ignore[call-arg]
-        return self.log.consumer(self.group, client_id=client_id)
 
     # -- lifecycle ------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -220,6 +216,8 @@ class Worker:
             "tasks_failed": self.tasks_failed,
             "tasks_stopped": self.tasks_stopped,
             "tasks_skipped": self.tasks_skipped,
+            "tasks_released": self.tasks_released,
+            "tasks_given_back": self.tasks_given_back,
             "dead_lettered": self.dead_lettered,
             "heartbeats_sent": self.heartbeats_sent,
             "batches": self.batches,
@@ -238,19 +236,23 @@ class Worker:
         log.info("worker started", extra={"worker_id": self.worker_id, "queue": self.queue})
         try:
             while not stop.is_set():
-                records = self._consumer.poll(self.max_batch, self.poll_timeout_s)
+                try:
+                    records = self._consumer.poll(self.poll_timeout_s)
+                except LogError as exc:
+                    log.warning("dispatch poll failed: %s", exc, extra={"worker_id": self.worker_id})
+                    stop.wait(1.0)
+                    continue
                 if records:
                     self._process_batch(records, stop)
         except WorkerCrashed as exc:
             self.crashed = True
             log.warning("worker crashed (fault injection): %s", exc, extra={"worker_id": self.worker_id})
-            self._consumer.close()  # leave the group without committing: others take the partitions over
+            self._consumer.close()  # leave the queue group: records not yet accepted go to other workers
         finally:
             self._stop_control()
             try:
                 if not self.crashed:
                     self._producer.flush()
-                    self._commit_pending()
             except LogError:
                 log.exception("final flush failed", extra={"worker_id": self.worker_id})
             log.info("worker stopped", extra={"worker_id": self.worker_id, **self.stats()})
@@ -306,17 +308,8 @@ class Worker:
                 stop.wait(1.0)
         if stop.is_set():
             return False
-        self._consumer.subscribe([self.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
+        self._consumer.subscribe([self.topic])
         return True
-
-    def _on_assign(self, tps: list[TopicPartition]) -> None:
-        log.info("assigned %s", [tp.partition for tp in tps], extra={"worker_id": self.worker_id})
-
-    def _on_revoke(self, tps: list[TopicPartition]) -> None:
-        # Offsets are committed after every batch, before the next poll; make sure the last ones
-        # arrived before the partitions' next owner reads from them.
-        self._commit_pending(tps)
-        log.info("revoked %s", [tp.partition for tp in tps], extra={"worker_id": self.worker_id})
 
     # -- control --------------------------------------------------------------
     def _start_control(self) -> None:
@@ -380,72 +373,70 @@ class Worker:
         return False
 
     # -- dispatch ---------------------------------------------------------------
-    def _process_batch(self, records: list[LogRecord], stop: threading.Event) -> None:
+    def _process_batch(self, records: list[QueuedRecord], stop: threading.Event) -> None:
+        """Run a polled batch: every instant task, and one other, releasing the rest (module docstring)."""
         self.batches += 1
-        done: dict[TopicPartition, int] = {}  # next offsets of processed records, not yet committed
-        safe: dict[TopicPartition, int] = {}  # where to resume if a flush fails
+        instant: list[tuple[QueuedRecord, Record, Handler | None]] = []
+        slow: list[tuple[QueuedRecord, Record, Handler]] = []
+        settle: list[tuple[QueuedRecord, Ack]] = []  # acknowledged once this batch's reports are durable
         for rec in records:
-            safe.setdefault(TopicPartition(rec.topic, rec.partition), rec.offset)
-        processed = 0
-        started = time.monotonic()
+            d = self._decode_dispatch(rec)
+            if d is None:
+                settle.append((rec, Ack.REJECT))  # dead-lettered
+                continue
+            if self._skip_stopped(d):
+                settle.append((rec, Ack.ACCEPT))
+                continue
+            handler = self.registry.find(d["handler"])
+            if handler is None or handler.batched:
+                instant.append((rec, d, handler))
+            else:
+                slow.append((rec, d, handler))
+        run_now = slow[:1] if not stop.is_set() else []
+        if stop.is_set():
+            instant = []
+        give_back = [rec for rec, _, _ in slow[len(run_now):]] + [rec for rec, _, _ in instant if stop.is_set()]
         try:
-            for rec in records:
-                if stop.is_set():
-                    break
-                if processed and time.monotonic() - started > self.max_batch_duration_s:
-                    break  # long tasks: poll again soon (Kafka's poll interval); the rest is re-read
-                flush_now = self._process_record(rec, stop)
-                processed += 1
-                done[TopicPartition(rec.topic, rec.partition)] = rec.offset + 1
-                if flush_now:
-                    self._producer.flush()
-                    self._commit(done)
-                    safe.update(done)
-                    done = {}
-            self._producer.flush()
-            self._commit(done)
-            safe.update(done)
+            for rec, d, handler in instant:
+                self._start(d)
+                self._send_report(d, self._execute(d, handler, stop))
+                settle.append((rec, Ack.ACCEPT))
+            if run_now:
+                self._start(run_now[0][1])
+            self._producer.flush()  # reports of the instant tasks and the slow one's TaskStarted
         except LogError:
-            log.exception("cannot write reports; the batch's unreported records will run again",
+            log.exception("cannot write reports; the batch's records go back to the queue",
                           extra={"worker_id": self.worker_id})
-            self._seek(safe)
+            self._settle([(rec, Ack.RELEASE) for rec in records])
             stop.wait(1.0)
             return
-        # Stopped or out of time mid-batch: rewind to the first record not processed.
-        rewind: dict[TopicPartition, int] = {}
-        for rec in records[processed:]:
-            rewind.setdefault(TopicPartition(rec.topic, rec.partition), rec.offset)
-        self._seek(rewind)
-
-    def _seek(self, positions: Mapping[TopicPartition, int]) -> None:
-        for tp, off in positions.items():
+        # From here the slow attempt's lease stands for it (TaskStarted is durable): accept it,
+        # and hand the records this worker will not run now to whichever worker is free.
+        settle += [(rec, Ack.ACCEPT) for rec, _, _ in run_now] + [(rec, Ack.RELEASE) for rec in give_back]
+        self.tasks_released += len(give_back)
+        self._settle(settle)
+        if run_now:
+            _, d, handler = run_now[0]
+            self._send_report(d, self._execute(d, handler, stop))
             try:
-                self._consumer.seek(tp, off)
-            except Exception:
-                log.warning("seek %s to %d failed", tp, off, exc_info=True, extra={"worker_id": self.worker_id})
+                self._producer.flush()
+            except LogError:
+                log.exception("cannot write the outcome; the scheduler reclaims the attempt when its lease ends",
+                              extra=self._extra(self._key(d)))
 
-    def _commit(self, offsets: Mapping[TopicPartition, int], wait: bool = False) -> None:
-        """Commit without waiting: the reports are durable already (flushed), so the next poll need
-        not wait a round trip for it (on Kafka that wait was on every dependency hop). A commit
-        lost this way means a redelivery, which the scheduler fences; partitions that leave this
-        worker, and the worker's own stop, commit and wait (``_commit_pending``)."""
-        if not offsets:
-            return
-        self._pending.update(offsets)
+    def _settle(self, acks: list[tuple[QueuedRecord, Ack]]) -> None:
+        """Acknowledge records of the current batch and send the acknowledgements without waiting: a
+        lost one means the record's lock runs out and it is delivered again, which the scheduler fences."""
         try:
-            self._consumer.commit(offsets, wait=wait)
+            for rec, ack in acks:
+                self._consumer.acknowledge(rec, ack)
+            self._consumer.commit(wait=False)
         except LogError as exc:
-            # The reports are durable; a redelivery only repeats work the scheduler fences.
-            log.warning("offset commit failed: %s", exc, extra={"worker_id": self.worker_id})
-            return
-        if wait:
-            for tp in offsets:
-                self._pending.pop(tp, None)
+            log.warning("acknowledging dispatch records failed: %s", exc, extra={"worker_id": self.worker_id})
 
-    def _commit_pending(self, tps: Sequence[TopicPartition] | None = None) -> None:
-        """Commit and wait for the last offsets committed without waiting (all, or of ``tps``)."""
-        offsets = {tp: o for tp, o in self._pending.items() if tps is None or tp in tps}
-        self._commit(offsets, wait=True)
+    @staticmethod
+    def _key(d: Record) -> AttemptKey:
+        return (d["job_id"], d["task_id"], d["attempt"])
 
     def _send(self, topic: str, key: bytes, rec: Record) -> None:
         self._producer.send(topic, key, self._codec.encode(rec))
@@ -463,43 +454,50 @@ class Worker:
     def _extra(self, key: AttemptKey) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "job_id": key[0], "task_id": key[1], "attempt": key[2]}
 
-    def _process_record(self, rec: LogRecord, stop: threading.Event | None = None) -> bool:
-        """Handle one dispatch record; True if its reports must be flushed now (not a batched handler)."""
+    def _decode_dispatch(self, rec: LogRecord) -> Record | None:
+        """The TaskDispatch in ``rec``, or None after dead-lettering what is not one."""
         try:
             d = self._codec.decode(rec.value)
         except CodecError as exc:
             self._dead_letter(rec, str(exc))
-            return False
+            return None
         if d["type"] != DISPATCH:
             self._dead_letter(rec, f"unexpected record type {d['type']} on {rec.topic}")
-            return False
-        key: AttemptKey = (d["job_id"], d["task_id"], d["attempt"])
+            return None
+        return d
+
+    def _skip_stopped(self, d: Record) -> bool:
+        """True (and counted) for an attempt stopped before it ran."""
+        key = self._key(d)
         with self._lock:
             stopped = self._stopped.get(key)
-        if stopped is not None:
-            self.tasks_skipped += 1
-            log.info("skipping attempt stopped before it ran: %s", stopped, extra=self._extra(key))
+        if stopped is None:
             return False
-        handler = self.registry.find(d["handler"])
-        batched = handler is None or handler.batched
-        kb = d["job_id"].encode()
-        self._send(COMMANDS, kb, codec.make(
-            "dagfold.command.TaskStarted", job_id=key[0], task_id=key[1], attempt=key[2],
+        self.tasks_skipped += 1
+        log.info("skipping attempt stopped before it ran: %s", stopped, extra=self._extra(key))
+        return True
+
+    def _start(self, d: Record) -> None:
+        self._send(COMMANDS, d["job_id"].encode(), codec.make(
+            "dagfold.command.TaskStarted", job_id=d["job_id"], task_id=d["task_id"], attempt=d["attempt"],
             worker_id=self.worker_id, ts_ms=now_ms()))
         self.tasks_run += 1
         metrics.observe_dispatch(self.queue, d["dispatched_at_ms"], now_ms())
-        if not batched:
-            self._producer.flush()  # take the lease before a long run
+
+    def _send_report(self, d: Record, report: Record | None) -> None:
+        if report is not None:
+            self._send(COMMANDS, d["job_id"].encode(), report)
+
+    def _execute(self, d: Record, handler: Handler | None, stop: threading.Event | None) -> Record | None:
+        """Run the attempt; the report to send, or None when it was stopped."""
+        key = self._key(d)
         started = time.monotonic()
         report = self._execute_with_outputs(d, key, handler, stop)
         metrics.observe_worker_task(self.queue, report, time.monotonic() - started)
-        if report is not None:
-            self._send(COMMANDS, kb, report)
-        return not batched
+        return report
 
-    def _execute(self, d: Record, key: AttemptKey, handler: Handler | None,
-                 stop: threading.Event | None, output_dir: Path | None = None) -> Record | None:
-        """Run the attempt; the report to send, or None when it was stopped."""
+    def _execute_attempt(self, d: Record, key: AttemptKey, handler: Handler | None,
+                         stop: threading.Event | None, output_dir: Path | None = None) -> Record | None:
         ctx = TaskContext(job_id=key[0], task_id=key[1], attempt=key[2], idempotency_key=d["idempotency_key"],
                           tenant=d["tenant"], handler=d["handler"], worker_id=self.worker_id,
                           start_to_close_s=d["start_to_close_s"],
@@ -553,7 +551,11 @@ class Worker:
         if kind == "timeout":
             return self._failed(ctx, error if isinstance(error, TaskTimeout) else TaskTimeout())
         if kind == "shutdown" and error is not None:
-            return self._failed(ctx, TaskError("worker_shutdown"))
+            # drained, not failed: the scheduler runs the attempt again elsewhere, retry budget untouched
+            self.tasks_given_back += 1
+            return codec.make("dagfold.command.TaskReleased", job_id=ctx.job_id, task_id=ctx.task_id,
+                              attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=now_ms(),
+                              reason="worker_shutdown")
         return self._outcome(ctx, value, error)
 
     def _execute_with_outputs(self, d: Record, key: AttemptKey, handler: Handler | None,
@@ -564,10 +566,10 @@ class Worker:
         in-process functions that return their result: they get no folder (it would cost a folder
         per task at full dispatch rate)."""
         if self.artifacts is None or handler is None or handler.batched:
-            return self._execute(d, key, handler, stop)
+            return self._execute_attempt(d, key, handler, stop)
         folder = Path(tempfile.mkdtemp(prefix="dagfold-outputs-"))
         try:
-            report = self._execute(d, key, handler, stop, output_dir=folder)
+            report = self._execute_attempt(d, key, handler, stop, output_dir=folder)
             if report is None or report["type"] != "dagfold.command.TaskSucceeded":
                 return report
             try:
