@@ -7,7 +7,6 @@ Kafka the same pieces also run as separate processes (``dagfold worker``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from services.worker.handlers import HandlerRegistry, default_registry
 from services.worker.worker import Worker
 
 log = logging.getLogger("dagfold.stack")
+CLOSE_TIMEOUT_S = 15.0  # each group of clients closing at stop, in parallel
 
 
 
@@ -48,6 +48,8 @@ class StackOptions:
     gpu_nodes: int = 0
     gpus_per_node: int = 8
     gpu_pool: str = "default"
+    # a one-shot run on Kafka lives in its own topic namespace, deleted at stop (topics and groups)
+    delete_namespace_at_stop: bool = False
 
 
 class Stack:
@@ -61,6 +63,8 @@ class Stack:
         self.errors: list[BaseException] = []
         self.log: Log | None = None
         self.api_server: Any = None
+        self.close_timeout_s = CLOSE_TIMEOUT_S
+        self.close_timeouts: list[str] = []  # parts whose close did not return in time
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         def guarded() -> None:
@@ -166,18 +170,29 @@ class Stack:
             self.api_server.should_exit = True
         for t in self.threads:
             t.join(timeout=10)
-        for w in getattr(self, "workers", []):
-            w.close()
-        for a in getattr(self, "agents", []):
-            a.close()
+        # the clients close in parallel, each bounded: a consumer's close can hang inside librdkafka
+        # (seen once in 21 one-shot runs; cf. librdkafka #4041), and a stop must still end
+        self._close_all([(f"worker {w.worker_id}", w.close) for w in getattr(self, "workers", [])]
+                        + [(f"agent {i}", a.close) for i, a in enumerate(getattr(self, "agents", []))])
+        parts: list[tuple[str, Callable[[], None]]] = []
         if hasattr(self, "projector"):
-            self._close("projector", self.projector.close)
+            parts.append(("projector", self.projector.close))
         if (notifier := getattr(self, "notifier", None)) is not None:
-            self._close("callback notifier", notifier.close)
-        with contextlib.suppress(Exception):
-            self.sender.close()
+            parts.append(("callback notifier", notifier.close))
+        if hasattr(self, "sender"):
+            parts.append(("command sender", self.sender.close))
+        self._close_all(parts)
         if self.log is not None:
-            self._close("log", self.log.close)
+            if self.options.delete_namespace_at_stop:
+                self._close_all([("namespace deletion", self._delete_namespace)])
+            self._close_all([("log", self.log.close)])
+
+    def _delete_namespace(self) -> None:
+        delete = getattr(self.log, "delete_namespace", None)
+        if delete is not None:
+            topics, groups = delete()
+            log.info("deleted the run's namespace %s: %d topics, %d consumer groups",
+                     self.config.topic_prefix, topics, groups)
 
     def _close(self, name: str, close: Callable[[], None]) -> None:
         """Close one part; a failure (a store whose disk filled up cannot flush) is logged, the rest still close."""
@@ -185,6 +200,22 @@ class Stack:
             close()
         except Exception as exc:
             log.warning("closing the %s failed: %s", name, exc)
+
+    def _close_all(self, parts: list[tuple[str, Callable[[], None]]], timeout_s: float | None = None) -> None:
+        """Close parts in parallel threads, waiting at most ``timeout_s`` in all; a part that fails is
+        logged, one that does not return in time is logged and left behind (a daemon thread)."""
+        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        threads = []
+        for name, close in parts:
+            t = threading.Thread(target=self._close, args=(name, close), name=f"close-{name}", daemon=True)
+            t.start()
+            threads.append((name, t))
+        for name, t in threads:
+            t.join(timeout=max(deadline - time.monotonic(), 0.0))
+            if t.is_alive():
+                self.close_timeouts.append(name)
+                log.warning("closing the %s did not finish within %.0f s; left behind", name,
+                            self.close_timeout_s if timeout_s is None else timeout_s)
 
     def __enter__(self) -> Stack:
         return self.start()

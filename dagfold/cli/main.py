@@ -267,6 +267,27 @@ def _all_tasks(read_model: Any, job_id: str) -> list[dict[str, Any]]:
             return tasks
 
 
+def _run_namespace(cfg: Any) -> Any:
+    """The config of a one-shot run on Kafka: its own topic namespace, ``[<prefix>.]dagfold-run-<id>``.
+
+    The run's scheduler, projector, workers and callback notifier then read only the run's own
+    records (no earlier run's events to restore or project, no group shared with a deployment or
+    with an earlier run's members), and the namespace's topics and groups are deleted at its end.
+    To run a job on a deployment's topics, `dagfold submit` it to that deployment's API.
+    """
+    import dataclasses
+    import uuid
+    from urllib.parse import urlencode
+
+    from dagfold.log.factory import split_url
+
+    base, query, ours = split_url(cfg.log_url)
+    outer = ours.get("prefix") or cfg.topic_prefix
+    prefix = f"{outer}.dagfold-run-{uuid.uuid4().hex[:12]}" if outer else f"dagfold-run-{uuid.uuid4().hex[:12]}"
+    settings = "&".join(x for x in (urlencode({**ours, "prefix": prefix}), query) if x)
+    return dataclasses.replace(cfg, log_url=f"{base}?{settings}", topic_prefix=prefix)
+
+
 def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, timeout: float,
                as_json: bool, keep: bool = False) -> int:
     from dagfold.cli.follow import JobView, follow, local_events
@@ -278,8 +299,12 @@ def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, 
         tmp = Path(tempfile.mkdtemp(prefix="dagfold-run-"))
         data = tmp
     cfg = _config(log, data)
+    on_kafka = cfg.log_url.startswith("kafka://")
+    if on_kafka:
+        cfg = _run_namespace(cfg)
     queues = tuple(sorted({t["queue"] for t in spec["tasks"]}))
-    stack = Stack(cfg, StackOptions(workers=workers, queues=queues, api=False))
+    stack = Stack(cfg, StackOptions(workers=workers, queues=queues, api=False,
+                                    delete_namespace_at_stop=on_kafka and not keep))
     job_id = spec["job_id"]
     code = 1
     try:
@@ -300,6 +325,9 @@ def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, 
         return code
     finally:
         stack.stop()
+        if on_kafka and keep:
+            err.print(f"topics kept under the prefix {cfg.topic_prefix} (`dagfold up --log "
+                      f"{cfg.log_url} --data {data}` serves them)", markup=False, highlight=False)
         if tmp is not None:
             if keep:
                 err.print(f"data kept in {tmp} (its state, projections and log; "

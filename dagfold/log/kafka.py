@@ -180,6 +180,33 @@ class KafkaLog:
         # ... and until each leader answers for its partitions.
         self.end_offsets([TopicPartition(s.name, p) for s in missing for p in range(s.partitions)])
 
+    def delete_prefixed(self, prefix: str, timeout_s: float = 10.0) -> tuple[int, int]:
+        """Delete every topic and consumer group whose name starts with ``prefix`` (a one-shot run's
+        namespace, at its end); returns (topics, groups) deleted. Errors are logged, not raised: the
+        run is over, and what is left expires with the broker's retention."""
+        if not prefix.endswith("."):
+            raise LogError(f"refusing to delete by prefix {prefix!r}: it must end with '.' (a namespace)")
+        topics = [t for t in self._metadata().topics if t.startswith(prefix)]
+        groups: list[str] = []
+        try:
+            listed = self._admin.list_consumer_groups(request_timeout=timeout_s).result(timeout=timeout_s)
+            groups = [g.group_id for g in listed.valid if g.group_id.startswith(prefix)]
+        except Exception as exc:  # noqa: BLE001 - listing groups is best effort
+            log.warning("cannot list consumer groups under %s: %s", prefix, exc)
+        done = [0, 0]
+        for i, futures in enumerate((
+                self._admin.delete_topics(topics, operation_timeout=timeout_s, request_timeout=timeout_s)
+                if topics else {},
+                self._admin.delete_consumer_groups(groups, request_timeout=timeout_s) if groups else {})):
+            for name, fut in futures.items():
+                try:
+                    fut.result(timeout=timeout_s)
+                    done[i] += 1
+                except Exception as exc:  # noqa: BLE001 - best effort, see the docstring
+                    log.warning("cannot delete %s: %s", name, exc)
+        self._partitions = {t: n for t, n in self._partitions.items() if not t.startswith(prefix)}
+        return done[0], done[1]
+
     def _metadata(self, topic: str | None = None) -> Any:
         try:
             return self._admin.list_topics(topic=topic, timeout=_TIMEOUT_S)

@@ -104,6 +104,14 @@ class NamespacedLog:
         group = self.ns.group(group_id) if group_id is not None else None
         return _Consumer(self.inner.consumer(group, client_id, **kw), self.ns)  # type: ignore[call-arg]
 
+    def delete_namespace(self, timeout_s: float = 10.0) -> tuple[int, int]:
+        """Delete this namespace's topics and consumer groups (Kafka only: a one-shot run's cleanup)."""
+        delete = getattr(self.inner, "delete_prefixed", None)
+        if delete is None:
+            raise LogError(f"{type(self.inner).__name__} cannot delete a namespace")
+        result: tuple[int, int] = delete(self.ns.prefix + ".", timeout_s)
+        return result
+
     def close(self) -> None:
         self.inner.close()
 
