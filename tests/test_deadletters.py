@@ -131,7 +131,7 @@ def test_admin_only_with_auth(stack: tuple[Stack, str, str]) -> None:
     st, _, _ = stack
     auth = AuthConfig.from_env(None, env={"DAGFOLD_API_KEYS": "k-admin-0000001:admin,k-acme-00000001:acme"})
     api = create_app(st.log, st.read_model, st.config, auth=auth)
-    with TestClient(api) as c:
+    with TestClient(api, base_url="http://127.0.0.1") as c:
         assert c.get("/v1/deadletters").status_code == 401
         r = c.get("/v1/deadletters", headers={"Authorization": "Bearer k-acme-00000001"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"

@@ -20,7 +20,7 @@ from dagfold.config import Config
 from dagfold.log.kafka import KafkaLog
 from dagfold.state import PartitionStore
 from projections.jobs import ReadModel
-from projections.store import Store
+from projections.store import ReadModelStore
 from services.scheduler.replay import job_ids
 from services.stack import Stack, StackOptions
 from tests.cli_support import dagfold
@@ -52,7 +52,7 @@ def test_runs_in_a_row_read_only_their_own_job_and_clean_up(kafka_bootstrap: str
     assert r.returncode == 1, r.stderr  # the job fails (by design of the example)
     assert "topics kept under the prefix dagfold-run-" in r.stderr
     job_id = json.loads(r.stdout)["job"]["job_id"]
-    store = Store(data / "projections")
+    store = ReadModelStore(data / "projections")
     try:
         jobs = ReadModel(store).list_jobs(limit=100).items
         assert [j["job_id"] for j in jobs] == [job_id]
