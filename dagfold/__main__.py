@@ -1,5 +1,5 @@
 """``python -m dagfold``: the same CLI as the ``dagfold`` console script."""
 
-from dagfold.cli import app
+from dagfold.cli import main
 
-app()
+main()

@@ -1,13 +1,12 @@
 """Settings shared by every dagfold process.
 
-Frozen dataclasses: a process builds its config once (from CLI flags and
-``DAGFOLD_*`` environment variables) and passes it down; nothing reads the
-environment later.
+Frozen dataclasses: a process builds its config once (from CLI flags,
+``DAGFOLD_*`` environment variables and the settings file, resolved by
+``dagfold.settings``) and passes it down; nothing reads the environment later.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -112,6 +111,14 @@ class SchedulerOptions:
     limits: Limits = field(default_factory=Limits)
 
 
+# Config fields set from dagfold.settings (the table of every setting), by setting name
+_SETTING_OF = {"log_url": "log", "topic_prefix": "topic_prefix", "data_dir": "data", "partitions": "partitions",
+               "dispatch_partitions": "dispatch_partitions", "allocator_partitions": "allocator_partitions",
+               "replication": "replication", "events_retention_ms": "events_retention_ms",
+               "commands_retention_ms": "commands_retention_ms", "api_host": "api_host", "api_port": "port",
+               "artifacts_url": "artifacts"}
+
+
 @dataclass(frozen=True)
 class Config:
     log_url: str = "embedded"
@@ -133,22 +140,18 @@ class Config:
 
     @classmethod
     def from_env(cls, **overrides: object) -> Config:
-        """Defaults, then ``DAGFOLD_*`` variables, then explicit overrides (CLI flags)."""
-        env = os.environ
-        cfg = cls(
-            log_url=env.get("DAGFOLD_LOG", cls.log_url),
-            topic_prefix=env.get("DAGFOLD_TOPIC_PREFIX", cls.topic_prefix),
-            data_dir=Path(env.get("DAGFOLD_DATA", str(cls.data_dir))),
-            partitions=int(env.get("DAGFOLD_PARTITIONS", cls.partitions)),
-            dispatch_partitions=(int(env["DAGFOLD_DISPATCH_PARTITIONS"]) if env.get("DAGFOLD_DISPATCH_PARTITIONS")
-                                 else cls.dispatch_partitions),
-            replication=int(env.get("DAGFOLD_REPLICATION", cls.replication)),
-            events_retention_ms=int(env.get("DAGFOLD_EVENTS_RETENTION_MS", cls.events_retention_ms)),
-            commands_retention_ms=int(env.get("DAGFOLD_COMMANDS_RETENTION_MS", cls.commands_retention_ms)),
-            api_port=int(env.get("DAGFOLD_PORT", cls.api_port)),
-            artifacts_url=env.get("DAGFOLD_ARTIFACTS", cls.artifacts_url),
-        )
-        clean = {k: v for k, v in overrides.items() if v is not None}
+        """Defaults < settings file < ``DAGFOLD_*`` variables < explicit overrides (CLI flags): resolved and
+        checked by ``dagfold.settings`` (a bad value raises SettingsError naming the setting)."""
+        from dagfold.settings import load_settings
+
+        flags = {_SETTING_OF.get(k, k): v for k, v in overrides.items() if v is not None and k in _SETTING_OF}
+        s = load_settings(flags)
+        cfg = cls(log_url=s.log, topic_prefix=s.topic_prefix, data_dir=Path(s.data), partitions=s.partitions,
+                  dispatch_partitions=s.dispatch_partitions, allocator_partitions=s.allocator_partitions,
+                  replication=s.replication, events_retention_ms=s.events_retention_ms,
+                  commands_retention_ms=s.commands_retention_ms, api_host=s.api_host, api_port=s.port,
+                  artifacts_url=s.artifacts)
+        clean = {k: v for k, v in overrides.items() if v is not None and k not in _SETTING_OF}
         return replace(cfg, **clean)  # type: ignore[arg-type]
 
     @property

@@ -142,7 +142,8 @@ class Projector:
                 event = self._codec.decode(rec.value)
             except CodecError as exc:
                 skipped += 1
-                log.warning("projector skips %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc)
+                log.warning("projector skips %s[%d]@%d: %s", rec.topic, rec.partition, rec.offset, exc,
+                            extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset})
                 continue
             try:
                 cluster.apply(txn, event)
@@ -155,7 +156,10 @@ class Projector:
             except Exception:  # one bad event must not stop the read model
                 errors += 1
                 log.exception("projector failed to apply %s at %s[%d]@%d", event.get("type"), rec.topic,
-                              rec.partition, rec.offset)
+                              rec.partition, rec.offset,
+                              extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset,
+                                     "job": event.get("job_id"), "task": event.get("task_id"),
+                                     "attempt": event.get("attempt")})
         for (t, p), nxt in nexts.items():
             txn.put(position_key(t, p), nxt)
         for name, n in (("skipped", skipped), ("errors", errors)):

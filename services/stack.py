@@ -144,7 +144,17 @@ class Stack:
                                                log_level="warning", lifespan="on"))
         server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals
         self.api_server = server
-        self._spawn("api", server.run)
+        # Bind here, in start(): a port in use is an OSError the caller reports in one line (in the server's
+        # thread it was a logged traceback and a SystemExit, after `up` had said the API was up).
+        host, port = self.config.api_host, self.config.api_port
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from None
+        self._spawn("api", lambda: server.run(sockets=[sock]))
         deadline = time.monotonic() + 15
         while not server.started and time.monotonic() < deadline and not self.errors:
             time.sleep(0.05)

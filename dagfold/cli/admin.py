@@ -11,12 +11,14 @@ from __future__ import annotations
 import sys
 import time
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dagfold.cli.common import DataOpt, LogOpt, _config, _logging, app, err, fail, out, run_until_stopped
+from dagfold.cli.common import DataOpt, LogOpt, VerboseOpt, _config, _logging, app, err, fail, out, run_until_stopped
 
 
 def _parse_ts(value: str | None) -> int | None:
@@ -32,9 +34,9 @@ def _parse_ts(value: str | None) -> int | None:
 
 
 @app.command()
-def scheduler(log: LogOpt = "embedded", data: DataOpt = None,
+def scheduler(log: LogOpt = None, data: DataOpt = None,
               instance: str = typer.Option("0", "--instance", help="unique per scheduler process"),
-              verbose: bool = typer.Option(False, "-v")) -> None:
+              verbose: VerboseOpt = False) -> None:
     """Run one scheduler instance; several instances in one Kafka cluster share the partitions."""
     from dagfold.log import open_log
     from services.scheduler.runner import SchedulerRunner
@@ -47,7 +49,7 @@ def scheduler(log: LogOpt = "embedded", data: DataOpt = None,
 
 @app.command()
 def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the rebuilt state"),
-           log: LogOpt = "embedded", data: DataOpt = None,
+           log: LogOpt = None, data: DataOpt = None,
            from_ts: str | None = typer.Option(None, "--from", help=(
                "report the events at or after this time (ISO or ms); state is still rebuilt from the start")),
            to_ts: str | None = typer.Option(None, "--to", help="stop at this time (ISO or ms): the state as of then"),
@@ -55,7 +57,7 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
            events_file: Path | None = typer.Option(None, "--events", help=(
                "also write each event of the window to this file, one JSON object a line")),
            verify_live: bool = typer.Option(False, "--verify", help="compare with the live state in --data"),
-           as_json: bool = typer.Option(False, "--json")) -> None:
+           as_json: bool = typer.Option(False, "--json", help="print JSON")) -> None:
     """Rebuild scheduler state and the read model from the events log into --out.
 
     State is always rebuilt from the start of the log (a job accepted before --from is kept);
@@ -139,9 +141,14 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
         raise typer.Exit(1)
 
 
+class AuditFormat(StrEnum):
+    json = "json"
+    csv = "csv"
+
+
 @app.command()
-def audit(job_id: str, log: LogOpt = "embedded", data: DataOpt = None,
-          fmt: str = typer.Option("json", "--format", help="json or csv"),
+def audit(job_id: Annotated[str, typer.Argument(help="the job's full ID")], log: LogOpt = None, data: DataOpt = None,
+          fmt: AuditFormat = typer.Option(AuditFormat.json, "--format", help="output format"),
           since: str | None = typer.Option(None, "--since", help="only records at or after (ISO or ms)"),
           until: str | None = typer.Option(None, "--until", help="only records at or before (ISO or ms)")) -> None:
     """Export a job's complete timeline: every command and event with partition, offset and cause."""
@@ -149,8 +156,6 @@ def audit(job_id: str, log: LogOpt = "embedded", data: DataOpt = None,
     from dagfold.exceptions import DagfoldError
     from dagfold.log import open_log
 
-    if fmt not in ("json", "csv"):
-        raise fail("--format must be json or csv")
     since_ms, until_ms = _parse_ts(since), _parse_ts(until)
     if since_ms is not None and until_ms is not None and since_ms > until_ms:
         raise fail(f"the window is empty: --since ({since}) is after --until ({until})")
@@ -175,11 +180,11 @@ def audit(job_id: str, log: LogOpt = "embedded", data: DataOpt = None,
 @app.command()
 def serve(folder: Path = typer.Argument(..., help="a folder written by `dagfold replay --out` (or a stopped "
                                                    "stack's --data)"),
-          port: int = typer.Option(8080, "--port"),
+          port: int = typer.Option(8080, "--port", min=1, max=65535, help="API and dashboard port"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
           auth_file: Path | None = typer.Option(None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
                                                 help="API keys per tenant (YAML/JSON); without it the API is open"),
-          verbose: bool = typer.Option(False, "-v")) -> None:
+          verbose: VerboseOpt = False) -> None:
     """Serve a replayed folder read-only: the API and the dashboard over its read model.
 
     No scheduler, no workers, no log: every write (submit, cancel, redrive) is refused with

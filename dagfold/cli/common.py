@@ -30,10 +30,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
 
-LogOpt = Annotated[str, typer.Option("--log", help="embedded (default) or kafka://HOST:PORT")]
+LogOpt = Annotated[str | None, typer.Option("--log", help="log backend: embedded or kafka://HOST:PORT "
+                                             "(default: embedded; env DAGFOLD_LOG)", show_default=False)]
 DataOpt = Annotated[Path | None, typer.Option("--data", help="data folder (state, projections, embedded log)")]
 ApiOpt = Annotated[str, typer.Option("--api", envvar="DAGFOLD_API", help="API base URL")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
+VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="log at INFO; on an error, the traceback")]
 DEFAULT_API = "http://127.0.0.1:8080"
 EXIT = {"succeeded": 0, "succeeded_partial": 0, "failed": 1, "cancelled": 1, "rejected": 2}
 
@@ -44,12 +46,25 @@ def fail(msg: str, code: int = 2) -> typer.Exit:
 
 
 def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Process logs at INFO with -v (else WARNING), as text or JSON lines (DAGFOLD_LOG_FORMAT, --log-format)."""
+    from dagfold.logs import configure
+    from dagfold.settings import SettingsError, load_settings
+
+    try:
+        fmt = load_settings().log_format
+    except SettingsError as exc:
+        raise fail(str(exc)) from None
+    configure(logging.INFO if verbose else logging.WARNING, fmt)
 
 
-def _config(log: str, data: Path | None, port: int | None = None) -> Config:
-    return Config.from_env(log_url=log, data_dir=data, api_port=port)
+def _config(log: str | None, data: Path | None, port: int | None = None) -> Config:
+    """The process's config: these flags (None: not given) > DAGFOLD_* > settings file > defaults."""
+    from dagfold.settings import SettingsError
+
+    try:
+        return Config.from_env(log_url=log, data_dir=data, api_port=port)
+    except SettingsError as exc:
+        raise fail(str(exc)) from None
 
 
 def serve_metrics(port: int | None, addr: str) -> None:
@@ -90,7 +105,9 @@ def _request(method: str, api: str, path: str, api_key: str | None = None, **kw:
     try:
         r = httpx.request(method, api.rstrip("/") + path, timeout=30, headers=headers, **kw)
     except httpx.HTTPError as exc:
-        raise fail(f"cannot reach the API at {api}: {exc}", 1) from None
+        raise fail(f"cannot reach the API at {api}: {exc}"
+                   + ("; start one with `dagfold up`, or pass --api (DAGFOLD_API)"
+                      if isinstance(exc, httpx.ConnectError) else ""), 1) from None
     if r.status_code >= 400:
         try:
             e = r.json()["error"]

@@ -7,7 +7,7 @@ with ``markup=False`` (a reason holding ``[red]`` stays text).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote
 
 import typer
@@ -61,8 +61,11 @@ def deadletters(ctx: typer.Context, api: ApiOpt = DEFAULT_API, api_key: KeyOpt =
               "`dagfold deadletters resubmit ID` for a SubmitJob", markup=False, highlight=False)
 
 
+DlArg = Annotated[str, typer.Argument(help="dead letter ID (from the list)")]
+
+
 @dl_app.command()
-def show(dl_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+def show(dl_id: DlArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Show one dead letter with its decoded preview."""
     d = _request("GET", api, f"/v1/deadletters/{quote(dl_id, safe='')}", api_key)
     if as_json:
@@ -74,7 +77,7 @@ def show(dl_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json:
 
 
 @dl_app.command()
-def resubmit(dl_id: str, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+def resubmit(dl_id: DlArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Resubmit a dead-lettered SubmitJob after a fix: decoded again, validated, sent to its job's partition."""
     res = _request("POST", api, f"/v1/deadletters/{quote(dl_id, safe='')}/resubmit", api_key)
     if as_json:

@@ -18,7 +18,18 @@ from pathlib import Path
 
 import typer
 
-from dagfold.cli.common import DataOpt, LogOpt, _config, _logging, app, fail, out, run_until_stopped, serve_metrics
+from dagfold.cli.common import (
+    DataOpt,
+    LogOpt,
+    VerboseOpt,
+    _config,
+    _logging,
+    app,
+    fail,
+    out,
+    run_until_stopped,
+    serve_metrics,
+)
 
 PoolOpt = typer.Option("default", "--pool", help="GPU pool: the queue name of the GPU tasks it serves")
 MetricsPortOpt = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
@@ -27,11 +38,11 @@ MetricsAddrOpt = typer.Option("127.0.0.1", "--metrics-addr", help="address for -
 
 
 @app.command()
-def allocator(pool: str = PoolOpt, log: LogOpt = "embedded", data: DataOpt = None,
+def allocator(pool: str = PoolOpt, log: LogOpt = None, data: DataOpt = None,
               lease_s: float = typer.Option(30.0, "--lease-s", help="node lease: heartbeats must come this often"),
               grace_s: float = typer.Option(30.0, "--grace-s", help="preemption/drain: checkpoint -> forced stop"),
               metrics_port: int | None = MetricsPortOpt, metrics_addr: str = MetricsAddrOpt,
-              verbose: bool = typer.Option(False, "-v")) -> None:
+              verbose: VerboseOpt = False) -> None:
     """Run the GPU allocator of one pool (one writer per pool; a newer instance fences an older one)."""
     from dagfold.log import open_log
     from services.allocator.options import AllocatorOptions
@@ -64,7 +75,7 @@ def _sync_faults(devices: object, faults_file: Path) -> None:
 
 
 @app.command()
-def agent(pool: str = PoolOpt, log: LogOpt = "embedded",
+def agent(pool: str = PoolOpt, log: LogOpt = None,
           node: str = typer.Option(socket.gethostname(), "--node", help="node ID, unique in the pool"),
           command: str = typer.Option(f"{shlex.quote(sys.executable)} -m services.agent.demo_job", "--command",
                                       help="the job process a grant runs (DAGFOLD_* environment, see docs)"),
@@ -81,9 +92,10 @@ def agent(pool: str = PoolOpt, log: LogOpt = "embedded",
           gpu_type: str = typer.Option("H100", "--gpu-type", help="simulated GPU type"),
           faults_file: Path | None = typer.Option(None, "--faults-file",
                                                   help="simulated faults to apply, one a line (throttle, ecc, ...)"),
-          hb_interval_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05),
+          hb_interval_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05, help="heartbeat every this many "
+                                              "seconds"),
           metrics_port: int | None = MetricsPortOpt, metrics_addr: str = MetricsAddrOpt,
-          verbose: bool = typer.Option(False, "-v")) -> None:
+          verbose: VerboseOpt = False) -> None:
     """Run the node agent of one GPU host: register, heartbeat health, run granted jobs."""
     from dagfold.artifacts import ArtifactError, LocalArtifactStore, open_store
     from dagfold.log import open_log

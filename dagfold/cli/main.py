@@ -35,6 +35,7 @@ from dagfold.cli.common import (
     JsonOpt,
     KeyOpt,
     LogOpt,
+    VerboseOpt,
     _ago,
     _config,
     _dur,
@@ -168,8 +169,11 @@ def print_summary(job: dict[str, Any], tasks: list[dict[str, Any]], as_json: boo
 
 
 @app.command()
-def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Option(2, "--workers"),
-       port: int = typer.Option(8080, "--port"), queue: list[str] = typer.Option(["default"], "--queue"),
+def up(log: LogOpt = None, data: DataOpt = None,
+       workers: int = typer.Option(2, "--workers", min=0, help="worker threads per queue"),
+       port: int | None = typer.Option(None, "--port", min=1, max=65535, show_default=False,
+                                       help="API and dashboard port (default: 8080; env DAGFOLD_PORT)"),
+       queue: list[str] = typer.Option(["default"], "--queue", help="queues to run workers for; repeatable"),
        examples: bool = typer.Option(False, "--examples", help="submit the examples at start"),
        with_scheduler: bool = typer.Option(True, "--scheduler/--no-scheduler",
                                            help="run a scheduler instance in this process"),
@@ -178,10 +182,10 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
                                            help="run the job-end callback notifier (one per deployment)"),
        gpu_nodes: int = typer.Option(0, "--gpu-nodes", min=0,
                                      help="run the GPU pool's allocator and N simulated GPU hosts here"),
-       gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, max=64),
+       gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, max=64, help="GPUs of each simulated host"),
        auth_file: Path | None = typer.Option(None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
                                              help="API keys per tenant (YAML/JSON); without it the API is open"),
-       verbose: bool = typer.Option(False, "-v")) -> None:
+       verbose: VerboseOpt = False) -> None:
     """Run the whole local stack: scheduler, projector, workers and the API."""
     from services.stack import Stack, StackOptions
 
@@ -196,7 +200,10 @@ def up(log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Opti
     try:
         stack.start()
     except Exception as exc:
-        raise fail(_disk_full_line(exc, cfg.data_dir) or f"cannot start: {exc}", 1) from None
+        from dagfold.cli.ux import explain
+
+        stack.stop()
+        raise fail(_disk_full_line(exc, cfg.data_dir) or f"cannot start: {explain(exc)}", 1) from None
     out.print(f"dagfold up: log={cfg.log_url} data={cfg.data_dir} API http://{cfg.api_host}:{cfg.api_port}")
     if examples:
         submit_examples(stack)
@@ -288,7 +295,7 @@ def _run_namespace(cfg: Any) -> Any:
     return dataclasses.replace(cfg, log_url=f"{base}?{settings}", topic_prefix=prefix)
 
 
-def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, timeout: float,
+def _run_stack(spec: dict[str, Any], log: str | None, data: Path | None, workers: int, timeout: float,
                as_json: bool, keep: bool = False) -> int:
     from dagfold.cli.follow import JobView, follow, local_events
     from dagfold.commands import submit_job
@@ -342,10 +349,12 @@ def _run_stack(spec: dict[str, Any], log: str, data: Path | None, workers: int, 
 def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON)")] = None,
         wfcommons: Path | None = typer.Option(None, "--wfcommons", help="a WfCommons workflow JSON(.gz)"),
         time_scale: float = typer.Option(0.0, "--time-scale", help="sleep runtimeInSeconds x this (0: noop)"),
-        log: LogOpt = "embedded", data: DataOpt = None, workers: int = typer.Option(2, "--workers"),
-        timeout: float = typer.Option(3600, "--timeout"), as_json: JsonOpt = False,
+        log: LogOpt = None, data: DataOpt = None,
+        workers: int = typer.Option(2, "--workers", min=1, help="worker threads per queue"),
+        timeout: float = typer.Option(3600, "--timeout", min=0, help="give up after this many seconds"),
+        as_json: JsonOpt = False,
         keep: bool = typer.Option(False, "--keep", help="keep the temporary data folder and print its path"),
-        verbose: bool = typer.Option(False, "-v")) -> None:
+        verbose: VerboseOpt = False) -> None:
     """Run one job to its end in a temporary stack; exit 0 succeeded, 1 failed/cancelled, 2 rejected."""
     _logging(verbose)
     if (file is None) == (wfcommons is None):
@@ -360,15 +369,16 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
 
 
 @app.command()
-def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embedded",
-           data: DataOpt = None, concurrency: int = typer.Option(1, "--concurrency"),
+def worker(queue: str = typer.Option("default", "--queue", help="the queue whose tasks this process runs"),
+           log: LogOpt = None, data: DataOpt = None,
+           concurrency: int = typer.Option(1, "--concurrency", min=1, help="tasks run at once (worker threads)"),
            handlers: list[str] = typer.Option(
                [], "--handlers", help="import this module first; it registers custom handlers "
                "(services.worker.register_handler). Repeatable"),
            metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
                                                    help="serve Prometheus /metrics on this port"),
            metrics_addr: str = typer.Option("127.0.0.1", "--metrics-addr", help="address for --metrics-port"),
-           verbose: bool = typer.Option(False, "-v")) -> None:
+           verbose: VerboseOpt = False) -> None:
     """Run workers for one queue in this process (use with --log kafka://...)."""
     import importlib
     import socket
@@ -414,11 +424,11 @@ def worker(queue: str = typer.Option("default", "--queue"), log: LogOpt = "embed
 
 
 @app.command()
-def callbacks(log: LogOpt = "embedded", data: DataOpt = None,
+def callbacks(log: LogOpt = None, data: DataOpt = None,
               metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
                                                       help="serve Prometheus /metrics on this port"),
               metrics_addr: str = typer.Option("127.0.0.1", "--metrics-addr", help="address for --metrics-port"),
-              verbose: bool = typer.Option(False, "-v")) -> None:
+              verbose: VerboseOpt = False) -> None:
     """Run the job-end callback notifier (use with --log kafka://...; one per deployment, its ledger in --data).
 
     Settings: DAGFOLD_CALLBACK_SECRET (HMAC key; else one generated into --data), DAGFOLD_CALLBACK_TIMEOUT_S,
@@ -479,7 +489,9 @@ def submit(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or J
                                      help="follow the job to its end: live progress, then the summary "
                                           "with each failed task's reason and stderr"),
            api: ApiOpt = DEFAULT_API,
-           api_key: KeyOpt = None, as_json: JsonOpt = False, timeout: float = typer.Option(3600, "--timeout")) -> None:
+           api_key: KeyOpt = None, as_json: JsonOpt = False,
+           timeout: float = typer.Option(3600, "--timeout", min=0, help="with --wait: give up after this many "
+                                         "seconds")) -> None:
     """Submit a job spec (or a WfCommons workflow); with --wait, follow it to its end (exit code as for `run`).
 
     A repeated submission of the same spec (same job ID or idempotency key) returns the existing job.
@@ -690,7 +702,7 @@ def stuck(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = 
           grace: float = typer.Option(5.0, "--grace", help="ignore deadlines passed less than this many seconds"),
           queued_longer_than: float | None = typer.Option(
               None, "--queued-longer-than", help="also list runnable tasks waiting longer than this (seconds)"),
-          limit: int = typer.Option(100, "--limit", min=1, max=1000)) -> None:
+          limit: int = typer.Option(100, "--limit", min=1, max=1000, help="at most this many tasks")) -> None:
     """List stuck tasks: past their lease, start-to-close, schedule-to-start or backoff deadline."""
     params: dict[str, Any] = {"grace_s": grace, "limit": limit}
     if queued_longer_than is not None:
@@ -775,7 +787,8 @@ def cluster(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt 
 
 @app.command()
 def failures(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False,
-             limit: int = typer.Option(20, "--limit", min=1, max=1000)) -> None:
+             limit: int = typer.Option(20, "--limit", min=1, max=1000, help="at most this many recent failed "
+                                       "attempts")) -> None:
     """Show failure reasons by class and the most recent failed attempts."""
     res = _request("GET", api, "/v1/failures", api_key, params={"limit": limit})
     if as_json:
@@ -832,10 +845,6 @@ def history(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, a
     out.print(t)
 
 
-def main() -> None:
-    app()
-
-
 # The other command groups register on the same app when this module is imported.
 from dagfold.cli import admin as _admin  # noqa: E402,F401  (scheduler, replay, audit)
 from dagfold.cli import gpu as _gpu  # noqa: E402,F401  (allocator, agent)
@@ -845,3 +854,7 @@ app.add_typer(sim_app, name="sim", help="Simulate the GPU allocator in virtual t
 from dagfold.cli.deadletters import dl_app  # noqa: E402  (list, show, resubmit dead letters)
 
 app.add_typer(dl_app, name="deadletters")
+from dagfold.cli.ux import finish, main  # noqa: E402  (global options, config, panels, examples, errors)
+
+finish(app)
+__all__ = ["app", "main"]

@@ -78,7 +78,8 @@ def fgd(out: OutOpt,
 
 @sim_app.command("openb")
 def openb(out: OutOpt, data: DataOpt = None, img: ImgOpt = None,
-          policies: Annotated[str, typer.Option("--policies")] = "ours,bestfit,fifo",
+          policies: Annotated[str, typer.Option("--policies", help="placement policies, comma-separated")] = (
+              "ours,bestfit,fifo"),
           limit: Annotated[int | None, typer.Option("--limit", help="only the first N pods (quick runs)")] = None,
           time_scale: Annotated[float, typer.Option("--time-scale", help="compress arrival times by this factor")]
           = 1.0) -> None:
@@ -106,7 +107,7 @@ def openb(out: OutOpt, data: DataOpt = None, img: ImgOpt = None,
 def day(out: OutOpt,
         gpus: Annotated[int, typer.Option("--gpus", help="GPUs (8 per host)")] = 10000,
         jobs: Annotated[int, typer.Option("--jobs", help="jobs in the measured day")] = 100000,
-        seed: Annotated[int, typer.Option("--seed")] = 42,
+        seed: Annotated[int, typer.Option("--seed", help="random seed of the synthetic day")] = 42,
         hb_s: Annotated[float, typer.Option("--hb-s", help="node heartbeat interval (virtual seconds)")] = 300.0,
         baselines: Annotated[bool, typer.Option("--baselines/--no-baselines", help="also run fifo and best-fit")]
         = True,

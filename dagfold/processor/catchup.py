@@ -36,7 +36,8 @@ def catch_up(log_: Log, store: Store, fold: Fold, tp: TopicPartition,
             try:
                 event = codec.decode(r.value)
             except CodecError:
-                log.error("undecodable event at %s/%d@%d skipped", r.topic, r.partition, r.offset)
+                log.error("undecodable event at %s/%d@%d skipped", r.topic, r.partition, r.offset,
+                          extra={"topic": r.topic, "partition": r.partition, "offset": r.offset})
                 continue
             if accepts(event):
                 fold.apply(txn, event)

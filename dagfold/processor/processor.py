@@ -150,7 +150,8 @@ class PartitionProcessor:
             store = self._open_store(tp.partition)
             fold = self.spec.fold_for(tp.partition, store)
             n = catch_up(self.log, store, fold, self._events_tp(tp.partition), self.spec.accepts)
-            log.info("%s partition %d restored (%d events applied)", self.spec.service, tp.partition, n)
+            log.info("%s partition %d restored (%d events applied)", self.spec.service, tp.partition, n,
+                     extra={"topic": tp.topic, "partition": tp.partition})
             self.stores[tp.partition] = store
             self.folds[tp.partition] = fold
             if self.timers is not None:
@@ -230,7 +231,9 @@ class PartitionProcessor:
         try:
             return fold.process(txn, cmd, now, rec.offset)
         except Exception as exc:  # a bug must not stop the partition: dead-letter the command
-            log.exception("%s fold failed on %s/%d@%d", service, rec.topic, rec.partition, rec.offset)
+            log.exception("%s fold failed on %s/%d@%d", service, rec.topic, rec.partition, rec.offset,
+                          extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset,
+                                 "job": cmd.get("job_id"), "task": cmd.get("task_id"), "attempt": cmd.get("attempt")})
             return [dead_letter(rec, f"fold error: {exc!r}", service)]
 
     def process_batch(self, recs: Sequence[LogRecord]) -> None:

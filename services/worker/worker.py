@@ -56,6 +56,7 @@ from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic, worker_group
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Ack, Consumer, Log, LogRecord, QueuedRecord, TopicPartition, TopicSpec
+from dagfold.logs import log_context
 from services.worker.exceptions import NonRetryableError, TaskError, TaskTimeout, UnknownHandlerError
 from services.worker.handlers import Handler, HandlerRegistry, TaskContext, default_registry
 
@@ -492,7 +493,11 @@ class Worker:
         """Run the attempt; the report to send, or None when it was stopped."""
         key = self._key(d)
         started = time.monotonic()
-        report = self._execute_with_outputs(d, key, handler, stop)
+        with log_context(job=key[0], task=key[1], attempt=key[2], queue=self.queue,
+                         worker=self.worker_id):  # every line logged while the task runs (handlers' too)
+            report = self._execute_with_outputs(d, key, handler, stop)
+            if report is not None and str(report.get("type", "")).endswith("TaskFailed"):
+                log.info("attempt failed: %s", report.get("reason"))
         metrics.observe_worker_task(self.queue, report, time.monotonic() - started)
         return report
 
