@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     # -- topics (created at start when missing)
     partitions: int = _s(8, "partitions of the commands and events topics (the scheduler's parallelism)",
                          ge=1, le=10_000)
-    dispatch_partitions: int = _s(8, "partitions of each dispatch.<queue> topic", ge=1, le=10_000)
+    dispatch_partitions: int | None = _s(None, "partitions of each dispatch.<queue> topic (unset: 8 on the "
+                                         "embedded log, 1 on Kafka)", ge=1, le=10_000)
     allocator_partitions: int = _s(4, "partitions of the allocator topics (GPU pools hash onto them)", ge=1, le=1000)
     replication: int = _s(1, "replication factor of every topic (3 in production; min.insync 2 then)", ge=1, le=15)
     events_retention_ms: int = _s(-1, "retention of the events and dead-letter topics, ms (-1: forever; "
