@@ -14,21 +14,38 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from dagfold import clock
 from dagfold.config import Config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="dagfold: an event-sourced scheduler for DAG and GPU jobs.")
+
+class _App(typer.Typer):
+    """The Typer app, and the last net under every command: an HTTP failure anywhere (a stream cut mid-way,
+    a malformed --api URL) is one line on stderr and exit 1, never a traceback."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError) as exc:
+            err.print(Text.assemble(("error:", "red"), f" the API request failed: {exc}"))
+            raise SystemExit(1) from None
+
+
+app = _App(add_completion=False, no_args_is_help=True,
+           help="dagfold: an event-sourced scheduler for DAG and GPU jobs.")
 # soft_wrap: lines are never broken at the console width. Piped to a file or a script, rich
 # assumes 80 columns and split "submitted <long file name>: <job id>" across two lines.
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+# markup=False: what the consoles print is data (tenant names, reasons, task IDs) and is never read as rich
+# markup (a tenant named "[/bold]" crashed every table); styling goes through Text/style= or markup=True.
+out = Console(soft_wrap=True, markup=False)
+err = Console(stderr=True, soft_wrap=True, markup=False)
 
 LogOpt = Annotated[str | None, typer.Option("--log", help="log backend: embedded or kafka://HOST:PORT "
                                              "(default: embedded; env DAGFOLD_LOG)", show_default=False)]
@@ -41,8 +58,14 @@ EXIT = {"succeeded": 0, "succeeded_partial": 0, "failed": 1, "cancelled": 1, "re
 
 
 def fail(msg: str, code: int = 2) -> typer.Exit:
-    err.print(f"[red]error:[/red] {msg}")
+    err.print(Text.assemble(("error:", "red"), " ", msg))
     return typer.Exit(code)
+
+
+def seg(value: str) -> str:
+    """``value`` as one URL path segment: every reserved character escaped ('/', '#', '?', '%'), and a name
+    of dots too (an HTTP client removes '.' and '..' segments, so `cancel ..` would reach another route)."""
+    return "%2E" * len(value) if value and not value.strip(".") else quote(str(value), safe="")
 
 
 def _logging(verbose: bool) -> None:
@@ -104,7 +127,7 @@ def _request(method: str, api: str, path: str, api_key: str | None = None, **kw:
     headers = {**_headers(api_key), **kw.pop("headers", {})}
     try:
         r = httpx.request(method, api.rstrip("/") + path, timeout=30, headers=headers, **kw)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise fail(f"cannot reach the API at {api}: {exc}"
                    + ("; start one with `dagfold up`, or pass --api (DAGFOLD_API)"
                       if isinstance(exc, httpx.ConnectError) else ""), 1) from None
@@ -117,7 +140,10 @@ def _request(method: str, api: str, path: str, api_key: str | None = None, **kw:
         if r.status_code == 429 and r.headers.get("retry-after"):
             msg += f" (retry after {r.headers['retry-after']} s)"
         raise fail(f"HTTP {r.status_code}: {msg}", 2 if r.status_code in (400, 413, 422) else 1)
-    return r.json()
+    try:
+        return r.json()
+    except ValueError:
+        raise fail(f"the API at {api} answered {r.status_code} with a body that is not JSON", 1) from None
 
 
 def _get_all(api: str, path: str, key: str, api_key: str | None = None,
@@ -208,12 +234,11 @@ def _time_arg(value: str | None, option: str) -> str | None:
 def resolve_job(api: str, api_key: str | None, ref: str) -> dict[str, Any]:
     """The job a user means by ``ref``: its full ID, a unique prefix of it (as git, docker and kubectl take),
     or its exact name when one job has it. Ambiguity is an error that lists the candidates."""
-    from urllib.parse import quote
 
     if not ref:
         raise fail("give a job ID (or a unique prefix of it, or the job's name)")
     headers = _headers(api_key)
-    url = f"{api.rstrip('/')}/v1/jobs/{quote(ref, safe='')}"
+    url = f"{api.rstrip('/')}/v1/jobs/{seg(ref)}"
     try:
         r = httpx.get(url, headers=headers, timeout=30)
     except httpx.HTTPError:
@@ -221,7 +246,7 @@ def resolve_job(api: str, api_key: str | None, ref: str) -> dict[str, Any]:
     if r is not None and r.status_code == 200:
         return dict(r.json())
     if r is not None and r.status_code != 404:
-        return dict(_request("GET", api, f"/v1/jobs/{quote(ref, safe='')}", api_key))  # its error, in one line
+        return dict(_request("GET", api, f"/v1/jobs/{seg(ref)}", api_key))  # its error, in one line
     by_id = _request("GET", api, "/v1/jobs", api_key, params={"id_prefix": ref, "limit": 10})["jobs"]
     if len(by_id) == 1:
         return dict(by_id[0])

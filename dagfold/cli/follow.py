@@ -15,7 +15,6 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 from rich.console import Console, Group
@@ -23,7 +22,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from dagfold.cli.common import fail
+from dagfold.cli.common import fail, seg
 from dagfold.lifecycle import JOB_FINAL
 
 Event = tuple[str, dict[str, Any]]
@@ -52,7 +51,7 @@ class JobView:
         self._plain_at = 0.0
         self._plain_last = ""
         # the job's name and ID on a line of their own: at 80 columns a full ID left no room for the bar
-        self.progress = Progress(TextColumn("{task.description:<10}"), BarColumn(bar_width=30),
+        self.progress = Progress(TextColumn("{task.description:<10}", markup=False), BarColumn(bar_width=30),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console)
         self.bar = self.progress.add_task(str(job.get("state", "")), total=job.get("total_tasks") or 1,
                                           completed=job.get("finished_tasks", 0))
@@ -183,7 +182,7 @@ def sse_events(api: str, job_id: str, headers: dict[str, str], timeout_s: float,
     entry) when the connection drops; stops at the job's end or after ``timeout_s`` (0: never)."""
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     last_id: str | None = None
-    url = f"{api.rstrip('/')}/v1/jobs/{quote(job_id, safe='')}/events"
+    url = f"{api.rstrip('/')}/v1/jobs/{seg(job_id)}/events"
     while True:
         params: dict[str, str] = {}
         if deadline is not None:

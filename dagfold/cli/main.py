@@ -54,6 +54,7 @@ from dagfold.cli.common import (
     out,
     resolve_job,
     run_until_stopped,
+    seg,
     serve_metrics,
 )
 from dagfold.clock import now_ms
@@ -136,7 +137,7 @@ def _print_failure(f: dict[str, Any]) -> None:
         if not tail:
             continue
         lines = tail.splitlines()[-STDERR_TAIL_LINES:]
-        out.print(f"  [dim]{stream} (last {len(lines)} lines):[/dim]")
+        out.print(f"  {stream} (last {len(lines)} lines):", style="dim")
         for line in lines:
             out.print(Text("  │ " + line), highlight=False)
         break  # stderr when there is some, else stdout
@@ -342,7 +343,7 @@ def _run_stack(spec: dict[str, Any], log: str | None, data: Path | None, workers
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if code != 0 and not as_json:
-                    err.print("[dim]the temporary data folder is deleted; `run --keep` keeps it[/dim]")
+                    err.print("the temporary data folder is deleted; `run --keep` keeps it", style="dim")
 
 
 @app.command()
@@ -465,15 +466,14 @@ def _follow_api(api: str, api_key: str | None, job: dict[str, Any], timeout: flo
         print(json.dumps({"event": event[0], "data": event[1]}), flush=True)
 
     events = sse_events(api, job_id, _headers(api_key), timeout,
-                        lambda: _request("GET", api, f"/v1/jobs/{job_id}", api_key))
+                        lambda: _request("GET", api, f"/v1/jobs/{seg(job_id)}", api_key))
     return follow(events, JobView(job, err, enabled=not as_json), print_line if json_lines else None)
 
 
 def _job_failures(api: str, api_key: str | None, job_id: str, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    from urllib.parse import quote
 
     def attempts_of(task_id: str) -> list[dict[str, Any]]:
-        path = f"/v1/jobs/{quote(job_id, safe='')}/tasks/{quote(task_id, safe='')}/attempts"
+        path = f"/v1/jobs/{seg(job_id)}/tasks/{seg(task_id)}/attempts"
         return list(_request("GET", api, path, api_key)["attempts"])
 
     return failure_details(tasks, attempts_of)
@@ -520,7 +520,7 @@ def submit(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or J
     job = _follow_api(api, api_key, first, timeout, as_json)
     if job["state"] not in EXIT:
         raise fail(f"job {job_id} did not finish within {timeout}s", 1)
-    tasks = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key)
+    tasks = _get_all(api, f"/v1/jobs/{seg(job_id)}/tasks", "tasks", api_key)
     print_summary(job, tasks, as_json, _job_failures(api, api_key, job_id, tasks))
     raise typer.Exit(EXIT[job["state"]])
 
@@ -636,7 +636,7 @@ def jobs(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = F
                       _ago(j["created_ms"], now))
     out.print(t, soft_wrap=False)  # a table fits the width (soft wrap would let it run past)
     if page.get("next_cursor"):
-        out.print("[dim]more jobs: raise --limit (up to 1000) or filter with --since/--before[/dim]")
+        out.print("more jobs: raise --limit (up to 1000) or filter with --since/--before", style="dim")
 
 
 @app.command()
@@ -662,7 +662,7 @@ def tasks(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_
           state: TaskState | None = typer.Option(None, "--state", help="only tasks in this state")) -> None:
     """List a job's tasks."""
     job_id = resolve_job(api, api_key, job_id)["job_id"]
-    items = _get_all(api, f"/v1/jobs/{job_id}/tasks", "tasks", api_key, {"state": state.value} if state else None)
+    items = _get_all(api, f"/v1/jobs/{seg(job_id)}/tasks", "tasks", api_key, {"state": state.value} if state else None)
     if as_json:
         _print_json(items)
         return
@@ -679,7 +679,7 @@ def attempts(job_id: JobArg, task_id: Annotated[str, typer.Argument(help="task I
              as_json: JsonOpt = False) -> None:
     """Show every attempt of a task: worker, times, outcome, reason, exit code and output tails."""
     job_id = resolve_job(api, api_key, job_id)["job_id"]
-    items = _request("GET", api, f"/v1/jobs/{job_id}/tasks/{task_id}/attempts", api_key)["attempts"]
+    items = _request("GET", api, f"/v1/jobs/{seg(job_id)}/tasks/{seg(task_id)}/attempts", api_key)["attempts"]
     if as_json:
         _print_json(items)
         return
@@ -693,7 +693,7 @@ def attempts(job_id: JobArg, task_id: Annotated[str, typer.Argument(help="task I
     out.print(t)
     last = items[-1] if items else None
     if last and last.get("stderr_tail"):
-        out.print(f"[dim]stderr of attempt {last['attempt']}:[/dim]")
+        out.print(f"stderr of attempt {last['attempt']}:", style="dim")
         out.print(last["stderr_tail"].rstrip(), markup=False, highlight=False)
 
 
@@ -805,7 +805,7 @@ def failures(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt
 def cancel(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Cancel a job."""
     job_id = resolve_job(api, api_key, job_id)["job_id"]
-    res = _request("POST", api, f"/v1/jobs/{job_id}/cancel", api_key)
+    res = _request("POST", api, f"/v1/jobs/{seg(job_id)}/cancel", api_key)
     _print_json(res) if as_json else out.print(f"cancel requested for {job_id}")
 
 
@@ -813,7 +813,7 @@ def cancel(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as
 def redrive(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled tasks."""
     job_id = resolve_job(api, api_key, job_id)["job_id"]
-    res = _request("POST", api, f"/v1/jobs/{job_id}/redrive", api_key)
+    res = _request("POST", api, f"/v1/jobs/{seg(job_id)}/redrive", api_key)
     _print_json(res) if as_json else out.print(f"redrive requested for {job_id}")
 
 
@@ -831,7 +831,7 @@ def history(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, a
     Example: dagfold history JOB --type TaskFailed --type TaskRetryScheduled
     """
     job_id = resolve_job(api, api_key, job_id)["job_id"]
-    items = _get_all(api, f"/v1/jobs/{job_id}/history", "events", api_key)
+    items = _get_all(api, f"/v1/jobs/{seg(job_id)}/history", "events", api_key)
     wanted = {t.value for t in types}
     items = [x for x in items if (not wanted or x["type"] in wanted) and (task is None or x.get("task_id") == task)]
     if as_json:
