@@ -119,12 +119,19 @@ KeyOpt = Annotated[str | None, typer.Option("--api-key", envvar="DAGFOLD_API_KEY
                                             help="API key (Authorization: Bearer); needed when the API has keys")]
 
 
-def _headers(api_key: str | None) -> dict[str, str]:
+def _headers(api_key: str | None, api: str | None = None) -> dict[str, str]:
+    """The Authorization header: the API key, else the local token ``dagfold up --token`` stored for ``api``."""
+    if not api_key and api is not None:
+        import os
+
+        from dagfold.localtoken import read_token
+
+        api_key = os.environ.get("DAGFOLD_API_TOKEN") or read_token(api)
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _request(method: str, api: str, path: str, api_key: str | None = None, **kw: Any) -> Any:
-    headers = {**_headers(api_key), **kw.pop("headers", {})}
+    headers = {**_headers(api_key, api), **kw.pop("headers", {})}
     try:
         r = httpx.request(method, api.rstrip("/") + path, timeout=30, headers=headers, **kw)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
@@ -237,7 +244,7 @@ def resolve_job(api: str, api_key: str | None, ref: str) -> dict[str, Any]:
 
     if not ref:
         raise fail("give a job ID (or a unique prefix of it, or the job's name)")
-    headers = _headers(api_key)
+    headers = _headers(api_key, api)
     url = f"{api.rstrip('/')}/v1/jobs/{seg(ref)}"
     try:
         r = httpx.get(url, headers=headers, timeout=30)

@@ -186,6 +186,9 @@ def up(log: LogOpt = None, data: DataOpt = None,
        gpus_per_node: int = typer.Option(8, "--gpus-per-node", min=1, max=64, help="GPUs of each simulated host"),
        auth_file: Path | None = typer.Option(None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
                                              help="API keys per tenant (YAML/JSON); without it the API is open"),
+       token: bool = typer.Option(False, "--token", help="require a local token on every API call (a machine "
+                                  "other users share); the CLI finds it in ~/.dagfold/tokens, the dashboard "
+                                  "link printed at start carries it"),
        verbose: VerboseOpt = False) -> None:
     """Run the whole local stack: scheduler, projector, workers and the API."""
     from services.stack import Stack, StackOptions
@@ -193,6 +196,7 @@ def up(log: LogOpt = None, data: DataOpt = None,
     _logging(verbose)
     _use_auth_file(auth_file)
     cfg = _config(log, data, port)
+    local_token = _use_local_token(cfg.api_host, cfg.api_port) if token else None
     if not with_scheduler and cfg.log_url == "embedded":
         raise fail("--no-scheduler needs a shared log (kafka://...): the embedded log is one process's")
     stack = Stack(cfg, StackOptions(workers=workers, queues=tuple(queue), scheduler=with_scheduler,
@@ -206,6 +210,8 @@ def up(log: LogOpt = None, data: DataOpt = None,
         stack.stop()
         raise fail(_disk_full_line(exc, cfg.data_dir) or f"cannot start: {explain(exc)}", 1) from None
     out.print(f"dagfold up: log={cfg.log_url} data={cfg.data_dir} API http://{cfg.api_host}:{cfg.api_port}")
+    if local_token is not None:
+        out.print(f"local token required; dashboard: http://{cfg.api_host}:{cfg.api_port}/ui/?token={local_token}")
     if examples:
         submit_examples(stack)
     stopping = threading.Event()
@@ -216,8 +222,28 @@ def up(log: LogOpt = None, data: DataOpt = None,
     except KeyboardInterrupt:
         pass
     stack.stop()
+    if local_token is not None:
+        from dagfold.localtoken import remove_token
+
+        remove_token(cfg.api_host, cfg.api_port, local_token)
     if stack.failed:
         raise fail(_disk_full_line(stack.errors[0], cfg.data_dir) or f"a component failed: {stack.errors[0]!r}", 1)
+
+
+def _use_local_token(host: str, port: int) -> str:
+    """The local token (DAGFOLD_API_TOKEN, else a new one), stored for this user's CLI and handed to the API."""
+    import os
+
+    from dagfold.localtoken import new_token, write_token
+
+    value = os.environ.get("DAGFOLD_API_TOKEN") or new_token()
+    try:
+        path = write_token(host, port, value)
+    except OSError as exc:
+        raise fail(f"cannot store the local token: {exc}", 1) from None
+    os.environ["DAGFOLD_API_TOKEN"] = value
+    out.print(f"local token in {path} (this user only)")
+    return value
 
 
 def _disk_full_line(exc: BaseException, data: Path) -> str | None:
@@ -465,7 +491,7 @@ def _follow_api(api: str, api_key: str | None, job: dict[str, Any], timeout: flo
     def print_line(event: tuple[str, dict[str, Any]]) -> None:
         print(json.dumps({"event": event[0], "data": event[1]}), flush=True)
 
-    events = sse_events(api, job_id, _headers(api_key), timeout,
+    events = sse_events(api, job_id, _headers(api_key, api), timeout,
                         lambda: _request("GET", api, f"/v1/jobs/{seg(job_id)}", api_key))
     return follow(events, JobView(job, err, enabled=not as_json), print_line if json_lines else None)
 

@@ -63,6 +63,16 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // -- API access (API key in localStorage, sent as a bearer token) --------------------------
 function apiKey() { return localStorage.getItem("dagfold.apiKey") || ""; }
+/* `dagfold up --token` prints /ui/?token=...: keep the token as the key and take it out of the address bar. */
+(function takeToken() {
+  const params = new URLSearchParams(location.search);
+  const t = params.get("token");
+  if (!t) return;
+  localStorage.setItem("dagfold.apiKey", t);
+  params.delete("token");
+  const q = params.toString();
+  history.replaceState(null, "", location.pathname + (q ? `?${q}` : "") + location.hash);
+})();
 function authHeaders() { const k = apiKey(); return k ? { Authorization: `Bearer ${k}` } : {}; }
 class ApiError extends Error {
   constructor(status, code, reason) { super(`${code}: ${reason}`); this.status = status; this.code = code; this.reason = reason; }
