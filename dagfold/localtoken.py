@@ -9,6 +9,7 @@ removes it from the address bar).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 from pathlib import Path
@@ -23,7 +24,11 @@ def token_dir() -> Path:
 
 def _host_key(host: str, port: int) -> str:
     host = host.strip("[]").lower()
-    name = "loopback" if host in LOOPBACK_NAMES or host.startswith("127.") else host
+    try:
+        loop = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loop = False
+    name = "loopback" if loop or host in LOOPBACK_NAMES else host
     return f"{name.replace(':', '_')}-{port}"
 
 
@@ -51,13 +56,13 @@ def write_token(host: str, port: int, token: str) -> Path:
 
 def read_token(api_url: str) -> str | None:
     """The token stored for the API at ``api_url``, or None (no file, or not readable)."""
-    parts = urlsplit(api_url)
-    if not parts.hostname:
-        return None
     try:
+        parts = urlsplit(api_url)
+        if not parts.hostname:
+            return None
         port = parts.port or (443 if parts.scheme == "https" else 80)
         return token_path(parts.hostname, port).read_text().strip() or None
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # no file, or a malformed URL (the request itself then says so)
         return None
 
 

@@ -99,6 +99,8 @@ def load_yaml(data: str | bytes, *, max_bytes: int | None = MAX_YAML_BYTES, max_
                 depth -= 1
         return yaml.load(raw, Loader=_Loader)  # noqa: S506 - a safe loader, and the events were checked
     except yaml.YAMLError as exc:
+        if "maximum nesting depth" in str(exc):  # libyaml's own bound (1000) met while it scans ahead
+            raise ParseError("too_deep", f"{what} nests deeper than {max_depth} levels, the limit") from None
         raise ParseError("invalid", f"{what} is not valid YAML/JSON: {exc}") from None
     except RecursionError:
         raise ParseError("too_deep", f"{what} nests deeper than {max_depth} levels") from None

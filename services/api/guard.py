@@ -23,6 +23,7 @@ checks, in an ASGI middleware before any route, keep a web page on another origi
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -50,7 +51,13 @@ def _hostname(host: str) -> str | None:
 
 
 def is_loopback(name: str) -> bool:
-    return name in LOOPBACK_NAMES or name.endswith(".localhost") or name.startswith("127.")
+    """A loopback name or address (127.0.0.0/8, ::1). Never by prefix: 127.0.0.1.nip.io is anyone's DNS name."""
+    if name in LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)

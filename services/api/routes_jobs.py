@@ -116,7 +116,10 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
             raise ApiError(403, "tenant_mismatch", f"this API key belongs to tenant {principal.tenant!r}; "
                            f"the spec names tenant {spec_in.tenant!r}")
         spec_in = spec_in.model_copy(update={"tenant": principal.tenant})
-    spec = to_job_spec(spec_in)
+    try:
+        spec = to_job_spec(spec_in)
+    except SpecError as exc:
+        raise ApiError(400, "invalid_spec", str(exc)) from None
     rejection = validate_job_spec(spec, ctx.config.scheduler.limits)
     if rejection is not None:
         raise ApiError(422, rejection.code, rejection.reason)
