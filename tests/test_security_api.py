@@ -29,7 +29,7 @@ from services.api.auth import AuthConfig
 from services.api.guard import GuardConfig
 from services.scheduler.harness import FoldHarness
 from services.scheduler.spec import load_spec_text, to_job_spec
-from tests.api_support import T0, ApiHarness, LiveServer, accepted, ev
+from tests.api_support import T0, ApiHarness, LiveServer, accepted, ev, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"acme": "k-sec-acme-000001", "beta": "k-sec-beta-000001", "admin": "k-sec-admin-00001"}
@@ -458,7 +458,7 @@ rm -f "$d/fill"; mkdir -p "$d/up"
 dd if=/dev/zero of="$d/fill" bs=64k 2>/dev/null || true
 set +e
 e=$(mktemp)  # outside the full disk
-timeout 60 "$PY" -m dagfold up --data "$d/up/data" --port 0 2>"$e" >/dev/null
+timeout 60 "$PY" -m dagfold up --data "$d/up/data" --port "$PORT" 2>"$e" >/dev/null
 echo "rc=$?"
 cat "$e"
 rm -f "$e"
@@ -475,7 +475,8 @@ def test_a_full_disk_is_a_503_and_one_line_at_start(tmp_path: Path) -> None:
     if probe.returncode != 0:
         pytest.skip(f"cannot create a mount namespace here: {probe.stderr.decode().strip()}")
     r = subprocess.run([*cmd, "bash", "-c", FULL_DISK], capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "ROOT": str(ROOT), "PY": sys.executable, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "ROOT": str(ROOT), "PY": sys.executable, "PYTHONPATH": str(ROOT),
+                            "PORT": str(free_port())})
     lines = r.stdout.splitlines()
     answers = json.loads(lines[0])
     assert any(status == 503 for status, _ in answers), answers
