@@ -221,6 +221,7 @@ class DagView extends PanZoom {
   }
   load(data) {
     this.data = data;
+    this._groups = null;
     this.index = new Map(data.ids.map((id, i) => [id, i]));
     this.states = data.states.slice();
     this.grid = data.layers.map((n) => new Array(n));
@@ -287,6 +288,48 @@ class DagView extends PanZoom {
     const i = this.hit(x, y);
     return i === null ? null : `${this.data.ids[i]}\n${this.states[i]}`;
   }
+  // Groups of a layer by task-name prefix (mProject_ID0000001 -> mProject): computed once per load.
+  layerGroups() {
+    if (this._groups) return this._groups;
+    const groups = this.data.layers.map(() => new Map());
+    this.data.ids.forEach((id, i) => {
+      const m = /^(.*?[A-Za-z])(?:[_\-.:#\/]|\d)/.exec(id);
+      const prefix = m ? m[1] : id;
+      const g = groups[this.data.layer[i]];
+      g.set(prefix, (g.get(prefix) || 0) + 1);
+    });
+    return (this._groups = groups);
+  }
+  // At fit zoom the boxes are too small to carry their IDs: each layer gets a readable header instead,
+  // its groups ("mProject ×12"), in screen pixels whatever the zoom.
+  drawGroups(x0, x1) {
+    const { ctx } = this;
+    const groups = this.layerGroups();
+    ctx.setTransform(this.dpr, 0, 0, this.dpr, 0, 0);
+    ctx.font = "600 11px system-ui, sans-serif";
+    ctx.textBaseline = "top";
+    for (let l = 0; l < groups.length; l++) {
+      const lx = this.layerX[l];
+      const cols = Math.ceil(Math.max(this.data.layers[l], 1) / this.rowsPerCol);
+      if (lx + cols * COL_W < x0 || lx > x1) continue;
+      const [sx] = this.toScreen(lx, 0);
+      const room = Math.max(cols * COL_W * this.sx, (GAP_X - NODE_W + NODE_W) * this.sx) - 4;
+      if (room < 24) continue;
+      let y = 6;
+      for (const [prefix, n] of [...groups[l].entries()].sort((a, b) => b[1] - a[1]).slice(0, 3)) {
+        let text = n > 1 ? `${prefix} \u00d7${n}` : prefix;
+        while (text.length > 2 && ctx.measureText(text).width > room - 6) text = text.slice(0, -2) + "\u2026";
+        if (ctx.measureText(text).width > room - 6) continue;  // no room even for "m…": leave it to hover
+        ctx.fillStyle = "rgba(255,255,255,0.85)";
+        const w = Math.min(ctx.measureText(text).width + 6, room);
+        ctx.fillRect(sx - 2, y - 1, w, 14);
+        ctx.fillStyle = "#1f2933";
+        ctx.fillText(text, sx + 1, y, room - 6);
+        y += 15;
+        this.groupLabels++;
+      }
+    }
+  }
   screenPos(id) {
     const i = this.index.get(id);
     if (i === undefined) return null;
@@ -348,6 +391,8 @@ class DagView extends PanZoom {
       ctx.lineWidth = 3 / this.sx; ctx.strokeStyle = "#111827";
       ctx.strokeRect(x - 2 / this.sx, y - NODE_H / 2 - 2 / this.sx, NODE_W + 4 / this.sx, NODE_H + 4 / this.sx);
     }
+    this.groupLabels = 0;
+    if (NODE_H * this.sy < 11 || shown.length > 3000) this.drawGroups(x0, x1);  // too small for node labels
     if (NODE_H * this.sy >= 11 && shown.length <= 3000) {
       ctx.font = "12px system-ui, sans-serif";
       ctx.textBaseline = "middle";
@@ -364,7 +409,7 @@ class DagView extends PanZoom {
 }
 
 // -- the timeline (Gantt of attempts) --------------------------------------------------------
-const ROW_H = 16;
+const ROW_H = 16, GUTTER = 170;  // the Gantt's row axis: task names
 
 class Timeline extends PanZoom {
   constructor(canvas, onSelect) {
@@ -393,7 +438,7 @@ class Timeline extends PanZoom {
   }
   fit() {
     const span = Math.max(this.t1 - this.t0, 1);
-    this.sx = (this.w - 60) / span; this.tx = 40 - this.t0 * this.sx;
+    this.sx = (this.w - GUTTER - 40) / span; this.tx = GUTTER + 10 - this.t0 * this.sx;
     this.sy = Math.min(1, (this.h - 30) / Math.max(1, this.rows.length * ROW_H)); this.ty = 24;
     this.redraw();
   }
@@ -403,7 +448,11 @@ class Timeline extends PanZoom {
     const tol = 3 / this.sx;
     return (this.bars || []).find((b) => b.row === r && t >= b.s - tol && t <= b.e + tol) || null;
   }
-  onClick(x, y) { const b = this.barAt(x, y); if (b) this.onSelect(b.task); }
+  rowAt(y) { const r = Math.floor((y - this.ty) / (ROW_H * this.sy)); return r >= 0 && r < this.rows.length ? r : -1; }
+  onClick(x, y) {
+    if (x < GUTTER) { const r = this.rowAt(y); if (r >= 0) this.onSelect(this.rows[r]); return; }
+    const b = this.barAt(x, y); if (b) this.onSelect(b.task);
+  }
   hoverText(x, y) {
     const b = this.barAt(x, y);
     if (!b) return null;
@@ -440,13 +489,28 @@ class Timeline extends PanZoom {
       ctx.fillRect(x, y + rh * 0.12, w, Math.max(rh * 0.76, 1));
       if (w > 60 && rh >= 12) { ctx.fillStyle = "#fff"; ctx.fillText(`${b.task} #${b.attempt}`, x + 4, y + rh - 5, w - 8); }
     }
+    // the row axis, drawn over bars panned under it: one task name a row when rows are tall enough to read
+    ctx.fillStyle = "#fbfcfd"; ctx.fillRect(0, 0, GUTTER, this.h);
+    ctx.strokeStyle = "#e1e5ea"; ctx.beginPath(); ctx.moveTo(GUTTER + 0.5, 0); ctx.lineTo(GUTTER + 0.5, this.h); ctx.stroke();
+    this.rowLabels = 0;
+    if (rh >= 9) {
+      ctx.fillStyle = "#1f2933"; ctx.font = `${Math.min(12, Math.floor(rh - 2))}px system-ui`; ctx.textBaseline = "middle";
+      for (let r = firstRow; r < lastRow; r++) {
+        ctx.fillText(this.rows[r], 6, r * rh + this.ty + rh / 2, GUTTER - 12);
+        this.rowLabels++;
+      }
+      ctx.textBaseline = "alphabetic";
+    } else {
+      ctx.fillStyle = "#6b7785"; ctx.font = "11px system-ui";
+      ctx.fillText(`${this.rows.length} tasks: zoom to read`, 6, 30, GUTTER - 12);
+    }
   }
 }
 
 // -- pages ---------------------------------------------------------------------------------
 function jobRow(j) {
   return `<tr data-job="${esc(j.job_id)}">
-    <td class="mono"><a href="#/jobs/${enc(j.job_id)}">${esc(j.job_id)}</a>${j.labels && j.labels.workflow ? `<div class="muted small">${esc(j.labels.workflow)}</div>` : ""}</td>
+    <td class="mono"><a href="#/jobs/${enc(j.job_id)}">${esc(j.job_id)}</a>${j.name ? `<div class="small"><b>${esc(j.name)}</b></div>` : j.labels && j.labels.workflow ? `<div class="muted small">${esc(j.labels.workflow)}</div>` : ""}</td>
     <td>${esc(j.tenant)}</td><td>${badge(j.state)}</td>
     <td style="min-width:120px">${stackBar(j)}<span class="small muted">${(j.progress || 0).toFixed(0)}% of ${j.total_tasks}</span></td>
     <td class="small">${fmtTime(j.created_ms)}</td><td class="small num">${fmtDur(j.duration_ms)}</td>
@@ -500,8 +564,8 @@ function countsChips(job) {
 function jobHeader(job) {
   const canCancel = !TERMINAL.has(job.state);
   const canRedrive = ["failed", "succeeded_partial", "cancelled"].includes(job.state);
-  return `<div class="row" style="align-items:center">
-      <h1 class="grow mono" style="margin:0">${esc(job.job_id)} <span id="job-state">${badge(job.state)}</span></h1>
+  return `<div class="row job-head" style="align-items:center">
+      <h1 class="grow mono job-title" style="margin:0">${job.name ? `<span class="job-name">${esc(job.name)}</span> ` : ""}${esc(job.job_id)} <span id="job-state">${badge(job.state)}</span></h1>
       ${canCancel ? `<button class="danger" id="btn-cancel">Cancel</button>` : ""}
       ${canRedrive ? `<button id="btn-redrive">Redrive</button>` : ""}
     </div>
@@ -588,6 +652,7 @@ async function pageJob(jobId, signal) {
     $("#dag-fit").addEventListener("click", () => graph.fit());
   } catch (e) { $("#dag").parentElement.outerHTML = errorBox(e); }
   timeline = new Timeline($("#gantt"), select);
+  hooks.timeline = timeline;
   $("#gantt-fit").addEventListener("click", () => { timeline.touched = false; timeline.fit(); });
   const onResize = () => { for (const v of [graph, timeline]) if (v) { v.resize(); v.redraw(); } };
   window.addEventListener("resize", onResize);

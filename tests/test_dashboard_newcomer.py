@@ -1,0 +1,96 @@
+"""The dashboard for mid-size DAGs in headless Chromium (issue 17): a 1,738-task Montage readable at fit zoom
+(layer headers name the task groups where node boxes are too small for their IDs), a Gantt with task names
+on its row axis, job names, and the job page at 900 px without a horizontal scroll bar.
+
+Uses the stack, browser and page fixtures of test_dashboard_browser (Debian's Chromium, `make browser`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import tests.test_dashboard_browser as base
+from tests.test_dashboard_browser import ROOT, Stack, shot
+
+MONTAGE_05D = ROOT.parent / "shared" / "data" / "wfcommons" / "montage-chameleon-2mass-05d-001.json.gz"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with base.playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=base.CHROMIUM, args=base.CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    yield pg
+    pg.close()
+    assert errors == [], errors  # no JavaScript error on any page
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    s = Stack(tmp_path_factory.mktemp("dash17"))
+    yield s
+    s.stop()
+
+
+def _wait_js(page: Any, expr: str, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = page.evaluate(expr)
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{expr} stayed falsy")
+
+
+def test_large_montage_is_readable_at_fit_zoom(stack: Stack, page: Any) -> None:
+    from dagfold.wfcommons import workflow_spec
+
+    assert MONTAGE_05D.exists(), MONTAGE_05D
+    spec = workflow_spec(MONTAGE_05D, 0.0)
+    assert len(spec["tasks"]) == 1738
+    job_id = stack.submit(spec)
+    stack.wait(job_id, timeout=120)
+    page.goto(f"{stack.url}/ui/#/jobs/{job_id}")
+    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
+    page.evaluate("window.__dagfold.graph.fit(); window.__dagfold.graph.draw()")
+    # node boxes are a few pixels tall at fit zoom: each layer's header names its groups instead
+    assert page.evaluate("window.__dagfold.graph.groupLabels") >= 5
+    groups = page.evaluate("window.__dagfold.graph.layerGroups().map((m) => [...m.keys()])")
+    assert ["mProject"] in groups and ["mDiffFit"] in groups, groups
+    t0 = time.perf_counter()
+    page.evaluate("for (let i = 0; i < 20; i++) window.__dagfold.graph.draw()")
+    per_draw_ms = (time.perf_counter() - t0) / 20 * 1000
+    assert per_draw_ms < 200, per_draw_ms  # a redraw stays interactive (a bound, not a timing goal)
+    shot(page, "dashboard-montage-05d.png")
+
+
+def test_gantt_has_task_names_and_the_job_page_fits_900px(stack: Stack, page: Any) -> None:
+    job_id = stack.submit({"name": "gantt-demo", "tasks": [
+        {"id": "extract", "handler": "sleep", "args": {"seconds": 0.2}},
+        {"id": "transform", "handler": "sleep", "args": {"seconds": 0.2}, "depends_on": ["extract"]},
+        {"id": "load", "handler": "noop", "depends_on": ["transform"]}]})
+    stack.wait(job_id)
+    page.set_viewport_size({"width": 900, "height": 900})
+    page.goto(f"{stack.url}/ui/#/jobs/{job_id}")
+    _wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 3")
+    page.evaluate("window.__dagfold.timeline.fit(); window.__dagfold.timeline.draw()")
+    assert page.evaluate("window.__dagfold.timeline.rowLabels") == 3
+    assert page.evaluate("window.__dagfold.timeline.rows") == ["extract", "transform", "load"]
+    assert "gantt-demo" in page.inner_text("#job-head")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 900  # no horizontal scroll at 900 px
+    shot(page, "dashboard-900px.png", full=True)
+    page.goto(f"{stack.url}/ui/#/jobs")
+    page.wait_for_selector(f"tr[data-job='{job_id}']")
+    assert "gantt-demo" in page.inner_text(f"tr[data-job='{job_id}']")
