@@ -27,9 +27,9 @@ run: install
 kafka-fetch:
 	deploy/kafka/kafka.sh fetch
 
-# SeaweedFS `weed` (S3-compatible object storage for the artifact tests), built once into .cache/
+# S3Proxy (S3-compatible object storage for the artifact tests), fetched once into .cache/m2
 s3-fetch:
-	deploy/seaweedfs/weed.sh fetch
+	deploy/s3proxy/s3proxy.sh fetch
 
 # Debian's Chromium for the dashboard browser test (Playwright only drives it; no `playwright install`).
 browser:

@@ -11,7 +11,7 @@ Two stores behind one interface (``ArtifactStore``):
 * ``LocalArtifactStore``: a folder (the default, ``<data>/artifacts``; the
   embedded stack of ``make run``). URIs ``file:///abs/path``.
 * ``S3ArtifactStore``: S3-compatible object storage through boto3 (AWS S3,
-  SeaweedFS, Ceph RGW, ...). URIs ``s3://bucket/key``. Credentials come from
+  S3Proxy, SeaweedFS, Ceph RGW, ...). URIs ``s3://bucket/key``. Credentials come from
   boto3's usual sources (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, a
   profile, an instance role); never from a task.
 
@@ -304,7 +304,11 @@ class S3ArtifactStore(ArtifactStore):
         self.client = client or boto3.client(
             "s3", endpoint_url=endpoint_url, region_name=region or "us-east-1",
             config=BotoConfig(signature_version="s3v4", retries={"max_attempts": 5, "mode": "standard"},
-                              s3={"addressing_style": "path"}))
+                              s3={"addressing_style": "path"},
+                              # CRC checksum headers only where S3 requires them: S3-compatible servers
+                              # (S3Proxy, older MinIO/Ceph) refuse the ones boto3 adds by default
+                              request_checksum_calculation="when_required",
+                              response_checksum_validation="when_required"))
         self._missing = (self.client.exceptions.NoSuchKey,)
         if create_bucket:
             from botocore.exceptions import ClientError
@@ -360,14 +364,14 @@ class S3ArtifactStore(ArtifactStore):
         keys = []
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._k(prefix))
         for page in pages:
-            keys += [o["Key"][len(self.prefix):] for o in page.get("Contents", [])]
+            keys += [o["Key"][len(self.prefix):] for o in page.get("Contents", [])
+                     if not o["Key"].endswith("/")]  # folder markers some servers list
         return sorted(keys)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = self.list(prefix)
-        for i in range(0, len(keys), 1000):
-            batch = [{"Key": self._k(k)} for k in keys[i:i + 1000]]
-            self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        for k in keys:  # one by one: DeleteObjects needs a checksum header some S3-compatible servers refuse
+            self.client.delete_object(Bucket=self.bucket, Key=self._k(k))
         return len(keys)
 
     def presign(self, key: str, expires_s: int = 900) -> str | None:

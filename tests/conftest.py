@@ -170,7 +170,7 @@ def log_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Log]
         log.close()
 
 
-# -- object storage (S3-compatible: SeaweedFS on loopback) ----------------------------------------
+# -- object storage (S3-compatible: S3Proxy on loopback) ----------------------------------------
 @pytest.fixture(scope="session")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A real S3-compatible server shared by the session (tests/s3_support.py); boto3 gets its key."""

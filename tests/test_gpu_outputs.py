@@ -1,8 +1,8 @@
 """GPU jobs as a product on the real stack (scheduler, allocator, simulated hosts running the demo job,
 projector, notifier, API): the file a job writes comes back through its status, its callback and the
-download route, on the local artifact folder and on a real S3-compatible server (SeaweedFS on
-loopback); only the owning tenant can read it; a preempted job's SSE stream shows the seed's states in
-order; CPU tasks return their outputs too."""
+download route, on the local artifact folder and on a real S3-compatible server (S3Proxy on
+loopback); only the owning tenant can read it; a preempted job's SSE stream shows the seed's states
+in order; CPU tasks return their outputs too."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from dagfold.config import Config
 from services.stack import Stack, StackOptions
 from tests.api_support import free_port
 from tests.callback_support import Receiver
+from tests.s3_support import S3Server
 
 KEY_A, KEY_B = "key-studio-a-0001", "key-studio-b-0002"
 A = {"Authorization": f"Bearer {KEY_A}"}
@@ -93,6 +94,28 @@ def returns_its_file(tmp_path: Path, artifacts_url: str) -> None:
 
 def test_a_gpu_job_returns_its_file_on_the_local_artifact_folder(tmp_path: Path, keys: None) -> None:
     returns_its_file(tmp_path, "")
+
+
+def test_a_gpu_job_returns_its_file_on_s3(tmp_path: Path, keys: None, s3: S3Server) -> None:
+    returns_its_file(tmp_path, s3.url("artifacts", "dagfold"))
+
+
+def test_the_s3_store_round_trips_outputs_and_checkpoints(tmp_path: Path, s3: S3Server) -> None:
+    from dagfold.artifacts import open_store
+
+    store = open_store(s3.url("unit"), tmp_path)
+    (tmp_path / "out" / "frames").mkdir(parents=True)
+    (tmp_path / "out" / "frames" / "0.png").write_bytes(b"\x89PNG" + bytes(range(256)) * 40_000)  # 10 MB
+    [art] = store.upload_outputs(tmp_path / "out", "acme/job/run/1/outputs/")
+    assert art.uri == "s3://unit/acme/job/run/1/outputs/frames/0.png" and art.content_type == "image/png"
+    assert b"".join(store.iter_bytes(store.key_of(art.uri) or "")) == (tmp_path / "out/frames/0.png").read_bytes()
+    ck = tmp_path / "ck"
+    (ck / "step-5").mkdir(parents=True)
+    (ck / "step-5" / "model.bin").write_bytes(b"weights")
+    uri = store.upload_checkpoint(ck / "step-5", "acme/job/run/checkpoints/")
+    back = store.fetch_checkpoint(uri, tmp_path / "resume")
+    assert (back / "model.bin").read_bytes() == b"weights"
+    assert store.delete_prefix("acme/job/run/checkpoints/") == 1 and not store.list("acme/job/run/checkpoints/")
 
 
 def sse_states(base: str, job_id: str, timeout_s: float) -> Iterator[str]:
