@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dagfold.codec import default_codec
-from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic, worker_group
+from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
 from dagfold.localkafka import LocalKafka
 from dagfold.log import TopicPartition
 from dagfold.log.reader import read_to_end
@@ -144,7 +144,8 @@ def end_to_end(log_url: str, workers: int) -> dict[str, Any]:
 
         # measure a settled system: groups joined (a late join rebalances mid-run), one small job done
         if isinstance(stack.log, KafkaLog):
-            stack.log.wait_groups_stable({worker_group("default"): workers, SCHEDULER_GROUP: 1})
+            # workers are members of a share group (a queue): no rebalance to wait for
+            stack.log.wait_groups_stable({SCHEDULER_GROUP: 1})
         warm = to_job_spec(parse_spec({"id": f"warmup-{int(time.time() * 1000)}",
                                        "tasks": [{"id": f"w{i}"} for i in range(16)]}))
         stack.sender.send(submit_job(warm, source="bench"))

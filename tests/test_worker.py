@@ -526,3 +526,14 @@ def test_several_workers_share_a_queue(elog: EmbeddedLog, start: WorkerFactory) 
     wait_for(lambda: {r["job_id"] for r in commands(elog, type_=SUCCEEDED)} == {f"job-{i}" for i in range(30)})
     assert sum(w.tasks_succeeded for w in workers) >= 30
     assert sum(1 for w in workers if w.tasks_run) >= 2  # each acquires 2 at a time: the others get the rest
+
+
+def test_a_backlog_of_slow_tasks_is_not_passed_around_until_archived(elog: EmbeddedLog, start: WorkerFactory) -> None:
+    """Four workers and a backlog of short sleeps: a worker that acquired a whole batch released all but
+    one, each release counted as a delivery, and records passed around 10 times were archived, their
+    tasks never run (6 of 16 in a warm-up). After a batch with a slow task a worker takes one record."""
+    workers = [start(worker_id=f"w{i}")[0] for i in range(4)]
+    for i in range(60):
+        dispatch(elog, f"job-{i}", handler="sleep", args={"seconds": 0.01})
+    wait_for(lambda: len(commands(elog, type_=SUCCEEDED)) == 60, timeout=30, what="all 60 tasks")
+    assert sum(w.tasks_run for w in workers) == 60

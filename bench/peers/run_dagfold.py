@@ -32,7 +32,7 @@ from bench.peers import probe
 from bench.peers.workloads import Dag, load
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
-from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic, worker_group
+from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
 from dagfold.exceptions import LogError
 from dagfold.log import TopicPartition
 from dagfold.log.kafka import KafkaLog
@@ -127,11 +127,12 @@ def main() -> None:
         if not split and not stack.runner.ready.wait(120):
             raise RuntimeError("scheduler got no partitions")
         if kafka:
-            groups = {worker_group("default"): args.workers}
+            # workers are members of a share group (a queue), which has no rebalance to wait for
+            groups: dict[str, int] = {}
             if split:
                 groups[SCHEDULER_GROUP] = 1
             assert isinstance(stack.log, KafkaLog)
-            if not stack.log.wait_groups_stable(groups):
+            if groups and not stack.log.wait_groups_stable(groups):
                 raise RuntimeError(f"consumer groups not stable: {groups}")
         run_id = f"{os.getpid()}-{int(time.time() * 1000)}"
         warm = job_spec(load("warmup"), f"warmup-{run_id}")

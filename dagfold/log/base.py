@@ -250,9 +250,10 @@ class QueueConsumer(Protocol):
     def subscribe(self, topics: Sequence[str]) -> None:
         """Join the queue group for these topics."""
 
-    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
-        """Acquire available records (up to the consumer's ``max_records``; Kafka takes that as a
-        hint and may hand out a few more), waiting at most ``timeout_s``. Every record of the
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[QueuedRecord]:
+        """Acquire available records (up to ``max_records``, default the consumer's), waiting at
+        most ``timeout_s``. Kafka takes the consumer's ``max_records`` as a hint (the broker
+        acquires whole producer batches) and cannot lower it per poll. Every record of the
         previous poll must have been acknowledged first (``LogError`` otherwise)."""
 
     def acknowledge(self, record: QueuedRecord, ack: Ack = Ack.ACCEPT) -> None:

@@ -703,7 +703,7 @@ class EmbeddedQueueConsumer:
                 self._member = next(_QueueGroup._ids)
             self._group.members[self._member] = tuple(topics)
 
-    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[QueuedRecord]:
         if self._member is None:
             raise LogError("poll before subscribe")
         if self._held:
@@ -715,7 +715,7 @@ class EmbeddedQueueConsumer:
             with self._log._lock:
                 if self._log._closed:
                     return []
-                out = self._group.acquire(self._member, self._max)
+                out = self._group.acquire(self._member, min(max_records or self._max, self._max))
             if out:
                 self._held = {(TopicPartition(r.topic, r.partition), r.offset) for r in out}
                 return out

@@ -421,7 +421,8 @@ class KafkaQueueConsumer:
         except KafkaException as exc:
             raise LogError(f"cannot join the share group: {exc}") from exc
 
-    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[QueuedRecord]:
+        """``max_records`` is not Kafka's to honour per poll (max.poll.records is set at creation)."""
         if self._held:
             raise LogError(f"{len(self._held)} record(s) of the previous poll are not acknowledged")
         try:

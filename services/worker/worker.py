@@ -196,6 +196,7 @@ class Worker:
         self._running: _Running | None = None
         self._stopped: OrderedDict[AttemptKey, str] = OrderedDict()
         self._closed = False
+        self._slow = False  # the last batch had a task that is not instant
         self.crashed = False  # stopped by WorkerCrashed (fault injection)
         # counters (read them as attributes; Prometheus metrics come later)
         self.tasks_run = 0
@@ -238,7 +239,11 @@ class Worker:
         try:
             while not stop.is_set():
                 try:
-                    records = self._consumer.poll(self.poll_timeout_s)
+                    # After a batch with a task that is not instant, take one record at a time: a
+                    # worker that acquires more than it runs releases the rest, and every release
+                    # counts as a delivery (a record a busy queue keeps passing around would reach
+                    # the delivery limit and be archived). Instant batches take max_batch.
+                    records = self._consumer.poll(self.poll_timeout_s, 1 if self._slow else None)
                 except LogError as exc:
                     log.warning("dispatch poll failed: %s", exc, extra={"worker_id": self.worker_id})
                     stop.wait(1.0)
@@ -393,6 +398,7 @@ class Worker:
                 instant.append((rec, d, handler))
             else:
                 slow.append((rec, d, handler))
+        self._slow = bool(slow)
         run_now = slow[:1] if not stop.is_set() else []
         if stop.is_set():
             instant = []
