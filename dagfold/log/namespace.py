@@ -22,11 +22,14 @@ from typing import Any
 
 from dagfold.exceptions import LogError
 from dagfold.log.base import (
+    Ack,
     AssignCallback,
     Consumer,
     Log,
     LogRecord,
     Producer,
+    QueueConsumer,
+    QueuedRecord,
     TopicPartition,
     TopicSpec,
     TransactionalProducer,
@@ -103,6 +106,12 @@ class NamespacedLog:
     def consumer(self, group_id: str | None, client_id: str = "dagfold", **kw: Any) -> Consumer:
         group = self.ns.group(group_id) if group_id is not None else None
         return _Consumer(self.inner.consumer(group, client_id, **kw), self.ns)  # type: ignore[call-arg]
+
+    def queue_consumer(self, group_id: str, client_id: str = "dagfold", *, max_records: int = 64,
+                       lock_ms: int = 30_000, max_deliveries: int = 5) -> QueueConsumer:
+        inner = self.inner.queue_consumer(self.ns.group(group_id), client_id, max_records=max_records,
+                                          lock_ms=lock_ms, max_deliveries=max_deliveries)
+        return _QueueConsumer(inner, self.ns)
 
     def delete_namespace(self, timeout_s: float = 10.0) -> tuple[int, int]:
         """Delete this namespace's topics and consumer groups (Kafka only: a one-shot run's cleanup)."""
@@ -201,6 +210,32 @@ class _Consumer:
 
     def committed(self, tps: Sequence[TopicPartition]) -> dict[TopicPartition, int]:
         return {self.ns.untp(tp): o for tp, o in self.inner.committed([self.ns.tp(t) for t in tps]).items()}
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class _QueueConsumer:
+    """A queue consumer seen through the namespace: topics mapped both ways, records acknowledged
+    by their names on the cluster."""
+
+    def __init__(self, inner: QueueConsumer, ns: Namespace) -> None:
+        self.inner, self.ns = inner, ns
+
+    def subscribe(self, topics: Sequence[str]) -> None:
+        self.inner.subscribe([self.ns.topic(t) for t in topics])
+
+    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
+        return [replace(r, topic=self.ns.logical(r.topic)) for r in self.inner.poll(timeout_s)]
+
+    def acknowledge(self, record: QueuedRecord, ack: Ack = Ack.ACCEPT) -> None:
+        self.inner.acknowledge(replace(record, topic=self.ns.topic(record.topic)), ack)
+
+    def commit(self, wait: bool = True) -> None:
+        self.inner.commit(wait)
 
     def close(self) -> None:
         self.inner.close()
