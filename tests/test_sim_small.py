@@ -61,3 +61,22 @@ def test_sim_day_small(tmp_path: Path) -> None:
     assert res["small_tenant"]["wait_p99_s_without_flood"] is not None
     assert 0 < res["utilization"] <= 1
     assert (tmp_path / "gpu-day.png").exists()
+
+
+def test_sim_day_sweep_small(tmp_path: Path) -> None:
+    from services.allocator.sim_day import MEAN_JOB_GPU_S, jobs_for_load
+
+    # the 100k-job day on 10,000 GPUs is the ~102% day of docs/gpu-scheduling.md 7.3
+    assert 1.0 < 100000 * MEAN_JOB_GPU_S / (10000 * 86400) < 1.05
+    assert jobs_for_load(0.5, 80) == round(0.5 * 80 * 86400 / MEAN_JOB_GPU_S)
+    out = tmp_path / "sweep.json"
+    r = runner.invoke(sim_app, ["day", "--gpus", "80", "--sweep", "0.5", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    entry = json.loads(out.read_text())["loads"]["0.50"]
+    assert set(entry["policies"]) == {"ours", "fifo", "bestfit"}
+    for res in entry["policies"].values():
+        assert 0.3 < res["offered_load"] < 0.7 and 0 < res["utilization"] <= 1
+        assert res["jct_p50_s"] is not None and res["jct_p99_s"] >= res["jct_p50_s"]
+    assert "| 50% |" in r.output or "dagfold (ours)" in r.output
+    bad = runner.invoke(sim_app, ["day", "--gpus", "80", "--sweep", "x", "--out", str(out)])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output

@@ -111,13 +111,27 @@ def day(out: OutOpt,
         hb_s: Annotated[float, typer.Option("--hb-s", help="node heartbeat interval (virtual seconds)")] = 300.0,
         baselines: Annotated[bool, typer.Option("--baselines/--no-baselines", help="also run fifo and best-fit")]
         = True,
-        img: ImgOpt = None) -> None:
+        img: ImgOpt = None,
+        sweep: Annotated[str | None, typer.Option(
+            "--sweep", help="offered loads as fractions of capacity, e.g. 0.7,0.85,0.95,1.1 (job count follows "
+                            "from --gpus; --jobs is ignored): every policy at each load, one table")] = None) -> None:
     """A synthetic day: tiers, tenants (one floods), gangs, runtimes 2-45 min, node faults."""
     from services.allocator import report
-    from services.allocator.sim_day import run_day
+    from services.allocator.sim_day import run_day, run_sweep
 
     if gpus < 8 or jobs < 100:
         raise typer.BadParameter("need at least 8 GPUs and 100 jobs")
+    if sweep is not None:
+        try:
+            loads = tuple(float(x) for x in sweep.split(",") if x.strip())
+        except ValueError as exc:
+            raise typer.BadParameter(f"--sweep takes fractions like 0.7,0.85, not {sweep!r}") from exc
+        if not loads or any(not 0.05 <= x <= 3.0 for x in loads):
+            raise typer.BadParameter("--sweep loads must be between 0.05 and 3.0")
+        swept = run_sweep(gpus, loads, seed, hb_s=hb_s, progress=_say)
+        _write(out, swept)
+        print(report.sweep_table(swept))
+        return
     result = run_day(gpus, jobs, seed, "ours", True, hb_s)
     _say(f"day ours: utilization {result['utilization']}, wall {result['wall_s']} s")
     quiet = run_day(gpus, jobs, seed, "ours", False, hb_s)

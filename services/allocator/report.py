@@ -161,3 +161,24 @@ def openb_table(result: dict[str, Any]) -> str:
                      f"{100 * r['utilization_max']:.2f}% | {r['queue_delay_p50_s']} / {r['queue_delay_p99_s']} | "
                      f"{r['queued_at_all']} | {r['jct_p50_s']:.0f} / {r['jct_p99_s']:.0f} | {r['decision_p99_ms']} |")
     return "\n".join(lines)
+
+
+def sweep_table(result: dict[str, Any]) -> str:
+    """Markdown: the synthetic day at each offered load, every policy a row."""
+    lines = ["| offered | policy | utilization | wait p50 / p99 enterprise (s) | wait p50 / p99 standard (s) | "
+             "wait p50 / p99 free (s) | JCT p50 / p99 (s) | preemptions | lost GPU-h | Jain | never started | "
+             "decision p99 CPU (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def w(r: dict[str, Any], tier: str) -> str:
+        a, b = r["wait_p50_s"].get(tier), r["wait_p99_s"].get(tier)
+        return "-" if a is None or b is None else f"{a:.0f} / {b:.0f}"
+
+    for entry in result["loads"].values():
+        for pol, r in entry["policies"].items():
+            jain = "-" if r["jain_fairness"] is None else f"{r['jain_fairness']:.3f}"
+            lines.append(f"| {100 * r['offered_load']:.0f}% | {OURS_LABEL.get(pol, pol)} | "
+                         f"{100 * r['utilization']:.1f}% | {w(r, 'enterprise')} | {w(r, 'standard')} | "
+                         f"{w(r, 'free')} | {r['jct_p50_s']:.0f} / {r['jct_p99_s']:.0f} | {r['preemptions']} | "
+                         f"{r['lost_work_gpu_h']} | {jain} | {r['jobs_never_started']} | {r['decision_p99_ms']:.3f} |")
+    return "\n".join(lines)

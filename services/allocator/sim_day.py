@@ -33,6 +33,23 @@ TIERS = (("enterprise", 0.15, ("ent-a", "ent-b", "ent-c")),
          ("free", 0.30, tuple(f"free-{i}" for i in range(1, 11))))
 
 
+# Expected GPU-seconds of one job: mean GPUs of a gang (sum of gpus x hosts x share) times the mean runtime
+# (uniform 120-2700 s). Offered load = jobs x this / (GPUs x 24 h); the 100k-job day on 10,000 GPUs offers 102%.
+MEAN_JOB_GPUS = sum(g * h * p for g, h, p in GANGS)
+MEAN_JOB_GPU_S = MEAN_JOB_GPUS * (120 + 2700) / 2
+SWEEP_LOADS = (0.70, 0.85, 0.95, 1.10)
+
+
+def jobs_for_load(load: float, gpus: int) -> int:
+    """Measured jobs of a day that offers ``load`` times the GPU-seconds of ``gpus`` GPUs over 24 h (the
+    warm-up hour comes at the same rate; the flood and the small tenant are part of the count)."""
+    return max(100, round(load * gpus * 24 * 3600 / MEAN_JOB_GPU_S))
+
+
+def offered_load(jobs: int, gpus: int) -> float:
+    return jobs * MEAN_JOB_GPU_S / (gpus * 24 * 3600)
+
+
 def day_options(policy: str) -> AllocatorOptions:
     return with_policy(AllocatorOptions(pool="day", lease_s=900.0, grace_s=30.0, notify_scheduler=False), policy)
 
@@ -173,14 +190,23 @@ def summarize(w: World, workload: list[Job], gpus: int, policy: str, flood: bool
     lat = sorted(w.pass_lat)
     cpu = sorted(w.pass_cpu)
     done = [j for j in meas if j.end_ms >= 0 and j.first_grant_ms >= 0]
+    jct = [(j.end_ms - j.submit_ms) / 1000 for j in done]
+    jct_tier: dict[str, list[float]] = {}
+    for j in done:
+        jct_tier.setdefault(j.tier, []).append((j.end_ms - j.submit_ms) / 1000)
     return {
         "policy": policy, "flood": flood, "gpus": gpus, "hosts": gpus // 8, "jobs_measured": len(meas),
+        # offered: the measured jobs' GPU time at nominal speed over the day's capacity (as drawn, not expected)
+        "offered_load": round(sum(j.work_ms * j.gpus * j.hosts for j in meas) / (gpus * 24 * H), 4),
+        "offered_load_nominal": round(offered_load(len(meas), gpus), 4),
         "jobs_warmup": len(workload) - len(meas), "jobs_completed": len(done),
         "jobs_never_started": sum(1 for j in meas if j.first_grant_ms < 0),
         "utilization": round(sum(util) / max(1, len(util)), 4),
         "utilization_over_time": [[round(t / H - 1, 3), round(u, 4)] for t, u in w.samples if t >= H],
         "wait_p50_s": {t: pct(v, 50) for t, v in sorted(waits.items())},
         "wait_p99_s": {t: pct(v, 99) for t, v in sorted(waits.items())},
+        "jct_p50_s": pct(jct, 50), "jct_p99_s": pct(jct, 99),
+        "jct_p50_s_by_tier": {t: pct(v, 50) for t, v in sorted(jct_tier.items())},
         "small_tenant_wait_p99_s": pct(by_tenant.get("small", []), 99),
         "small_tenant_wait_p50_s": pct(by_tenant.get("small", []), 50),
         "flood_tenant_wait_p50_s": pct(by_tenant.get("flood", []), 50),
@@ -201,3 +227,22 @@ def summarize(w: World, workload: list[Job], gpus: int, policy: str, flood: bool
         "fold_s": round(w.fold_s, 2), "fold_cpu_s": round(w.fold_cpu_s, 2), "wall_s": round(wall, 2),
         "cpu_s": round(time.process_time() - cpu0, 2),
     }
+
+
+def run_sweep(gpus: int = 2000, loads: tuple[float, ...] = SWEEP_LOADS, seed: int = 42,
+              policies: tuple[str, ...] = ("ours", "fifo", "bestfit"), hb_s: float = 300.0,
+              progress: Any = None) -> dict[str, Any]:
+    """The synthetic day at several offered loads (fractions of capacity), every policy at each."""
+    out: dict[str, Any] = {"gpus": gpus, "seed": seed, "mean_job_gpu_s": MEAN_JOB_GPU_S, "loads": {}}
+    for load in loads:
+        n = jobs_for_load(load, gpus)
+        runs = {}
+        for pol in policies:
+            r = run_day(gpus, n, seed, pol, True, hb_s)
+            r.pop("utilization_over_time", None)
+            runs[pol] = r
+            if progress:
+                progress(f"sweep {load:.0%} ({n} jobs) {pol}: utilization {r['utilization']}, "
+                         f"enterprise p99 wait {r['wait_p99_s'].get('enterprise')} s, wall {r['wall_s']} s")
+        out["loads"][f"{load:.2f}"] = {"load": load, "jobs": n, "policies": runs}
+    return out
