@@ -288,6 +288,32 @@ class DagView extends PanZoom {
     const i = this.hit(x, y);
     return i === null ? null : `${this.data.ids[i]}\n${this.states[i]}`;
   }
+  // The critical path: the chain of tasks whose attempt times add up to the longest, by the layers'
+  // topological order (a parent is always in an earlier layer). O(tasks + edges), once per attempts load.
+  setCritical(attempts, nowMs) {
+    const n = this.data.ids.length, dur = new Float64Array(n);
+    for (const a of attempts) {
+      const i = this.index.get(a.task_id);
+      if (i !== undefined && a.started_ms != null) dur[i] += (a.ended_ms ?? nowMs) - a.started_ms;
+    }
+    const order = [...Array(n).keys()].sort((a, b) => this.data.layer[a] - this.data.layer[b]);
+    const parents = Array.from({ length: n }, () => []);
+    const e = this.data.edges;
+    for (let k = 0; k < e.length; k += 2) parents[e[k + 1]].push(e[k]);
+    const dist = new Float64Array(n), via = new Int32Array(n).fill(-1);
+    for (const i of order) {
+      let best = 0;
+      for (const p of parents[i]) if (dist[p] > best || (via[i] < 0 && dist[p] >= best)) { best = dist[p]; via[i] = p; }
+      dist[i] = best + dur[i];
+    }
+    let end = -1;
+    for (let i = 0; i < n; i++) if (end < 0 || dist[i] > dist[end]) end = i;
+    const path = [];
+    for (let i = end; i >= 0 && dur.some((d) => d > 0); i = via[i]) path.push(i);
+    this.critical = new Set(path);
+    this.criticalIds = path.reverse().map((i) => this.data.ids[i]);
+    this.redraw();
+  }
   // Groups of a layer by task-name prefix (mProject_ID0000001 -> mProject): computed once per load.
   layerGroups() {
     if (this._groups) return this._groups;
@@ -385,6 +411,17 @@ class DagView extends PanZoom {
       for (const i of nodes) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
       ctx.fillStyle = STATE_COLORS[s] || "#999";
       ctx.fill();
+    }
+    if (this.critical && this.critical.size > 1) {  // the critical path: its edges and nodes outlined
+      ctx.beginPath();
+      for (let k = 0; k < e.length; k += 2) {
+        if (!this.critical.has(e[k]) || !this.critical.has(e[k + 1])) continue;
+        const [ax, ay] = this.nodeXY(e[k]), [bx, by] = this.nodeXY(e[k + 1]);
+        const mx = (ax + NODE_W + bx) / 2;
+        ctx.moveTo(ax + NODE_W, ay); ctx.bezierCurveTo(mx, ay, mx, by, bx, by);
+      }
+      for (const i of this.critical) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
+      ctx.strokeStyle = "#f59e0b"; ctx.lineWidth = 2.5 / this.sx; ctx.stroke();
     }
     if (this.selected !== null) {
       const [x, y] = this.nodeXY(this.selected);
@@ -668,7 +705,7 @@ async function pageJob(jobId, signal) {
         all.push(...page.attempts);
         cursor = page.next_cursor;
       } while (cursor && all.length < 20000 && !signal.aborted);
-      if (!signal.aborted) timeline.load(all, Date.now());
+      if (!signal.aborted) { timeline.load(all, Date.now()); if (graph) graph.setCritical(all, Date.now()); }
     } catch (e) { /* the next event retries */ }
   };
   const refreshAttempts = () => { if (!attemptsTimer) attemptsTimer = setTimeout(loadAttempts, 700); };
