@@ -228,8 +228,8 @@ class _QueueConsumer:
     def subscribe(self, topics: Sequence[str]) -> None:
         self.inner.subscribe([self.ns.topic(t) for t in topics])
 
-    def poll(self, timeout_s: float = 1.0) -> list[QueuedRecord]:
-        return [replace(r, topic=self.ns.logical(r.topic)) for r in self.inner.poll(timeout_s)]
+    def poll(self, timeout_s: float = 1.0, max_records: int | None = None) -> list[QueuedRecord]:
+        return [replace(r, topic=self.ns.logical(r.topic)) for r in self.inner.poll(timeout_s, max_records)]
 
     def acknowledge(self, record: QueuedRecord, ack: Ack = Ack.ACCEPT) -> None:
         self.inner.acknowledge(replace(record, topic=self.ns.topic(record.topic)), ack)
