@@ -99,3 +99,17 @@ def test_gantt_has_task_names_and_the_job_page_fits_900px(stack: Stack, page: An
     page.goto(f"{stack.url}/ui/#/jobs")
     page.wait_for_selector(f"tr[data-job='{job_id}']")
     assert "gantt-demo" in page.inner_text(f"tr[data-job='{job_id}']")
+
+
+def test_api_docs_are_served_without_a_cdn(stack: Stack, page: Any) -> None:
+    import httpx
+
+    for path in ("/docs", "/redoc"):
+        html = httpx.get(stack.url + path, timeout=10).text
+        assert "cdn.jsdelivr.net" not in html and "fonts.googleapis" not in html, html[:400]
+    outside: list[str] = []
+    page.on("request", lambda r: outside.append(r.url) if not r.url.startswith(stack.url) else None)
+    page.goto(stack.url + "/docs")
+    page.wait_for_selector(".swagger-ui .opblock", timeout=30_000)  # rendered from local files
+    assert "/v1/jobs" in page.inner_text(".swagger-ui")
+    assert outside == [], outside

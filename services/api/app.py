@@ -26,10 +26,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import fastapi_offline
 from fastapi import Depends, FastAPI
 from fastapi.encoders import jsonable_encoder
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import FileResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,6 +55,8 @@ from services.scheduler.spec import JobSpecIn
 
 logger = logging.getLogger("dagfold.api")
 STATIC = Path(__file__).resolve().parent / "static"
+# Swagger UI and ReDoc, pinned with fastapi-offline (its package data), so /docs and /redoc work offline
+DOCS_ASSETS = Path(fastapi_offline.__file__).resolve().parent / "static"
 
 
 class RequestMetrics:
@@ -147,6 +151,8 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
         "With API keys configured, send Authorization: Bearer <key> (or X-API-Key); a tenant key sees only "
         "its tenant's jobs.",
         lifespan=lifespan,
+        docs_url=None,  # served below from local files: FastAPI's own pages load Swagger UI and ReDoc from a CDN
+        redoc_url=None,
     )
     app.state.ctx = ctx
     app.state.sender = ctx.sender
@@ -173,6 +179,22 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
     app.include_router(routes_outputs.router(ctx, principal))
     app.include_router(routes_ops.router(ctx, principal))
     app.include_router(routes_deadletters.router(ctx, principal))
+
+    # -- API docs without a CDN: Swagger UI and ReDoc bundles from fastapi-offline's package data (MIT) ----
+    app.mount("/ui/docs-assets", StaticFiles(directory=DOCS_ASSETS), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="dagfold API",
+                                   swagger_js_url="/ui/docs-assets/swagger-ui-bundle.js",
+                                   swagger_css_url="/ui/docs-assets/swagger-ui.css",
+                                   swagger_favicon_url="/ui/docs-assets/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="dagfold API",
+                              redoc_js_url="/ui/docs-assets/redoc.standalone.js",
+                              redoc_favicon_url="/ui/docs-assets/favicon.png", with_google_fonts=False)
 
     # -- dashboard: static files, hash-routed single page ---------------------------------
     app.mount("/ui/static", StaticFiles(directory=STATIC), name="static")
