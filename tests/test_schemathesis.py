@@ -15,21 +15,23 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
+from services.api.admission import AdmissionConfig
 from services.api.guard import GuardConfig
 from tests.api_support import T0, ApiHarness, accepted, ev
 
 EXAMPLES = int(os.environ.get("DAGFOLD_FUZZ_EXAMPLES", "25"))
 
 
-def _seeded_api() -> ApiHarness:
+def _seeded_api(admission: AdmissionConfig | None = None) -> ApiHarness:
     tmp = Path(tempfile.mkdtemp(prefix="dagfold-fuzz-"))
     # schemathesis's in-process client sends Host: testserver; the guard accepts that one name besides loopback
-    api = ApiHarness(tmp, guard=GuardConfig(allowed_hosts=frozenset({"testserver"})))
+    api = ApiHarness(tmp, guard=GuardConfig(allowed_hosts=frozenset({"testserver"})), admission=admission)
 
     def cleanup() -> None:
         api.close()
@@ -61,3 +63,34 @@ def test_api_never_fails_with_5xx(case: schemathesis.Case) -> None:
     if case.path in ("/v1/jobs/{job_id}/events", "/v1/gpu-jobs/{job_id}/events"):
         case.query = {**(case.query or {}), "timeout_s": 0.5}  # a stream of a live job is bounded here
     case.call_and_validate(checks=[not_a_server_error])
+
+
+# -- stateful: follow the links of the OpenAPI document (submit -> read, history, cancel, redrive, ...) ------
+STATEFUL_EXAMPLES = int(os.environ.get("DAGFOLD_FUZZ_STATEFUL_EXAMPLES", "10"))
+EVENT_STREAMS = ("/v1/jobs/{job_id}/events", "/v1/gpu-jobs/{job_id}/events")
+
+
+# Hypothesis replays a scenario and needs the same answers each time: nothing here depends on time (no rate
+# limit) or on what an earlier scenario left behind (no scheduler accepts the submitted jobs, so a repeated
+# submission is never a 200). The seeded jobs are still reached through the list's links: their reads,
+# cancels and redrives answer from real records.
+_stateful_schema = schemathesis.openapi.from_asgi(
+    "/openapi.json", _seeded_api(AdmissionConfig(rate_per_s=1e9, burst=10**9, max_open_jobs=10**9)).app)
+
+
+class ApiWorkflow(_stateful_schema.as_state_machine()):  # type: ignore[misc]
+    """Scenarios of linked calls (submit -> read, tasks, history, cancel, redrive; list -> each job).
+    Checked: never a 5xx."""
+
+    def before_call(self, case: schemathesis.Case) -> None:
+        if case.path in EVENT_STREAMS:
+            case.query = {**(case.query or {}), "timeout_s": 0.5}
+
+    def validate_response(self, response: Any, case: schemathesis.Case, additional_checks: Any = None,
+                          **kwargs: Any) -> None:
+        case.validate_response(response, checks=[not_a_server_error])
+
+
+TestApiWorkflow = ApiWorkflow.TestCase
+TestApiWorkflow.settings = settings(max_examples=STATEFUL_EXAMPLES, stateful_step_count=8, deadline=None,
+                                    derandomize=True, database=None, suppress_health_check=list(HealthCheck))

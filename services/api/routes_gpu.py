@@ -29,7 +29,15 @@ from starlette.concurrency import run_in_threadpool
 from services.api.auth import Principal
 from services.api.context import ApiContext
 from services.api.errors import ApiError
-from services.api.routes_jobs import CancelIn, _read_body, body_format, parse_document, request_cancel, submit_spec
+from services.api.routes_jobs import (
+    CancelIn,
+    _read_body,
+    body_format,
+    job_links,
+    parse_document,
+    request_cancel,
+    submit_spec,
+)
 from services.api.routes_outputs import output_links
 from services.api.sse import stream_response
 from services.scheduler.processors import is_gpu
@@ -47,6 +55,8 @@ from services.scheduler.spec import (
 from services.scheduler.validation import MAX_GPU_TYPES, MAX_SECONDS
 
 TASK_ID = "run"
+GPU_LINKS = {**job_links("/v1/gpu-jobs", (("GetGpuJob", "", "get"), ("CancelGpuJob", "/cancel", "post"))),
+             **job_links("/v1/jobs", (("GetJob", "", "get"), ("GetHistory", "/history", "get")))}
 HANDLER = "gpu"
 MAX_GPUS_PER_HOST = 8
 TASK_FIELDS = ("state", "gpu_state", "attempt", "progress", "worker_id", "retries", "requeues", "reason", "exit_code",
@@ -182,7 +192,8 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
             "requestBody": {"required": True,
                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/GpuJobIn"}}}},
             "responses": {
-                "200": {"description": "Repeated submission: the existing job"},
+                "200": {"description": "Repeated submission: the existing job", "links": GPU_LINKS},
+                "202": {"description": "Queued for the scheduler", "links": GPU_LINKS},
                 "400": {"description": "Body is not a JSON object"},
                 "403": {"description": "The request names a tenant other than the API key's"},
                 "409": {"description": "Job ID or idempotency key already used with a different request"},

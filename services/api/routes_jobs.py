@@ -84,6 +84,17 @@ def _parse_body(body: bytes, kind: str) -> JobSpecIn:
     return parse_spec(parse_document(body, kind, "job spec"))
 
 
+def job_links(prefix: str = "/v1/jobs", routes: tuple[tuple[str, str, str], ...] = (
+        ("GetJob", "", "get"), ("GetTasks", "/tasks", "get"), ("GetJobAttempts", "/attempts", "get"),
+        ("GetHistory", "/history", "get"), ("GetGraph", "/graph", "get"), ("CancelJob", "/cancel", "post"),
+        ("RedriveJob", "/redrive", "post"))) -> dict[str, Any]:
+    """OpenAPI links from a submission's answer to the routes of the job it names (clients and the stateful
+    fuzzing in tests/test_schemathesis.py follow them)."""
+    base = prefix.replace("/", "~1") + "~1{job_id}"
+    return {name: {"operationRef": f"#/paths/{base}{tail.replace('/', '~1')}/{method}",
+                   "parameters": {"job_id": "$response.body#/job_id"}} for name, tail, method in routes}
+
+
 def _page(page: Page, name: str) -> dict[str, Any]:
     return {name: page.items, "next_cursor": page.next_cursor}
 
@@ -190,7 +201,8 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                 },
             },
             "responses": {
-                "200": {"description": "Repeated submission: the existing job"},
+                "200": {"description": "Repeated submission: the existing job", "links": job_links()},
+                "202": {"description": "Queued for the scheduler", "links": job_links()},
                 "400": {"description": "Malformed spec (the reason names the field)"},
                 "403": {"description": "The spec names a tenant other than the API key's ('default' is the key's)"},
                 "409": {"description": "Job ID or idempotency key already used with a different spec"},
