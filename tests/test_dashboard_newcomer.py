@@ -94,6 +94,9 @@ def test_gantt_has_task_names_and_the_job_page_fits_900px(stack: Stack, page: An
     _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.criticalIds")
     # the longest chain by attempt times: through the 0.4 s transform, not the noop side branch
     assert page.evaluate("window.__dagfold.graph.criticalIds") == ["extract", "transform", "load"]
+    page.click("#grid-toggle")  # the grid: one row per task, a cell per attempt
+    _wait_js(page, "window.__dagfold.gridRows === 4")
+    assert page.locator("#grid tr[data-task] i.cell").count() == 4
     assert page.evaluate("document.documentElement.scrollWidth") <= 900  # no horizontal scroll at 900 px
     shot(page, "dashboard-900px.png", full=True)
     page.goto(f"{stack.url}/ui/#/jobs")

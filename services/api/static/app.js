@@ -544,6 +544,32 @@ class Timeline extends PanZoom {
   }
 }
 
+// -- the grid (tasks x attempts, as Airflow's Grid): one row per task, one cell per attempt ----------------
+const GRID_MAX_ROWS = 5000;
+
+function renderGrid(box, attempts, onSelect) {
+  const byTask = new Map();
+  let most = 1;
+  for (const a of attempts) {
+    if (!byTask.has(a.task_id)) byTask.set(a.task_id, []);
+    const list = byTask.get(a.task_id);
+    list[a.attempt - 1] = a;
+    most = Math.max(most, a.attempt);
+  }
+  const tasks = [...byTask.keys()].slice(0, GRID_MAX_ROWS);
+  const head = `<tr><th>task</th>${Array.from({ length: most }, (_, i) => `<th class="num">#${i + 1}</th>`).join("")}</tr>`;
+  const rows = tasks.map((t) => `<tr data-task="${esc(t)}"><td class="mono">${esc(t)}</td>${Array.from({ length: most }, (_, i) => {
+    const a = byTask.get(t)[i];
+    if (!a) return "<td></td>";
+    const tip = `${a.outcome}${a.duration_ms != null ? " · " + fmtDur(a.duration_ms) : ""}${a.reason ? " · " + a.reason : ""}`;
+    return `<td><i class="cell" title="${esc(tip)}" style="background:${OUTCOME_COLORS[a.outcome] || "#999"}"></i></td>`;
+  }).join("")}</tr>`).join("");
+  const more = byTask.size > tasks.length ? `<p class="muted small">first ${tasks.length} of ${byTask.size} tasks</p>` : "";
+  box.innerHTML = `${more}<table class="grid-table"><thead>${head}</thead><tbody>${rows}</tbody></table>`;
+  box.querySelectorAll("tr[data-task]").forEach((tr) => tr.addEventListener("click", () => onSelect(tr.dataset.task)));
+  hooks.gridRows = tasks.length;
+}
+
 // -- pages ---------------------------------------------------------------------------------
 function jobRow(j) {
   return `<tr data-job="${esc(j.job_id)}">
@@ -667,6 +693,8 @@ async function pageJob(jobId, signal) {
       </div>
       <div class="side panel" id="task-panel"><p class="muted">Click a task in the graph or the timeline to see its attempts and failure reasons.</p></div>
     </div>
+    <h2>Grid <span class="muted small">tasks × attempts</span> <button id="grid-toggle" type="button" class="small">show</button></h2>
+    <div id="grid" class="panel grid-view" hidden></div>
     <h2>Timeline</h2>
     <div class="canvas-wrap"><canvas id="gantt" style="height:300px"></canvas>
       <div class="canvas-tools"><button id="gantt-fit" type="button">fit</button></div>
@@ -694,7 +722,13 @@ async function pageJob(jobId, signal) {
   const onResize = () => { for (const v of [graph, timeline]) if (v) { v.resize(); v.redraw(); } };
   window.addEventListener("resize", onResize);
 
-  let attemptsTimer = null;
+  let attemptsTimer = null, lastAttempts = [];
+  $("#grid-toggle").addEventListener("click", () => {
+    const g = $("#grid");
+    g.hidden = !g.hidden;
+    $("#grid-toggle").textContent = g.hidden ? "show" : "hide";
+    if (!g.hidden) renderGrid(g, lastAttempts, select);
+  });
   const loadAttempts = async () => {
     attemptsTimer = null;
     try {
@@ -705,7 +739,12 @@ async function pageJob(jobId, signal) {
         all.push(...page.attempts);
         cursor = page.next_cursor;
       } while (cursor && all.length < 20000 && !signal.aborted);
-      if (!signal.aborted) { timeline.load(all, Date.now()); if (graph) graph.setCritical(all, Date.now()); }
+      if (!signal.aborted) {
+        timeline.load(all, Date.now());
+        if (graph) graph.setCritical(all, Date.now());
+        lastAttempts = all;
+        if (!$("#grid").hidden) renderGrid($("#grid"), all, select);
+      }
     } catch (e) { /* the next event retries */ }
   };
   const refreshAttempts = () => { if (!attemptsTimer) attemptsTimer = setTimeout(loadAttempts, 700); };
