@@ -33,6 +33,7 @@ from dagfold.codec import Codec, default_codec
 from dagfold.config import ALLOCATOR_EVENTS, EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
+from dagfold.processor.polling import Backoff, LagGauge
 from projections import cluster
 from projections.jobs import ReadModel, apply, meta_key, position_key
 from projections.store import ReadModelStore
@@ -70,7 +71,7 @@ class Projector:
         self._consumer: Consumer | None = None
         self._parts: dict[str, int] = {}
         self._checked_at = 0.0
-        self._lag_at = 0.0
+        self._lag = LagGauge("projector", LAG_CHECK_S)
         self.applied = 0  # events applied by this instance
         self.commits = 0  # batches committed by this instance (a cheap change signal for readers)
 
@@ -177,16 +178,13 @@ class Projector:
 
     def _update_lag(self) -> None:
         """Set the consumer-lag gauge: records between the stored positions and the end offsets."""
-        now = time.monotonic()
-        if now - self._lag_at < LAG_CHECK_S:
+        if not self._lag.due():
             return
-        self._lag_at = now
+        positions: dict[TopicPartition, int] = {}
         for t, n in self._parts.items():
-            tps = [TopicPartition(t, p) for p in range(n)]
-            ends = self.log.end_offsets(tps)
             pos = self.positions(t)
-            lag = sum(max(end - pos.get(tp.partition, 0), 0) for tp, end in ends.items())
-            metrics.CONSUMER_LAG.labels("projector", t).set(lag)
+            positions.update({TopicPartition(t, p): pos.get(p, 0) for p in range(n)})
+        self._lag.report(self.log, positions)
 
     def poll_once(self, timeout_s: float | None = None) -> int:
         """Poll one batch and apply it; returns records polled (0 if the topic does not exist yet)."""
@@ -230,7 +228,7 @@ class Projector:
 
     def run(self, stop: threading.Event) -> None:
         """Project until ``stop`` is set; waits for the events topic to exist."""
-        backoff = 0.1
+        backoff = Backoff()
         waiting_logged = False
         while not stop.is_set():
             try:
@@ -241,11 +239,11 @@ class Projector:
                     stop.wait(0.5)
                     continue
                 self.poll_once()
-                backoff = 0.1
+                backoff.succeeded()
             except LogError as exc:
-                log.warning("projector: log error, retrying in %.1fs: %s", backoff, exc)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.failed()
+                log.warning("projector: log error, retrying in %.1fs: %s", delay, exc)
+                stop.wait(delay)
 
     def close(self) -> None:
         if self._consumer is not None:

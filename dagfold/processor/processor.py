@@ -46,6 +46,7 @@ from dagfold.log.base import Log, LogRecord, TopicPartition, TopicSpec
 from dagfold.outputs import Output, dead_letter
 from dagfold.processor.catchup import catch_up
 from dagfold.processor.fold import Fold
+from dagfold.processor.polling import Backoff, LagGauge
 from dagfold.processor.timers import TimerPolicy, TimerScanner
 from dagfold.processor.transaction import LogTransaction, TxnStatus
 from dagfold.state import MemoryStore, PartitionStore, PartitionTransaction, Store
@@ -53,8 +54,6 @@ from dagfold.state import MemoryStore, PartitionStore, PartitionTransaction, Sto
 log = logging.getLogger("dagfold.processor")
 
 TIMER_INTERVAL_S = 0.1
-LAG_INTERVAL_S = 5.0
-RECONCILE_BACKOFF_S = (0.1, 0.5, 1.0, 2.0, 5.0)
 
 Admit = Callable[[LogRecord, Record], "list[Output] | None"]
 
@@ -125,9 +124,10 @@ class PartitionProcessor:
         self.ready = threading.Event()
         self._known_topics: set[str] = set()
         self._unreconciled: set[int] = set()
-        self._reconcile_failures = 0
+        self._reconcile_backoff = Backoff()
+        self._lag = LagGauge(spec.service)
         self._started = False
-        self._last_timer = self._last_lag = 0.0
+        self._last_timer = 0.0
         # the transactional producer first: its initialisation fences an older instance
         self.producer = log_.transactional_producer(spec.transactional_id)
         self.consumer = log_.consumer(spec.group, client_id=client_id)
@@ -209,8 +209,7 @@ class PartitionProcessor:
             sent = self.timers.fire(self.stores, self.spec.clock())
             if sent:
                 metrics.TIMERS_FIRED.inc(sent)
-        if mono - self._last_lag >= LAG_INTERVAL_S:
-            self._last_lag = mono
+        if self._lag.due():
             self.report_lag()
         return len(recs)
 
@@ -322,13 +321,12 @@ class PartitionProcessor:
         except FencedError:
             raise
         except LogError:
-            delay = RECONCILE_BACKOFF_S[min(self._reconcile_failures, len(RECONCILE_BACKOFF_S) - 1)]
-            self._reconcile_failures += 1
+            delay = self._reconcile_backoff.failed()
             log.exception("%s: reconciling failed; again in %.1fs", self.spec.service, delay)
             time.sleep(delay)
             return False
         self._unreconciled.clear()
-        self._reconcile_failures = 0
+        self._reconcile_backoff.succeeded()
         self.reconciled += 1
         return True
 
@@ -353,15 +351,12 @@ class PartitionProcessor:
     # -- lag, close -------------------------------------------------------------
     def report_lag(self) -> None:
         """Commands not yet folded on this instance's partitions (the consumer-lag metric)."""
-        tps = [TopicPartition(self.spec.commands, p) for p in self.stores]
-        if not tps:
-            return
         try:
-            ends = self.log.end_offsets(tps)
-            lag = sum(max(ends[tp] - self.consumer.position(tp), 0) for tp in tps)
+            positions = {tp: self.consumer.position(tp)
+                         for tp in (TopicPartition(self.spec.commands, p) for p in self.stores)}
         except LogError:
             return
-        metrics.CONSUMER_LAG.labels(self.spec.service, self.spec.commands).set(lag)
+        self._lag.report(self.log, positions)
 
     def close(self) -> None:
         for store in self.stores.values():

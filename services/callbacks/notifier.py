@@ -52,6 +52,7 @@ from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
+from dagfold.processor.polling import Backoff, LagGauge
 from projections.store import ReadModelTxn
 from services.callbacks.ledger import (
     DELIVERED,
@@ -163,7 +164,7 @@ class CallbackNotifier:
         self._pool = cf.ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="callbacks-http")
         self._in_flight: dict[tuple[str, int], cf.Future[Outcome]] = {}
         self._rng = random.Random()
-        self._lag_at = 0.0
+        self._lag = LagGauge("callbacks", LAG_CHECK_S)
         self._closed = False
         # counters of this instance (the Prometheus counters are process-wide)
         self.delivered = 0
@@ -430,30 +431,24 @@ class CallbackNotifier:
         return len(records)
 
     def _update_lag(self) -> None:
-        now = time.monotonic()
-        if self._consumer is None or now - self._lag_at < LAG_CHECK_S:
+        if self._consumer is None or not self._lag.due():
             return
-        self._lag_at = now
-        tps = self._consumer.assignment()
-        if not tps:
-            return
-        ends = self.log.end_offsets(tps)
-        lag = sum(max(end - self._consumer.position(tp), 0) for tp, end in ends.items())
-        metrics.CONSUMER_LAG.labels("callbacks", EVENTS).set(lag)
+        consumer = self._consumer
+        self._lag.report(self.log, {tp: consumer.position(tp) for tp in consumer.assignment()})
 
     def run(self, stop: threading.Event) -> None:
         """Notify until ``stop`` is set; then wait up to ``timeout_s`` (at most 5 s) for the attempts in flight."""
-        backoff = 0.1
+        backoff = Backoff()
         log.info("callback notifier started (ledger %s)", self.ledger.store.path)
         try:
             while not stop.is_set():
                 try:
                     self.step()
-                    backoff = 0.1
+                    backoff.succeeded()
                 except LogError as exc:
-                    log.warning("callbacks: log error, retrying in %.1fs: %s", backoff, exc)
-                    stop.wait(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    delay = backoff.failed()
+                    log.warning("callbacks: log error, retrying in %.1fs: %s", delay, exc)
+                    stop.wait(delay)
         finally:
             self._collect(wait_s=min(self.options.timeout_s, 5.0))
             log.info("callback notifier stopped: %d delivered, %d retried, %d given up", self.delivered,
