@@ -3,6 +3,7 @@
     python -m chaos --profile long --seed 20251130      # make chaos
     python -m chaos --profile short                      # the run of tests/test_chaos.py
     python -m chaos --profile failover                   # 3 schedulers, 3 brokers: kill one of each mid-run
+    python -m chaos --profile commit-faults              # commit faults and SIGSTOP'd zombies alone (< 5 min)
 """
 
 from __future__ import annotations

@@ -18,6 +18,18 @@ Duplicated and delayed worker reports come from the duplicator process
 stats file the copies. A supervisor pass restarts any process that exited
 without being killed (and records it as an ``unexpected exit``: a crash, which
 the report lists).
+
+Commit faults and zombies (issue 13), when the plan enables them:
+
+* commit faults (``chaos.commitfaults``), armed in turn for the schedulers' next commit: a commit that
+  succeeds but reports an error, one whose outcome is unknown and that did commit, one whose
+  outcome is unknown and that did not, and a broker kill -9 while the scheduler is inside
+  ``commit_transaction`` (the broker comes back like any killed broker);
+* ``scheduler SIGSTOP``: a scheduler stopped past the session timeout (its partitions move to
+  the others), then resumed: its late transaction must be fenced and change nothing;
+* ``allocator SIGSTOP``: the pool's allocator stopped, its standby started (as an orchestrator
+  would: the new instance fences the old one), then the old one resumed: it must exit fenced.
+  The two then swap roles.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chaos import commitfaults
 from chaos.cluster import BrokerCluster
 from chaos.procs import Proc
 
@@ -40,7 +53,17 @@ SCHEDULER_KILL = "scheduler kill -9"
 SCHEDULER_KILL_EMPTY = "scheduler kill -9, empty state"
 WORKER_KILL = "worker kill -9"
 BROKER_KILL = "broker kill -9"
-KILL_KINDS = (SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, WORKER_KILL, BROKER_KILL)
+COMMIT_COMMITTED_ERROR = "commit committed, error reported"
+COMMIT_UNKNOWN_COMMITTED = "commit outcome unknown, committed"
+COMMIT_UNKNOWN_ABORTED = "commit outcome unknown, not committed"
+BROKER_RESTART_IN_COMMIT = "broker kill -9 during commit_transaction"
+SCHEDULER_SIGSTOP = "scheduler SIGSTOP past session timeout"
+ALLOCATOR_SIGSTOP = "allocator SIGSTOP, successor, SIGCONT"
+COMMIT_KINDS = {"committed-error": COMMIT_COMMITTED_ERROR, "unknown-committed": COMMIT_UNKNOWN_COMMITTED,
+                "unknown-aborted": COMMIT_UNKNOWN_ABORTED, "broker-restart": BROKER_RESTART_IN_COMMIT}
+NEW_KINDS = (*COMMIT_KINDS.values(), SCHEDULER_SIGSTOP, ALLOCATOR_SIGSTOP)
+KILL_KINDS = (SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, WORKER_KILL, BROKER_KILL, *NEW_KINDS)
+ARM_TIMEOUT_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -53,12 +76,18 @@ class FaultPlan:
     broker_down_s: tuple[float, float] = (3.0, 12.0)
     broker_settle_s: float = 5.0  # after a broker is back and healthy, before the next broker kill
     max_schedulers_down: int = 2
+    # issue 13's kinds; 0 turns a kind off (and the kinds above take 0 as off too)
+    commit_every_s: float = 0.0
+    sigstop_every_s: float = 0.0
+    allocator_sigstop_every_s: float = 0.0
+    sigstop_s: float = 9.0  # past the session timeout (chaos.harness: 6 s)
 
 
 class Injector:
     def __init__(self, rng: random.Random, plan: FaultPlan, cluster: BrokerCluster, schedulers: list[Proc],
                  scheduler_dirs: dict[str, Path], workers: list[Proc], others: list[Proc], journal: Path,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print, fault_dir: Path | None = None,
+                 allocators: list[Proc] | None = None) -> None:
         self.rng = rng
         self.plan = plan
         self.cluster = cluster
@@ -78,6 +107,11 @@ class Injector:
         self._broker_thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._due: dict[str, float] | None = None
+        self.fault_dir = fault_dir
+        self.allocators = allocators or []
+        self._commit_turn = rng.randrange(len(commitfaults.KINDS))
+        self._armed_at = 0.0
+        self._conts: list[tuple[float, int, Proc, int, Proc | None]] = []  # SIGCONT due: (t, seq, proc, pid, successor)
 
     # -- bookkeeping ------------------------------------------------------------
     def record(self, kind: str, target: str, **detail: Any) -> None:
@@ -90,22 +124,43 @@ class Injector:
 
     @property
     def kills(self) -> int:
+        self.count_commit_faults()
         return sum(self.counts.values())
+
+    def count_commit_faults(self) -> None:
+        """Commit faults count when a commit took them (``applied.jsonl``), not when armed."""
+        taken: dict[str, int] = dict.fromkeys(COMMIT_KINDS.values(), 0)
+        for row in commitfaults.applied(self.fault_dir) if self.fault_dir is not None else []:
+            label = COMMIT_KINDS.get(row.get("kind", ""))
+            if label is not None:
+                taken[label] += 1
+        with self._lock:
+            self.counts.update(taken)
 
     # -- the loop -----------------------------------------------------------------
     def _next(self, mean: float) -> float:
+        if mean <= 0:
+            return float("inf")  # this kind is off
         return time.monotonic() + self.rng.expovariate(1.0 / mean)
+
+    def _first(self, mean: float) -> float:
+        """The first of a rare kind early in the run, so that a short run sees it."""
+        return float("inf") if mean <= 0 else time.monotonic() + self.rng.uniform(8.0, 20.0)
 
     def step_until(self, until: float) -> None:
         """Inject faults (and restart what is due) until ``until`` (monotonic time)."""
         p = self.plan
         if self._due is None:
             self._due = {"scheduler": self._next(p.scheduler_every_s), "worker": self._next(p.worker_every_s),
-                         "broker": time.monotonic() + self.rng.uniform(3.0, min(20.0, p.broker_every_s))}
+                         "broker": (time.monotonic() + self.rng.uniform(3.0, min(20.0, p.broker_every_s))
+                                    if p.broker_every_s > 0 else float("inf")),
+                         "commit": self._first(p.commit_every_s), "sigstop": self._first(p.sigstop_every_s),
+                         "allocator": self._first(p.allocator_sigstop_every_s) + 10.0}
         due = self._due
         while time.monotonic() < until:
             now = time.monotonic()
             self.restart_due(now)
+            self.resume_due(now)
             self.supervise()
             if now >= due["scheduler"]:
                 self.kill_scheduler()
@@ -118,11 +173,23 @@ class Injector:
                     due["broker"] = self._next(p.broker_every_s)
                 else:
                     due["broker"] = now + 1.0  # not now: a broker is down or the ISR is not complete
+            if now >= due["commit"]:
+                self.arm_commit_fault()
+                due["commit"] = self._next(p.commit_every_s)
+            if now >= due["sigstop"]:
+                self.sigstop_scheduler()
+                due["sigstop"] = self._next(p.sigstop_every_s)
+            if now >= due["allocator"]:
+                self.sigstop_allocator()
+                due["allocator"] = self._next(p.allocator_sigstop_every_s)
             time.sleep(0.05)
 
     def recover(self, timeout_s: float = 300.0) -> None:
         """Restart everything that is down and wait for the cluster to be whole."""
         deadline = time.monotonic() + timeout_s
+        self.resume_due(float("inf"))
+        if self.fault_dir is not None:  # disarm what no commit took
+            (self.fault_dir / "next").unlink(missing_ok=True)
         while self._restarts and time.monotonic() < deadline:
             self.restart_due(float("inf"))
         if self._broker_thread is not None:
@@ -144,12 +211,21 @@ class Injector:
         heapq.heappush(self._restarts, (time.monotonic() + delay, self._seq, proc, empty))
 
     def supervise(self) -> None:
-        """Restart processes that died without being killed; remember them."""
-        for proc in [*self.schedulers, *self.workers, *self.others]:
+        """Restart processes that died without being killed; remember them. A resumed zombie that
+        exits (fenced) is expected: recorded, and restarted unless it is an allocator's old instance."""
+        for proc in [*self.schedulers, *self.workers, *self.others, *self.allocators]:
             with proc.lock:
                 if proc.down_on_purpose or proc.proc is None or proc.alive():
                     continue
                 code = proc.exit_code()
+                if time.monotonic() < proc.expect_exit_until:
+                    self.record("zombie exited (fenced)", proc.name, exit_code=code)
+                    proc.expect_exit_until = 0.0
+                    if proc in self.allocators:
+                        proc.down_on_purpose = True  # the standby now
+                    else:
+                        proc.start()
+                    continue
                 tail = "\n".join(line for line in proc.tail(60).splitlines()
                                  if "librdkafka" not in line and line.strip("│ "))[-3000:]
                 errors = [ln.strip() for ln in tail.splitlines() if ln[:1].isalpha() and "Error" in ln.split(":")[0]]
@@ -224,3 +300,83 @@ class Injector:
             self.say(f"warning: broker-{node} is back but the ISR is not complete after 180 s")
         self._broker_ready_at = time.monotonic()
         self._broker_busy = False
+
+    # -- issue 13: commit faults and zombies ----------------------------------------------
+    def arm_commit_fault(self) -> None:
+        """Arm the next commit-fault kind (in turn) in the schedulers' shared folder: the first commit
+        with records, of whichever scheduler, takes it. One not taken within ``ARM_TIMEOUT_S`` (no
+        scheduler committed anything) is taken back."""
+        folder = self.fault_dir
+        if folder is None:
+            return
+        now = time.monotonic()
+        if (folder / "next").exists():
+            if now - self._armed_at > ARM_TIMEOUT_S and not (folder / "committing").exists():
+                (folder / "next").unlink(missing_ok=True)
+                self.record("disarmed (not taken)", "schedulers")
+            return
+        kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
+        if kind == "broker-restart" and (self._broker_busy or not self.cluster.healthy()):
+            return  # not now: its turn stays
+        self._commit_turn += 1
+        self._armed_at = now
+        commitfaults.arm(folder, kind)
+        self.record("armed", "schedulers", fault=kind)
+        if kind == "broker-restart":
+            self._broker_busy = True
+            self._broker_thread = threading.Thread(target=self._kill_broker_in_commit, args=(folder,),
+                                                   daemon=True, name="broker-in-commit")
+            self._broker_thread.start()
+
+    def _kill_broker_in_commit(self, folder: Path) -> None:
+        """Wait for the armed scheduler to be inside its commit, kill -9 a broker, let it commit."""
+        deadline = time.monotonic() + 30
+        while not (folder / "committing").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not (folder / "committing").exists():
+            (folder / "next").unlink(missing_ok=True)  # no commit took it: disarmed
+            self._broker_busy = False
+            return
+        node = self.rng.randint(1, 3)
+        down_s = self.rng.uniform(*self.plan.broker_down_s)
+        killed = self.cluster.kill9(node)
+        (folder / "go").write_text("")
+        if not killed:
+            self._broker_busy = False
+            return
+        self.record("broker kill -9 (in a commit)", f"broker-{node}", down_s=round(down_s, 1))
+        self._bring_back(node, down_s)
+
+    def sigstop_scheduler(self) -> None:
+        alive = [s for s in self.schedulers if s.alive() and not s.stopped]
+        if len(alive) < 2:
+            return  # someone must take its partitions
+        victim = self.rng.choice(alive)
+        pid = victim.sigstop()
+        if pid is None:
+            return
+        self.record(SCHEDULER_SIGSTOP, victim.name, stopped_s=self.plan.sigstop_s)
+        self._seq += 1
+        heapq.heappush(self._conts, (time.monotonic() + self.plan.sigstop_s, self._seq, victim, pid, None))
+
+    def sigstop_allocator(self) -> None:
+        active = [a for a in self.allocators if a.alive() and not a.stopped]
+        standby = [a for a in self.allocators if not a.alive()]
+        if len(active) != 1 or not standby:
+            return
+        pid = active[0].sigstop()
+        if pid is None:
+            return
+        self.record(ALLOCATOR_SIGSTOP, active[0].name, stopped_s=self.plan.sigstop_s, successor=standby[0].name)
+        self._seq += 1
+        heapq.heappush(self._conts, (time.monotonic() + self.plan.sigstop_s, self._seq, active[0], pid, standby[0]))
+
+    def resume_due(self, now: float) -> None:
+        """SIGCONT stopped processes whose time is up (an allocator's successor is started first)."""
+        while self._conts and self._conts[0][0] <= now:
+            _, _, proc, pid, successor = heapq.heappop(self._conts)
+            if successor is not None:
+                successor.start()
+                time.sleep(2.0)  # its transactional producer's initialisation fences the zombie
+            proc.expect_exit_until = time.monotonic() + 60.0
+            proc.sigcont(pid)

@@ -38,20 +38,26 @@ from typing import Any
 
 import httpx
 
-from chaos import checks
+from chaos import checks, commitfaults
 from chaos.cluster import BrokerCluster
 from chaos.faults import BROKER_KILL, KILL_KINDS, SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, FaultPlan, Injector
 from chaos.handlers import EFFECTS_ENV, LEDGER_ENV
 from chaos.procs import ROOT, Proc
 from chaos.workload import JobPlan, plan_workload
-from dagfold.config import COMMANDS, EVENTS, SCHEDULER_GROUP
+from dagfold.codec import default_codec
+from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, SCHEDULER_GROUP
 from dagfold.log import Log, TopicPartition, open_log
-from dagfold.state import PartitionStore
+from dagfold.log.reader import read_to_end
+from dagfold.processor import catch_up
+from dagfold.state import MemoryStore, PartitionStore
 from dagfold.state.store import applied_events_offset, state_digest
+from services.allocator.fold import AllocatorFold
+from services.allocator.options import AllocatorOptions
 from services.scheduler.replay import job_digest, job_ids
 
 PY = sys.executable
 PARTITIONS = 8
+POOL = "chaos"
 # Short session timeouts so a killed process's partitions move within seconds. A transaction
 # timeout of 30 s (librdkafka's default is 60 s) bounds how long a killed scheduler's open
 # transaction holds its partitions back when that instance does not come back; shorter ones
@@ -85,7 +91,15 @@ PROFILES: dict[str, Profile] = {
     # tests/test_chaos.py (make test): about 3 minutes on a 2-core box.
     "short": Profile("short", generated_jobs=36, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
                      inject_s=90, min_faults=60, max_inject_s=110, drain_s=150,
-                     plan=FaultPlan(scheduler_every_s=5.0, worker_every_s=4.0, broker_every_s=20.0)),
+                     plan=FaultPlan(scheduler_every_s=5.0, worker_every_s=4.0, broker_every_s=20.0,
+                                    commit_every_s=10.0, sigstop_every_s=45.0, allocator_sigstop_every_s=50.0)),
+    # python -m chaos --profile commit-faults: issue 13's kinds alone, under 5 minutes.
+    "commit-faults": Profile("commit-faults", generated_jobs=24,
+                             workflows=("montage-chameleon-2mass-01d-001.json.gz",), inject_s=70, min_faults=16,
+                             max_inject_s=90, submit_share=0.9, drain_s=120, dup_rate=0.0, workers=2,
+                             plan=FaultPlan(scheduler_every_s=0, worker_every_s=0, broker_every_s=0,
+                                            commit_every_s=3.0, sigstop_every_s=25.0,
+                                            allocator_sigstop_every_s=25.0)),
     # make chaos: at least 1,000 faults, under 30 minutes.
     "long": Profile("long", generated_jobs=520,
                     workflows=("montage-chameleon-2mass-01d-001.json.gz", "seismology-chameleon-1100p-001.json.gz",
@@ -94,7 +108,8 @@ PROFILES: dict[str, Profile] = {
                                "epigenomics-chameleon-ilmn-6seq-50k-001.json.gz"),
                     inject_s=1020, min_faults=1000, max_inject_s=1260, submit_share=0.85, drain_s=300,
                     max_open_jobs=30, dup_rate=0.15, dup_max_per_s=0.7,
-                    plan=FaultPlan(scheduler_every_s=4.0, worker_every_s=2.5, broker_every_s=40.0)),
+                    plan=FaultPlan(scheduler_every_s=4.0, worker_every_s=2.5, broker_every_s=40.0,
+                                   commit_every_s=8.0, sigstop_every_s=60.0, allocator_sigstop_every_s=60.0)),
     # 3 schedulers on 3 brokers: kill -9 one instance and one broker mid-run, bring neither back until the end.
     "failover": Profile("failover", generated_jobs=40, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
                         inject_s=0, drain_s=240, dup_rate=0.0, scenario="failover"),
@@ -139,8 +154,8 @@ class ChaosRun:
                     "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "COLUMNS": "200"})
         return env
 
-    def _proc(self, name: str, *args: str) -> Proc:
-        p = Proc(name, [PY, *args], self._env(), self.logs / f"{name}.log")
+    def _proc(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        p = Proc(name, [PY, *args], {**self._env(), **(env or {})}, self.logs / f"{name}.log")
         self.procs.append(p)
         return p
 
@@ -159,8 +174,24 @@ class ChaosRun:
                 raise RuntimeError(f"the API did not start:\n{self.api_proc.tail()}")
             time.sleep(0.3)
         self.scheduler_dirs = {f"s{i}": self.dir / f"s{i}" for i in range(1, self.profile.schedulers + 1)}
-        self.schedulers = [self._proc(name, "-m", "dagfold", "scheduler", "--log", url, "--data", str(d),
-                                      "--instance", name).start() for name, d in self.scheduler_dirs.items()]
+        # Each scheduler runs under chaos.commitfaults: the first commit of any of them takes an armed fault.
+        self.fault_dir = self.dir / "commit-faults"
+        self.fault_dir.mkdir(exist_ok=True)
+        self.schedulers = [self._proc(name, "-m", "chaos.commitfaults", "scheduler", "--log", url, "--data", str(d),
+                                      "--instance", name, env={commitfaults.ENV: str(self.fault_dir)}).start()
+                           for name, d in self.scheduler_dirs.items()]
+        # The GPU pool: its allocator (a second instance is the standby the zombie fault starts) and one
+        # simulated host whose heartbeats keep allocator commands flowing.
+        self.allocators: list[Proc] = []
+        if self.profile.plan.allocator_sigstop_every_s > 0:
+            self.allocator_dirs = {f"a{i}": self.dir / f"a{i}" for i in (1, 2)}
+            self.allocators = [self._proc(name, "-m", "dagfold", "allocator", "--pool", POOL, "--log", url,
+                                          "--data", str(d), "--lease-s", "20")
+                               for name, d in self.allocator_dirs.items()]
+            self.allocators[0].start()
+            self.agent = self._proc("agent", "-m", "dagfold", "agent", "--pool", POOL, "--log", url, "--node",
+                                    "chaos-node-1", "--simulate", "--gpus", "2", "--heartbeat-s", "0.5",
+                                    "--artifacts", str(self.dir / "artifacts")).start()
         self.workers = [self._proc(f"w{i}", "-m", "dagfold", "worker", "--log", url, "--data",
                                    str(self.dir / f"w{i}"), "--queue", "default", "--concurrency",
                                    str(self.profile.worker_concurrency), "--handlers", "chaos.handlers").start()
@@ -408,9 +439,11 @@ class ChaosRun:
             submitter = threading.Thread(target=self.submit_all, args=(plans, submit_over, self.submit_stop),
                                          daemon=True)
             submitter.start()
+            others = [self.api_proc] + ([self.duplicator] if prof.dup_rate else []) + \
+                ([self.agent] if self.allocators else [])
             injector = Injector(self.rng, prof.plan, self.cluster, self.schedulers, self.scheduler_dirs,
-                                self.workers, [self.api_proc] + ([self.duplicator] if prof.dup_rate else []),
-                                self.logs / "faults.jsonl", self.say)
+                                self.workers, others, self.logs / "faults.jsonl", self.say,
+                                fault_dir=self.fault_dir, allocators=self.allocators)
             if prof.scenario == "failover":
                 self.failover(injector, submitter)
             else:
@@ -508,6 +541,7 @@ class ChaosRun:
         states = checks.check_read_model(self.api_read(), self.submitted, model, findings)
         effects = checks.check_side_effects(self.dir / "effects.sqlite", self.dir / "ledger.sqlite", model,
                                             self.submitted, findings)
+        allocator = self.check_allocator(log, findings) if self.allocators else None
         stores = [self.scheduler_dirs["s1"] / "scheduler" / f"p{p:04d}" for p in range(PARTITIONS)
                   if (self.scheduler_dirs["s1"] / "scheduler" / f"p{p:04d}").exists()]
         dangling_checked = checks.check_dangling(stores, findings)
@@ -524,7 +558,46 @@ class ChaosRun:
                       "tasks checked for dangling leases": dangling_checked},
             "side effects": effects,
             "dead letters": dead,
+            **({"allocator": allocator} if allocator is not None else {}),
         }
+
+    def check_allocator(self, log: Log, findings: checks.Findings) -> dict[str, Any]:
+        """The pool's state in the store of its last allocator equals the state rebuilt from its events,
+        and no request was granted twice (zombies' late writes changed nothing)."""
+        for p in [self.agent, *self.allocators]:
+            p.terminate(20)
+        tp = TopicPartition(ALLOCATOR_EVENTS, log.partition_for(POOL.encode(), log.partitions(ALLOCATOR_EVENTS)))
+        opts = AllocatorOptions(pool=POOL)
+        rebuilt = MemoryStore()
+        events = catch_up(log, rebuilt, AllocatorFold(rebuilt, opts), tp, lambda e: e.get("pool") == POOL)
+        grants: Counter[tuple[str, str, int]] = Counter()
+        for recs in read_to_end(log, tp):
+            for r in recs:
+                e = default_codec().decode(r.value)
+                if e.get("pool") == POOL and e["type"].endswith("AllocationGranted"):
+                    grants[(e["job_id"], e["task_id"], e["attempt"])] += 1
+        for key, n in grants.items():
+            if n > 1:
+                findings.add(checks.REPLAY_DIFFERS, key[0], key[1], f"allocator granted attempt {key[2]} {n} times")
+        last = applied_events_offset(rebuilt)
+        compared = 0
+        for name, d in self.allocator_dirs.items():
+            path = d / "allocator" / POOL
+            if not path.exists():
+                continue
+            store = PartitionStore(path, read_only=True)
+            try:
+                if applied_events_offset(store) != last:
+                    continue
+                compared += 1
+                if state_digest(store) != state_digest(rebuilt):
+                    findings.add(checks.REPLAY_DIFFERS, None, None,
+                                 f"allocator {name}: live pool state differs from its events rebuilt")
+            finally:
+                store.close()
+        if not compared and events:
+            findings.add(checks.REPLAY_DIFFERS, None, None, "no allocator store holds the pool's final state")
+        return {"events": events, "stores compared": compared, "grants": sum(grants.values())}
 
     def api_read(self) -> str:
         """The API for the read-model checks (restarted if it died during the end phase)."""

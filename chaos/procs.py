@@ -31,6 +31,8 @@ class Proc:
         self.cwd = cwd
         self.proc: subprocess.Popen[bytes] | None = None
         self.down_on_purpose = False
+        self.stopped = False  # SIGSTOP'd by the harness (a zombie to be)
+        self.expect_exit_until = 0.0  # a resumed zombie may exit (fenced) until then
         self.starts = 0
         self.lock = threading.RLock()
         self._log: IO[bytes] | None = None
@@ -51,6 +53,7 @@ class Proc:
                                          start_new_session=True)
             self.starts += 1
             self.down_on_purpose = False
+            self.stopped = False
             return self
 
     def alive(self) -> bool:
@@ -63,6 +66,24 @@ class Proc:
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    def sigstop(self) -> int | None:
+        """SIGSTOP the process group; its pid (for the matching ``sigcont``), None if it was not alive."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                return None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.stopped = True
+            return self.proc.pid
+
+    def sigcont(self, pid: int) -> None:
+        """SIGCONT the group of ``pid`` if it is still this process (not killed and restarted since)."""
+        with self.lock:
+            if self.proc is not None and self.proc.pid == pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGCONT)
+            self.stopped = False
+
     def kill9(self) -> bool:
         """SIGKILL the process group; True if it was alive."""
         with self.lock:
@@ -72,6 +93,7 @@ class Proc:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+            self.stopped = False
             return True
 
     def terminate(self, timeout_s: float = 30.0) -> int | None:
@@ -83,6 +105,9 @@ class Proc:
             if self.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGTERM)
+                    if self.stopped:
+                        os.killpg(self.proc.pid, signal.SIGCONT)
+                        self.stopped = False
                 try:
                     self.proc.wait(timeout_s)
                 except subprocess.TimeoutExpired:

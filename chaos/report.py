@@ -34,6 +34,10 @@ def format_report(r: dict[str, Any]) -> str:
         lines += ["", f"dagfold replay --verify: exit {rp.get('exit code')}, {rp.get('applied')} events, "
                       f"{rp.get('events_per_s')} events/s, {rp.get('differences')} difference(s); "
                       f"{rp.get('stores compared')} instance stores compared with the replay"]
+    if r.get("allocator"):
+        a = r["allocator"]
+        lines += ["", f"allocator (pool chaos): {a.get('events')} events, {a.get('grants')} grants, "
+                      f"{a.get('stores compared')} allocator store(s) equal to the pool's events rebuilt"]
     if r.get("timings s"):
         lines += ["", "timings (s since start): " + ", ".join(f"{k} {v}" for k, v in r["timings s"].items())]
     if r.get("violations"):

@@ -308,3 +308,31 @@ def test_a_resumed_zombie_scheduler_is_fenced_and_its_late_writes_change_nothing
     finally:
         successor.close()
         zombie.close()
+
+
+def test_a_rewind_that_fails_after_an_abort_is_retried_before_the_next_poll(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chaos run caught it: the group coordinator moved (broker restart) while an aborted batch was
+    rewound; the scheduler died on the error (had it polled on instead, the batch would be lost)."""
+    from dagfold.log.embedded import EmbeddedConsumer
+
+    log, cfg = env
+    FaultyCommit(monkeypatch, "before", TransactionAbortedError)
+    real_committed = EmbeddedConsumer.committed
+    failures = [1]
+
+    def committed(self: EmbeddedConsumer, tps: Any) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise LogError("cannot read committed offsets: Broker: Not coordinator")
+        return real_committed(self, tps)
+
+    monkeypatch.setattr(EmbeddedConsumer, "committed", committed)
+    s = Scheduler(log, cfg)
+    try:
+        send(log, "R", submit_job(to_job_spec(load_spec_text("id: R\ntasks: [{id: a}]"))))
+        wait_for(lambda: types(log, "R") == ["JobAccepted", "TaskDispatched"])
+        assert failures[0] == 0 and s.error is None
+        run_job_to_the_end(log, "R")
+    finally:
+        s.close()

@@ -23,6 +23,10 @@ What a failure in 3 means is decided by the transaction's status (``LogTransacti
   nothing is decided twice. Until that reconciliation succeeds nothing else is processed.
 * fenced (a newer instance took the transactional id): stop.
 
+A rewind that fails (the group coordinator moving during a broker restart) leaves its
+partitions to the same reconciliation, retried before the next poll: a consumer standing
+past an aborted batch must never poll on.
+
 A crash between 3 and 4 is the UNKNOWN case seen from a restart: on assignment each
 partition's store is caught up from its events first. Timers go through the log
 (``timers``): due-timer scans write timer commands, folded like any other command.
@@ -288,7 +292,12 @@ class PartitionProcessor:
             else:
                 log.exception("%s: transaction aborted; rewinding to the committed offsets", self.spec.service)
                 self._reload(partitions)
-                self._rewind(partitions)
+                try:
+                    self._rewind(partitions)
+                except LogError:
+                    # The consumer stands past the batch: it must not poll on before it is rewound.
+                    log.exception("%s: rewinding failed; retried before the next poll", self.spec.service)
+                    self._unreconciled.update(partitions)
             return None
 
     # -- after a failed transaction -------------------------------------------------
