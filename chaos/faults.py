@@ -316,9 +316,11 @@ class Injector:
                 self.record("disarmed (not taken)", "schedulers")
             return
         kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
-        if kind == "broker-restart" and (self._broker_busy or not self.cluster.healthy()):
-            return  # not now: its turn stays
         self._commit_turn += 1
+        if kind == "broker-restart" and (self._broker_busy or not self.cluster.healthy()):
+            # a broker is down or coming back (minutes on a loaded machine): the next kind instead
+            kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
+            self._commit_turn += 1
         self._armed_at = now
         commitfaults.arm(folder, kind)
         self.record("armed", "schedulers", fault=kind)
