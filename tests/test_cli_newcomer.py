@@ -344,7 +344,7 @@ def test_readme_tour_cancel_step_cancels_a_running_job(up: Up) -> None:
 
 # -- 9. structured logs -------------------------------------------------------------------------------
 def test_log_format_json_lines_carry_job_task_attempt() -> None:
-    r = dagfold("--log-format", "json", "run", str(EXAMPLES / "failing.yaml"), "-v")
+    r = dagfold("run", str(EXAMPLES / "failing.yaml"), "-v", "--log-format", "json")  # after the command too
     lines = [json.loads(x) for x in r.stderr.splitlines() if x.startswith("{")]
     assert lines and all({"ts", "level", "logger", "message"} <= set(x) for x in lines)
     failed = [x for x in lines if x["message"].startswith("attempt failed")]

@@ -208,10 +208,36 @@ def explain(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+GLOBAL_OPTIONS = ("--log-format", "--config")
+
+
+def _hoist_globals(args: list[str]) -> list[str]:
+    """``dagfold up --log-format json`` as well as ``dagfold --log-format json up``: the app's own options
+    move in front of the command (click takes a group's options only there)."""
+    front: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            rest += args[i:]
+            break
+        if a in GLOBAL_OPTIONS and i + 1 < len(args):
+            front += args[i:i + 2]
+            i += 2
+            continue
+        if a.split("=", 1)[0] in GLOBAL_OPTIONS and "=" in a:
+            front.append(a)
+        else:
+            rest.append(a)
+        i += 1
+    return front + rest
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``dagfold`` entry point: the app, with user errors as one line (``-v`` or DAGFOLD_DEBUG=1: the
     traceback too)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    args = _hoist_globals(list(sys.argv[1:] if argv is None else argv))
     verbose = "-v" in args or "--verbose" in args or os.environ.get("DAGFOLD_DEBUG") == "1"
     app.pretty_exceptions_enable = False
     try:
