@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 run: install
-	$(BIN)/dagfold up --examples --gpu-nodes 2 --data $(DATA) --port $(PORT)
+	$(BIN)/dagfold up --examples --handlers noop,sleep,shell --gpu-nodes 2 --data $(DATA) --port $(PORT)
 
 kafka-fetch:
 	deploy/kafka/kafka.sh fetch

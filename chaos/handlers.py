@@ -1,6 +1,6 @@
 """The chaos workload's handler: a short task with an external side effect.
 
-``dagfold worker --handlers chaos.handlers`` imports this module, which
+``dagfold worker --handler-module chaos.handlers`` imports this module, which
 registers ``chaos_effect``. Each attempt sleeps ``args.ms`` milliseconds
 (heartbeating as any handler does), may fail on purpose, and then applies its
 side effect to an "external system" through the worker's

@@ -194,7 +194,7 @@ class ChaosRun:
                                     "--artifacts", str(self.dir / "artifacts")).start()
         self.workers = [self._proc(f"w{i}", "-m", "dagfold", "worker", "--log", url, "--data",
                                    str(self.dir / f"w{i}"), "--queue", "default", "--concurrency",
-                                   str(self.profile.worker_concurrency), "--handlers", "chaos.handlers").start()
+                                   str(self.profile.worker_concurrency), "--handler-module", "chaos.handlers").start()
                         for i in range(1, self.profile.workers + 1)]
         self.dup_stats = self.dir / "duplicates.json"
         self.duplicator = self._proc("duplicator", "-m", "chaos.duplicator", "--log", url, "--seed",

@@ -6,12 +6,13 @@ Every command is keyed by its job ID so it lands on the job's partition.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from dagfold.clock import now_ms
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS
-from dagfold.log import Log, Producer
+from dagfold.log import Log, Producer, partition_for
 
 
 def job_id_of(command: Record) -> str:
@@ -31,6 +32,39 @@ def cancel_job(job_id: str, reason: str = "cancelled by user") -> Record:
 
 def redrive_job(job_id: str) -> Record:
     return {"type": "dagfold.command.RedriveJob", "job_id": job_id, "requested_at_ms": now_ms()}
+
+
+SETTINGS_KEY_PREFIX = "@settings."
+"""Keys of settings commands: '@' is not allowed in job IDs, so a settings key never names a job."""
+
+
+def settings_keys(partitions: int, partition_of: Callable[[bytes, int], int] = partition_for) -> list[str]:
+    """One key per partition of the commands topic: the ``i``-th hashes to partition ``i``.
+
+    Settings (tenant entitlements) must reach every scheduler partition, and a command's key must
+    route it to its partition (the scheduler forwards misrouted ones), as Zeebe distributes a
+    deployment to every partition. The smallest ``@settings.N`` per partition under the deployment's
+    partitioner (``log.partition_for``); computed, never stored.
+    """
+    keys: list[str | None] = [None] * partitions
+    left, n = partitions, 0
+    while left:
+        key = f"{SETTINGS_KEY_PREFIX}{n}"
+        p = partition_of(key.encode(), partitions)
+        if keys[p] is None:
+            keys[p] = key
+            left -= 1
+        n += 1
+    return [k for k in keys if k is not None]
+
+
+def set_tenant_entitlements(tenant: str, entitlements: Record, partitions: int, source: str = "admin_api",
+                            partition_of: Callable[[bytes, int], int] = partition_for) -> list[Record]:
+    """The SetTenantEntitlements commands for every partition (send each with its own key)."""
+    at = now_ms()
+    return [{"type": "dagfold.command.SetTenantEntitlements", "job_id": key, "tenant": tenant,
+             "entitlements": entitlements, "source": source, "requested_at_ms": at}
+            for key in settings_keys(partitions, partition_of)]
 
 
 class CommandSender:

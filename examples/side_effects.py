@@ -14,7 +14,7 @@ the stored receipt to every later attempt or redelivery.
 
 Use it in a worker process (importing this module registers the handler)::
 
-    PYTHONPATH=. dagfold worker --log kafka://127.0.0.1:9092 --handlers examples.side_effects
+    PYTHONPATH=. dagfold worker --log kafka://127.0.0.1:9092 --handler-module examples.side_effects
 
     # a job
     tasks:

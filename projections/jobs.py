@@ -610,6 +610,16 @@ def _history_only(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
     return None
 
 
+def tenant_settings_key(tenant: str) -> bytes:
+    return b"E" + _SEP + part(tenant)
+
+
+def _tenant_entitlements_set(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """Every partition folds its own copy of the same settings: the last one written stands (equal)."""
+    txn.put(tenant_settings_key(ev["tenant"]), {"entitlements": ev["entitlements"], "source": ev["source"],
+                                                "ts_ms": ev["ts_ms"]})
+
+
 APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobAccepted": _job_accepted,
     "dagfold.event.JobRejected": _job_rejected,
@@ -632,6 +642,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobFailed": _job_failed,
     "dagfold.event.JobCancelled": _job_cancelled,
     "dagfold.event.JobRedriven": _job_redriven,
+    "dagfold.event.TenantEntitlementsSet": _tenant_entitlements_set,
 }
 
 
@@ -761,6 +772,11 @@ class ReadModel:
         """The job summary, or None if no event of it was projected."""
         job: Record | None = self.store.get(job_key(job_id))
         return job
+
+    def tenant_settings(self, tenant: str) -> Record | None:
+        """The tenant's entitlements as last set through the log ({entitlements, source, ts_ms}), or None."""
+        rec: Record | None = self.store.get(tenant_settings_key(tenant))
+        return rec
 
     def list_jobs(self, tenant: str | None = None, state: str | None = None, limit: int = 100,
                   cursor: str | None = None, created_after: int | None = None,

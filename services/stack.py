@@ -7,6 +7,7 @@ Kafka the same pieces also run as separate processes (``dagfold worker``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -26,7 +27,7 @@ from projections.jobs import TERMINAL_JOB_STATES
 from projections.projector import Projector
 from services.callbacks import CallbackNotifier
 from services.scheduler.runner import SchedulerRunner
-from services.worker.handlers import HandlerRegistry, default_registry
+from services.worker.handlers import HandlerRegistry, TaskRuntime, default_registry
 from services.worker.worker import Worker
 
 log = logging.getLogger("dagfold.stack")
@@ -41,7 +42,8 @@ class StackOptions:
     api: bool = True
     scheduler: bool = True  # False: API/projector/workers only, schedulers run as `dagfold scheduler`
     scheduler_instance: str = "0"
-    registry: HandlerRegistry = field(default_factory=default_registry)
+    registry: HandlerRegistry = field(default_factory=default_registry)  # the workers' capabilities (no shell)
+    runtime: TaskRuntime = field(default_factory=TaskRuntime)  # environment, folder and user of task processes
     callbacks: bool = True  # the job-end callback notifier (one per deployment: its ledger is local)
     # GPU pool in this process: its allocator and gpu_nodes simulated node agents running the demo job
     # (on Kafka, real hosts run `dagfold agent` and the pool's `dagfold allocator` runs once, elsewhere)
@@ -85,6 +87,8 @@ class Stack:
     def start(self) -> Stack:
         cfg = self.config
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # the service's state and secrets: not for task users to read
+            cfg.data_dir.chmod(0o700)
         self.log = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
         self.log.create_topics(cfg.core_topics() + [cfg.dispatch_spec(q) for q in self.options.queues])
         if self.options.scheduler:
@@ -103,7 +107,7 @@ class Stack:
         for q in self.options.queues:
             for i in range(self.options.workers):
                 w = Worker(self.log, q, f"{host}-{q}-{i}", self.options.registry, config=cfg,
-                           artifacts=self.artifacts)
+                           artifacts=self.artifacts, runtime=self.options.runtime)
                 self.workers.append(w)
                 self._spawn(f"worker-{q}-{i}", lambda w=w: w.run(self.stop_event))  # type: ignore[misc]
         if self.options.gpu_nodes:
@@ -116,12 +120,14 @@ class Stack:
     def _start_gpu_pool(self) -> None:
         """The pool's allocator and its simulated hosts (demo job processes on simulated GPUs)."""
         from services.agent.agent import simulated
-        from services.allocator.options import AllocatorOptions
+        from services.allocator.options import options_for_pool
         from services.allocator.runner import AllocatorRunner
+        from services.api.auth import AuthConfig
 
         assert self.log is not None
         o = self.options
-        allocator = AllocatorRunner(self.log, AllocatorOptions(pool=o.gpu_pool), self.config.data_dir)
+        tenants = AuthConfig.from_env().limits  # the auth file's weights and quotas (DAGFOLD_AUTH_FILE)
+        allocator = AllocatorRunner(self.log, options_for_pool(o.gpu_pool, tenants), self.config.data_dir)
         self._spawn("allocator", lambda: allocator.run(self.stop_event))
         command = [sys.executable, "-m", "services.agent.demo_job"]
         store = self.artifacts
@@ -139,7 +145,8 @@ class Stack:
 
         assert self.log is not None
         app = create_app(self.log, self.read_model, self.config,
-                         callbacks=self.notifier.ledger if self.notifier is not None else None)
+                         callbacks=self.notifier.ledger if self.notifier is not None else None,
+                         handlers=self.options.registry if self.options.workers else None)
         server = uvicorn.Server(uvicorn.Config(app, host=self.config.api_host, port=self.config.api_port,
                                                log_level="warning", lifespan="on"))
         server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # the CLI owns signals

@@ -23,6 +23,7 @@ from services.api.admission import AdmissionConfig
 from services.api.auth import AuthConfig
 from services.api.guard import GuardConfig
 from services.scheduler.processors import spec_hash
+from services.worker.handlers import HandlerRegistry
 
 T0 = 1_700_000_000_000
 
@@ -48,7 +49,8 @@ def accepted(job_id: str, task_ids: list[str] | None = None, ts: int = T0, tenan
 
 class ApiHarness:
     def __init__(self, tmp: Path, *, auth: AuthConfig | None = None, admission: AdmissionConfig | None = None,
-                 max_body_bytes: int | None = None, guard: GuardConfig | None = None) -> None:
+                 max_body_bytes: int | None = None, guard: GuardConfig | None = None,
+                 handlers: HandlerRegistry | None = None) -> None:
         self.config = Config(partitions=4)
         self.log = EmbeddedLog(tmp / "log")
         self.log.create_topics(self.config.core_topics())
@@ -56,7 +58,7 @@ class ApiHarness:
         self.rm = ReadModel(self.projector.store)
         self.app: FastAPI = create_app(self.log, self.rm, self.config, max_body_bytes=max_body_bytes,
                                        auth=auth or AuthConfig(), admission=admission, sse_poll_s=0.05,
-                                       guard=guard)
+                                       guard=guard, handlers=handlers)
         self.client = TestClient(self.app, base_url="http://127.0.0.1")
         self._producer = self.log.producer("test")
 

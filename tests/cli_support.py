@@ -32,8 +32,9 @@ def dagfold(*args: str, timeout: float = 180, env: dict[str, str] | None = None)
 class UpProcess:
     """`dagfold up` in a subprocess, with an HTTP client for its API."""
 
-    def __init__(self, data: Path, log: str = "embedded", workers: int = 2, port: int | None = None) -> None:
-        self.data, self.log, self.workers = data, log, workers
+    def __init__(self, data: Path, log: str = "embedded", workers: int = 2, port: int | None = None,
+                 args: tuple[str, ...] = ()) -> None:
+        self.data, self.log, self.workers, self.args = data, log, workers, args
         self.port = port or free_port()
         self.api = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -42,7 +43,8 @@ class UpProcess:
         logf = open(self.data.parent / f"up-{self.port}.log", "ab")  # noqa: SIM115 - closed with the process
         self.proc = subprocess.Popen(
             [*DAGFOLD, "up", "--log", self.log, "--data", str(self.data), "--workers", str(self.workers),
-             "--port", str(self.port)], cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+             "--port", str(self.port), *self.args], cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+            start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

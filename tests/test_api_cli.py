@@ -188,11 +188,12 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, **kw: Any) ->
 
 def test_up_with_auth_file_and_worker_metrics(tmp_path: Path) -> None:
     auth = tmp_path / "keys.yaml"
-    auth.write_text(f"keys:\n  {KEY}: admin\n  {TENANT_KEY}: acme\n")
+    auth.write_text(f"keys:\n  {KEY}: admin\n  {TENANT_KEY}: acme\n"
+                    "tenants:\n  acme: {handlers: [noop, sleep, shell]}\n")  # the diamond runs shell tasks
     port = free_port()
     log = tmp_path / "up.log"
     up = _start(["up", "--data", str(tmp_path / "data"), "--port", str(port), "--auth-file", str(auth),
-                 "--workers", "1"], log)
+                 "--workers", "1", "--handlers", "noop,sleep,shell"], log)
     try:
         base = f"http://127.0.0.1:{port}"
         assert _wait_http(base + "/healthz", up, log).status_code == 200

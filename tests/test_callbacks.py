@@ -36,8 +36,10 @@ from services.callbacks import (
 )
 from services.scheduler.spec import parse_spec, to_job_spec
 from services.stack import Stack, StackOptions
+from services.worker.handlers import HandlerRegistry
 from tests.callback_support import Receiver
 
+SHELL_STACK = StackOptions(workers=1, api=False, registry=HandlerRegistry.with_builtins(shell=True))
 SECRET = "test-secret-0123456789"
 FAST = CallbackOptions(secret=SECRET, timeout_s=5.0, max_attempts=50, base_backoff_s=0.05, max_backoff_s=0.2)
 
@@ -132,7 +134,7 @@ def test_stack_calls_back_once_with_retries_and_not_again_after_restart(
         "cb-none": spec("cb-none", None),
         "cb-failed": spec("cb-failed", receiver.url("/hook/c"), handler="shell", args={"cmd": "exit 3"}),
     }
-    with Stack(stack_config(data), StackOptions(workers=1, api=False)) as stack:
+    with Stack(stack_config(data), SHELL_STACK) as stack:
         assert stack.notifier is not None
         ledger = stack.notifier.ledger
         for s in jobs.values():
@@ -182,7 +184,7 @@ def test_stack_calls_back_once_with_retries_and_not_again_after_restart(
     assert metric("dagfold_callbacks_failed_total", {"reason": "rejected"}) - rejected0 == 1
 
     # restart on the same data folder: nothing is sent again; a new job is called back once
-    with Stack(stack_config(data), StackOptions(workers=1, api=False)) as stack:
+    with Stack(stack_config(data), SHELL_STACK) as stack:
         assert stack.notifier is not None
         stack.sender.send(submit_job(spec("cb-after", receiver.url("/hook/d")), source="test"))
         assert (stack.wait_job("cb-after", timeout_s=60) or {}).get("state") == "succeeded"

@@ -60,7 +60,7 @@ def test_run_montage_workflow() -> None:
 
 
 def test_up_submit_wait_history_and_client_commands(tmp_path: Path) -> None:
-    up = UpProcess(tmp_path / "data").start()
+    up = UpProcess(tmp_path / "data", args=("--handlers", "noop,sleep,shell")).start()
     try:
         r = dagfold("submit", "examples/failing.yaml", "--wait", "--api", up.api)
         assert r.returncode == 1, r.stdout + r.stderr

@@ -64,6 +64,7 @@ sys.argv[0] = "dagfold"
 app()
 """
 DAGFOLD_BOOT = [sys.executable, "-c", BOOT]
+SCENARIO_HANDLERS = "noop,sleep,shell,crash_once"  # shell is a capability the stack must enable
 # librdkafka settings for the worker processes: a killed worker leaves its group after 6 s, not 45 s.
 KAFKA_WORKER_SETTINGS = "consumer.session.timeout.ms=6000&consumer.heartbeat.interval.ms=500"
 
@@ -86,8 +87,8 @@ class Env:
         logf = open(self.root / f"worker-{n}.log", "ab")  # noqa: SIM115 - lives as long as the process
         url = f"{self.log_url}?{KAFKA_WORKER_SETTINGS}"
         p = subprocess.Popen([*DAGFOLD_BOOT, "worker", "--log", url, "--data", str(self.root / f"w{n}"),
-                              "--queue", "default"], cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+                              "--queue", "default", "--handlers", SCENARIO_HANDLERS], cwd=ROOT, stdout=logf,
+                             stderr=subprocess.STDOUT, start_new_session=True)
         self.workers.append(p)
         return p
 
@@ -139,7 +140,7 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
 def _start_up(data: Path, log: str, workers: int) -> UpProcess:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cli_support, "DAGFOLD", DAGFOLD_BOOT)
-        return UpProcess(data, log=log, workers=workers).start()
+        return UpProcess(data, log=log, workers=workers, args=("--handlers", SCENARIO_HANDLERS)).start()
 
 
 @pytest.fixture(scope="module", params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])

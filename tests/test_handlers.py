@@ -70,7 +70,8 @@ def test_registry_register_decorator_and_lookup() -> None:
 
 def test_registry_unknown_and_duplicate() -> None:
     reg = HandlerRegistry.with_builtins()
-    assert reg.names() == ["noop", "shell", "sleep"]
+    assert reg.names() == ["noop", "sleep"]  # shell only when enabled: with_builtins(shell=True), select
+    assert HandlerRegistry.with_builtins(shell=True).names() == ["noop", "shell", "sleep"]
     assert reg.get("noop").batched
     with pytest.raises(UnknownHandlerError) as ei:
         reg.get("x")
@@ -90,7 +91,8 @@ def test_register_handler_uses_default_registry() -> None:
     try:
         register_handler("test-custom-handler", custom)
         assert default_registry().get("test-custom-handler").fn is custom
-        assert {"noop", "sleep", "shell"} <= set(default_registry().names())
+        assert {"noop", "sleep"} <= set(default_registry().names())
+        assert "shell" not in default_registry().names()
     finally:
         default_registry()._handlers.pop("test-custom-handler", None)
 

@@ -53,7 +53,7 @@ def start(elog: EmbeddedLog) -> Iterator[WorkerFactory]:
                **kw: Any) -> tuple[Worker, threading.Event, threading.Thread]:
         kw.setdefault("poll_timeout_s", 0.05)
         kw.setdefault("shutdown_grace_s", 0.2)
-        reg = registry or HandlerRegistry.with_builtins()
+        reg = registry or HandlerRegistry.with_builtins(shell=True)
         w = Worker(cast(Log, log or elog), QUEUE, worker_id, reg, config=CFG, **kw)
         stop = threading.Event()
         t = w.start_thread(stop)
@@ -306,7 +306,7 @@ def test_stop_before_start_skips_the_attempt(elog: EmbeddedLog, start: WorkerFac
 
 
 def test_start_to_close_timeout(elog: EmbeddedLog, start: WorkerFactory) -> None:
-    reg = HandlerRegistry.with_builtins()
+    reg = HandlerRegistry.with_builtins(shell=True)
 
     @reg.handler("stubborn")
     def stubborn(c: TaskContext) -> str:

@@ -42,18 +42,26 @@ def allocator(pool: str = PoolOpt, log: LogOpt = None, data: DataOpt = None,
               lease_s: float = typer.Option(30.0, "--lease-s", help="node lease: heartbeats must come this often"),
               grace_s: float = typer.Option(30.0, "--grace-s", help="preemption/drain: checkpoint -> forced stop"),
               metrics_port: int | None = MetricsPortOpt, metrics_addr: str = MetricsAddrOpt,
+              tenants_file: Path | None = typer.Option(
+                  None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
+                  help="the auth file: its tenants' fair-share weights and this pool's GPU quotas"),
               verbose: VerboseOpt = False) -> None:
     """Run the GPU allocator of one pool (one writer per pool; a newer instance fences an older one)."""
     from dagfold.log import open_log
-    from services.allocator.options import AllocatorOptions
+    from services.allocator.options import options_for_pool
     from services.allocator.runner import AllocatorRunner
+    from services.api.auth import AuthConfig, AuthConfigError
 
     _logging(verbose)
+    try:
+        tenants = AuthConfig.from_env(tenants_file, env={}).limits if tenants_file else {}
+    except AuthConfigError as exc:
+        raise fail(str(exc)) from None
     cfg = _config(log, data)
     serve_metrics(metrics_port, metrics_addr)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     lg.create_topics(cfg.core_topics())
-    runner = AllocatorRunner(lg, AllocatorOptions(pool=pool, lease_s=lease_s, grace_s=grace_s), cfg.data_dir)
+    runner = AllocatorRunner(lg, options_for_pool(pool, tenants, lease_s=lease_s, grace_s=grace_s), cfg.data_dir)
     out.print(f"dagfold allocator: pool {pool} on {cfg.log_url}")
     run_until_stopped(runner.run, lg.close)
 

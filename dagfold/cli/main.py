@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -169,6 +170,15 @@ def print_summary(job: dict[str, Any], tasks: list[dict[str, Any]], as_json: boo
         out.print(f"reason: {job['reason']}")
 
 
+HANDLERS_HELP = ("handlers the workers run, comma-separated (e.g. noop,sleep,shell); default: noop, sleep and "
+                 "handlers registered in Python. 'shell' runs commands from job specs: only where listed here")
+HANDLER_MODULE_HELP = "import this module first; it registers custom handlers (services.worker.register_handler)"
+TASK_USER_HELP = "run task processes as this user (the worker must run as root)"
+TASK_DIR_HELP = "folder for the per-attempt work folders of task processes (default: the system temp folder)"
+TASK_ENV_HELP = ("NAME (copied from this process) or NAME=VALUE: a variable task processes get; they get only "
+                 "PATH, LANG, LC_ALL, TZ, these and their DAGFOLD_* variables. Repeatable")
+
+
 @app.command()
 def up(log: LogOpt = None, data: DataOpt = None,
        workers: int = typer.Option(2, "--workers", min=0, help="worker threads per queue"),
@@ -189,19 +199,26 @@ def up(log: LogOpt = None, data: DataOpt = None,
        token: bool = typer.Option(False, "--token", help="require a local token on every API call (a machine "
                                   "other users share); the CLI finds it in ~/.dagfold/tokens, the dashboard "
                                   "link printed at start carries it"),
+       handlers: str | None = typer.Option(None, "--handlers", envvar="DAGFOLD_HANDLERS", help=HANDLERS_HELP),
+       handler_module: list[str] = typer.Option([], "--handler-module", help=HANDLER_MODULE_HELP),
+       task_user: str | None = typer.Option(None, "--task-user", envvar="DAGFOLD_TASK_USER", help=TASK_USER_HELP),
+       task_dir: Path | None = typer.Option(None, "--task-dir", envvar="DAGFOLD_TASK_DIR", help=TASK_DIR_HELP),
+       task_env: list[str] = typer.Option([], "--task-env", help=TASK_ENV_HELP),
        verbose: VerboseOpt = False) -> None:
     """Run the whole local stack: scheduler, projector, workers and the API."""
     from services.stack import Stack, StackOptions
 
     _logging(verbose)
     _use_auth_file(auth_file)
+    registry, runtime = _task_capabilities(handlers, handler_module, task_user, task_dir, task_env)
     cfg = _config(log, data, port)
     local_token = _use_local_token(cfg.api_host, cfg.api_port) if token else None
     if not with_scheduler and cfg.log_url == "embedded":
         raise fail("--no-scheduler needs a shared log (kafka://...): the embedded log is one process's")
     stack = Stack(cfg, StackOptions(workers=workers, queues=tuple(queue), scheduler=with_scheduler,
                                     scheduler_instance=instance, callbacks=with_callbacks,
-                                    gpu_nodes=gpu_nodes, gpus_per_node=gpus_per_node))
+                                    gpu_nodes=gpu_nodes, gpus_per_node=gpus_per_node,
+                                    registry=registry, runtime=runtime))
     try:
         stack.start()
     except Exception as exc:
@@ -251,6 +268,45 @@ def _disk_full_line(exc: BaseException, data: Path) -> str | None:
     from dagfold.exceptions import disk_full
 
     return f"no space left on device under {data}: free some space and start again" if disk_full(exc) else None
+
+
+def _task_capabilities(handlers: str | None, modules: list[str], task_user: str | None, task_dir: Path | None,
+                       task_env: list[str]) -> tuple[Any, Any]:
+    """The handler registry and task runtime the flags ask for (a bad flag is a one-line error)."""
+    import importlib
+    import os
+
+    from services.worker.capabilities import parse_handler_list
+    from services.worker.handlers import PASS_ENV_DEFAULT, TaskRuntime, default_registry
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise fail(f"cannot import handler module {module!r}: {exc!r}") from None
+    registry = default_registry()
+    if handlers:
+        try:
+            registry = registry.select(parse_handler_list(handlers))
+        except ValueError as exc:
+            raise fail(f"--handlers: {exc}") from None
+    pass_env, set_env = list(PASS_ENV_DEFAULT), {}
+    for item in task_env:
+        name, eq, value = item.partition("=")
+        if not name.isidentifier():
+            raise fail(f"--task-env {item!r}: give NAME or NAME=VALUE")
+        if eq:
+            set_env[name] = value
+        elif name in os.environ:
+            pass_env.append(name)
+    runtime = TaskRuntime(pass_env=tuple(pass_env), set_env=set_env, user=task_user or None, work_root=task_dir)
+    try:
+        runtime.check()
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if "shell" in registry:  # tasks run commands: keep this process's environment out of their reach
+        runtime.protect_process()
+    return registry, runtime
 
 
 def _use_auth_file(auth_file: Path | None) -> None:
@@ -323,7 +379,7 @@ def _run_namespace(cfg: Any) -> Any:
 
 
 def _run_stack(spec: dict[str, Any], log: str | None, data: Path | None, workers: int, timeout: float,
-               as_json: bool, keep: bool = False) -> int:
+               as_json: bool, keep: bool = False, registry: Any = None) -> int:
     from dagfold.cli.follow import JobView, follow, local_events
     from dagfold.commands import submit_job
     from services.stack import Stack, StackOptions
@@ -337,8 +393,10 @@ def _run_stack(spec: dict[str, Any], log: str | None, data: Path | None, workers
     if on_kafka:
         cfg = _run_namespace(cfg)
     queues = tuple(sorted({t["queue"] for t in spec["tasks"]}))
-    stack = Stack(cfg, StackOptions(workers=workers, queues=queues, api=False,
-                                    delete_namespace_at_stop=on_kafka and not keep))
+    opts = StackOptions(workers=workers, queues=queues, api=False, delete_namespace_at_stop=on_kafka and not keep)
+    if registry is not None:
+        opts = replace(opts, registry=registry)
+    stack = Stack(cfg, opts)
     job_id = spec["job_id"]
     code = 1
     try:
@@ -381,9 +439,17 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
         timeout: float = typer.Option(3600, "--timeout", min=0, help="give up after this many seconds"),
         as_json: JsonOpt = False,
         keep: bool = typer.Option(False, "--keep", help="keep the temporary data folder and print its path"),
+        handlers: str | None = typer.Option(
+            None, "--handlers", envvar="DAGFOLD_HANDLERS",
+            help="handlers the workers run, comma-separated; default: noop, sleep, shell and handlers registered "
+            "in Python (your own file, in a private stack without an API)"),
         verbose: VerboseOpt = False) -> None:
     """Run one job to its end in a temporary stack; exit 0 succeeded, 1 failed/cancelled, 2 rejected."""
+    from services.worker.handlers import default_registry
+
     _logging(verbose)
+    registry, _ = _task_capabilities(handlers or ",".join([*default_registry().names(), "shell"]), [], None,
+                                     None, [])
     if (file is None) == (wfcommons is None):
         raise fail("give a job spec FILE or --wfcommons PATH")
     if wfcommons is not None:
@@ -392,35 +458,32 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
         assert file is not None
         doc = _load_spec_doc(file)
     spec = _to_job_spec(doc)
-    raise typer.Exit(_run_stack(spec, log, data, workers, timeout, as_json, keep))
+    raise typer.Exit(_run_stack(spec, log, data, workers, timeout, as_json, keep, registry))
 
 
 @app.command()
 def worker(queue: str = typer.Option("default", "--queue", help="the queue whose tasks this process runs"),
            log: LogOpt = None, data: DataOpt = None,
            concurrency: int = typer.Option(1, "--concurrency", min=1, help="tasks run at once (worker threads)"),
-           handlers: list[str] = typer.Option(
-               [], "--handlers", help="import this module first; it registers custom handlers "
-               "(services.worker.register_handler). Repeatable"),
+           handlers: str | None = typer.Option(None, "--handlers", envvar="DAGFOLD_HANDLERS", help=HANDLERS_HELP),
+           handler_module: list[str] = typer.Option([], "--handler-module", help=HANDLER_MODULE_HELP),
+           task_user: str | None = typer.Option(None, "--task-user", envvar="DAGFOLD_TASK_USER",
+                                                help=TASK_USER_HELP),
+           task_dir: Path | None = typer.Option(None, "--task-dir", envvar="DAGFOLD_TASK_DIR", help=TASK_DIR_HELP),
+           task_env: list[str] = typer.Option([], "--task-env", help=TASK_ENV_HELP),
            metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
                                                    help="serve Prometheus /metrics on this port"),
            metrics_addr: str = typer.Option("127.0.0.1", "--metrics-addr", help="address for --metrics-port"),
            verbose: VerboseOpt = False) -> None:
     """Run workers for one queue in this process (use with --log kafka://...)."""
-    import importlib
     import socket
 
     from dagfold.log import open_log
-    from services.worker.handlers import default_registry
     from services.worker.worker import Worker
 
     _logging(verbose)
+    registry, runtime = _task_capabilities(handlers, handler_module, task_user, task_dir, task_env)
     serve_metrics(metrics_port, metrics_addr)
-    for module in handlers:
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            raise fail(f"cannot import handler module {module!r}: {exc!r}") from None
     cfg = _config(log, data)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     stop = threading.Event()
@@ -431,7 +494,7 @@ def worker(queue: str = typer.Option("default", "--queue", help="the queue whose
     threads = []
     workers = []
     for i in range(concurrency):
-        w = Worker(lg, queue, f"{host}-{queue}-{i}", default_registry(), config=cfg)
+        w = Worker(lg, queue, f"{host}-{queue}-{i}", registry, config=cfg, runtime=runtime)
         workers.append(w)
         threads.append(w.start_thread(stop))
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -9,6 +10,29 @@ from urllib.parse import parse_qsl, urlencode
 from dagfold.exceptions import LogError
 from dagfold.log.base import DEFAULT_PARTITIONER, PARTITIONERS, Log
 from dagfold.log.namespace import namespaced
+
+SECURITY_PREFIXES = ("security.protocol", "sasl.", "ssl.")
+"""URL settings for every client of the log (producers, consumers and the admin client): SASL and TLS."""
+PASSWORD_ENV = "DAGFOLD_KAFKA_SASL_PASSWORD"
+
+
+def _is_security(key: str) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in SECURITY_PREFIXES)
+
+
+def kafka_security_settings(query: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The SASL/TLS settings of a ``kafka://`` URL, for every client including the admin client.
+
+    ``security.protocol=SASL_SSL&sasl.mechanism=SCRAM-SHA-512&sasl.username=dagfold&ssl.ca.location=ca.pem``
+    (librdkafka names). Without ``sasl.password`` in the URL, a ``sasl.username`` takes its password from
+    ``DAGFOLD_KAFKA_SASL_PASSWORD``: a URL is visible to every local user in the process list, an
+    environment is not (and task processes never inherit it).
+    """
+    env = dict(os.environ) if env is None else env
+    out = {k: v for k, v in parse_qsl(query, keep_blank_values=True) if _is_security(k)}
+    if "sasl.username" in out and "sasl.password" not in out and env.get(PASSWORD_ENV):
+        out["sasl.password"] = env[PASSWORD_ENV]
+    return out
 
 
 def kafka_client_settings(query: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -22,13 +46,15 @@ def kafka_client_settings(query: str) -> tuple[dict[str, Any], dict[str, Any]]:
     consumer: dict[str, Any] = {}
     producer: dict[str, Any] = {}
     for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if _is_security(key):
+            continue  # every client's: kafka_security_settings
         if key.startswith("consumer."):
             consumer[key.removeprefix("consumer.")] = value
         elif key.startswith("producer."):
             producer[key.removeprefix("producer.")] = value
         else:
             raise LogError(f"unknown Kafka URL setting {key!r}: use prefix=, partitioner=, "
-                           "consumer.<librdkafka key> or producer.<librdkafka key>")
+                           "consumer.<librdkafka key>, producer.<librdkafka key>, security.protocol, sasl.* or ssl.*")
     return consumer, producer
 
 
@@ -91,10 +117,11 @@ def open_log(url: str, data_dir: Path, read_only: bool = False, prefix: str = ""
 
         try:
             consumer, producer = kafka_client_settings(query)
+            security = kafka_security_settings(query)
         except ValueError as exc:
-            raise LogError(f"bad Kafka URL settings {query!r}: {exc}") from None
+            raise LogError(f"bad Kafka URL settings: {exc}") from None  # the query may hold a password
         lg = KafkaLog(base.removeprefix("kafka://"), consumer_config=consumer, producer_config=producer,
-                      partitioner=partitioner or DEFAULT_PARTITIONER)
+                      partitioner=partitioner or DEFAULT_PARTITIONER, client_config=security)
     else:
         raise LogError(f"unknown log URL {url!r}: use 'embedded' or 'kafka://HOST:PORT'")
     return namespaced(lg, url_pfx or prefix)

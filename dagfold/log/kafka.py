@@ -129,19 +129,24 @@ class KafkaLog:
         consumer_config: Mapping[str, Any] | None = None,
         producer_config: Mapping[str, Any] | None = None,
         partitioner: str = DEFAULT_PARTITIONER,
+        client_config: Mapping[str, Any] | None = None,
     ) -> None:
         self.url = f"kafka://{bootstrap}"
         self.bootstrap = bootstrap
         self.partitioner = partitioner
         self.partition_for = partitioner_named(partitioner)
+        # client_config: settings of every client, the admin client included (SASL/TLS: security.protocol,
+        # sasl.*, ssl.*), so an authenticated cluster works for topic creation and metadata too
+        self._client_config = dict(client_config or {})
         self._base: dict[str, Any] = {
             "bootstrap.servers": bootstrap,
             "allow.auto.create.topics": False,
             "logger": _rdkafka_log,  # librdkafka's own log lines go to Python logging, not stderr
+            **self._client_config,
         }
         self._consumer_config = dict(consumer_config or {})
         self._producer_config = dict(producer_config or {})
-        admin_conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log}
+        admin_conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": _rdkafka_log, **self._client_config}
         self._admin = AdminClient(admin_conf)
         self._partitions: dict[str, int] = {}  # partition counts never change in dagfold
 

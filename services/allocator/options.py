@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from dagfold.tenants import Entitlements, pool_quotas, weights
 
 PLACEMENTS = ("frag", "bestfit", "firstfit")
 HEALTH_OK = "ok"
@@ -81,3 +84,14 @@ class AllocatorOptions:
     def quota_milli(self, tenant: str) -> int | None:
         q = self.tenant_quota_gpus.get(tenant)
         return None if q is None else int(q * 1000)
+
+
+def options_for_pool(pool: str, tenants: Mapping[str, Entitlements], **knobs: Any) -> AllocatorOptions:
+    """The options of ``pool``'s allocator with the tenants' fair-share weights and the pool's GPU quotas.
+
+    ``dagfold up --gpu-nodes`` and ``dagfold allocator`` build them from the auth file's ``tenants:``
+    (the same settings the API and the scheduler enforce), so weights and quotas are not a simulator-only
+    knob. Quotas per GPU type (``pool/type``) are parsed but not enforced by the allocator yet.
+    """
+    return AllocatorOptions(pool=pool, tenant_weights=weights(tenants), tenant_quota_gpus=pool_quotas(tenants, pool),
+                            **knobs)

@@ -21,10 +21,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dagfold import metrics
-from services.api.auth import TenantLimits
+from dagfold.tenants import Entitlements
 from services.api.errors import ApiError
 
 MAX_BUCKETS = 10_000
+CALLER_PREFIX = "\0caller:"  # bucket keys of callers; a tenant name cannot contain NUL
 IN_FLIGHT_TTL_S = 60.0
 CAP_RETRY_AFTER_S = 5
 
@@ -36,10 +37,10 @@ class AdmissionConfig:
     rate_per_s: float = 20.0
     burst: int = 50
     max_open_jobs: int = 10_000
-    tenants: Mapping[str, TenantLimits] | None = None
+    tenants: Mapping[str, Entitlements] | None = None
 
     @classmethod
-    def from_env(cls, tenants: Mapping[str, TenantLimits] | None = None) -> AdmissionConfig:
+    def from_env(cls, tenants: Mapping[str, Entitlements] | None = None) -> AdmissionConfig:
         env = os.environ
         return cls(rate_per_s=float(env.get("DAGFOLD_SUBMIT_RATE", cls.rate_per_s)),
                    burst=int(env.get("DAGFOLD_SUBMIT_BURST", cls.burst)),
@@ -47,7 +48,7 @@ class AdmissionConfig:
                    tenants=tenants)
 
     def limits(self, tenant: str) -> tuple[float, int, int]:
-        t = (self.tenants or {}).get(tenant) or TenantLimits()
+        t = (self.tenants or {}).get(tenant) or Entitlements()
         return (self.rate_per_s if t.rate_per_s is None else t.rate_per_s,
                 self.burst if t.burst is None else t.burst,
                 self.max_open_jobs if t.max_open_jobs is None else t.max_open_jobs)
@@ -87,23 +88,32 @@ class Admission:
         self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
         self._in_flight: dict[str, dict[str, float]] = {}
 
-    def check_rate(self, tenant: str) -> None:
-        """Take a submission token of ``tenant`` or raise 429."""
+    def check_rate(self, tenant: str, caller: str | None = None) -> None:
+        """Take a submission token of ``tenant`` or raise 429.
+
+        ``caller``: an unauthenticated caller (the open API), who may name any tenant: it takes a token
+        of its own bucket first (the default limits), so naming a new tenant per request gains nothing.
+        """
+        if caller is not None:
+            self._take(CALLER_PREFIX + caller, self.config.rate_per_s, self.config.burst, f"caller {caller!r}")
         rate, burst, _ = self.config.limits(tenant)
+        self._take(tenant, rate, burst, f"tenant {tenant!r}")
+
+    def _take(self, key: str, rate: float, burst: int, who: str) -> None:
         now = self._clock()
         with self._lock:
-            bucket = self._buckets.get(tenant)
+            bucket = self._buckets.get(key)
             if bucket is None:
-                bucket = self._buckets[tenant] = TokenBucket(rate, burst, now)
+                bucket = self._buckets[key] = TokenBucket(rate, burst, now)
                 if len(self._buckets) > MAX_BUCKETS:
                     self._buckets.popitem(last=False)
             else:
-                self._buckets.move_to_end(tenant)
+                self._buckets.move_to_end(key)
             wait = bucket.take(now)
         if wait > 0:
             metrics.API_ADMISSION_REJECTIONS.labels("rate_limited").inc()
             raise ApiError(429, "rate_limited",
-                           f"tenant {tenant!r} exceeds {rate:g} submissions/s (burst {burst}); retry in {wait:.2f}s",
+                           f"{who} exceeds {rate:g} submissions/s (burst {burst}); retry in {wait:.2f}s",
                            headers={"Retry-After": str(max(1, math.ceil(wait)))})
 
     def _pending(self, tenant: str, now: float) -> int:

@@ -34,6 +34,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dagfold import metrics
@@ -43,7 +44,7 @@ from projections.cluster import ClusterModel
 from projections.jobs import ReadModel
 from projections.operator import OperatorModel
 from services.api import auth as auth_mod
-from services.api import errors, routes_deadletters, routes_gpu, routes_jobs, routes_ops, routes_outputs
+from services.api import errors, routes_deadletters, routes_gpu, routes_jobs, routes_ops, routes_outputs, routes_tenants
 from services.api.admission import Admission, AdmissionConfig
 from services.api.auth import AuthConfig, Principal
 from services.api.context import ApiContext, ApiSender
@@ -52,6 +53,7 @@ from services.api.guard import BrowserGuard, GuardConfig
 from services.api.metrics_collector import ReadModelCollector
 from services.callbacks.ledger import CallbackLedger
 from services.scheduler.spec import JobSpecIn
+from services.worker.handlers import HandlerRegistry
 
 logger = logging.getLogger("dagfold.api")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -110,7 +112,8 @@ class ReadOnly:
 def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_body_bytes: int | None = None,
                auth: AuthConfig | None = None, admission: AdmissionConfig | None = None,
                sse_poll_s: float = 0.25, callbacks: CallbackLedger | None = None,
-               read_only: bool = False, guard: GuardConfig | None = None) -> FastAPI:
+               read_only: bool = False, guard: GuardConfig | None = None,
+               handlers: HandlerRegistry | None = None) -> FastAPI:
     """The API over ``log`` (commands out) and ``read_model`` (queries in).
 
     ``auth`` defaults to ``AuthConfig.from_env()`` (``DAGFOLD_AUTH_FILE``,
@@ -122,6 +125,9 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
     ``read_only`` (``log`` may then be None): reads only, every write refused with 405 ``read_only``.
     ``guard`` (Host, cross-origin writes, local token: ``services/api/guard.py``) defaults to
     ``GuardConfig.from_env(config.api_host)``.
+    ``handlers``: the workers' registry when they run in this process (submissions naming another
+    handler are refused, custom handlers' argument checks run). At start (lifespan) the auth file's
+    tenant settings are written through the log (not when ``read_only``).
     """
     if log is None and not read_only:
         raise ValueError("an API without a log must be read-only")
@@ -132,7 +138,7 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
         log=log, rm=read_model, config=config, sender=ApiSender(log), auth=auth_config,
         admission=Admission(adm_config, ops.open_jobs, lambda j: read_model.get_job(j) is not None),
         body_limit=max_body_bytes if max_body_bytes is not None else config.scheduler.limits.max_spec_bytes,
-        sse_poll_s=sse_poll_s, callbacks=callbacks,
+        sse_poll_s=sse_poll_s, callbacks=callbacks, handlers=handlers,
     )
     principal = auth_mod.dependency(auth_config)
     local_registry = CollectorRegistry(auto_describe=False)
@@ -140,6 +146,8 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not read_only:
+            await run_in_threadpool(routes_tenants.publish_auth_file, ctx)
         yield
         ctx.sender.close()
 
@@ -179,6 +187,7 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
     app.include_router(routes_outputs.router(ctx, principal))
     app.include_router(routes_ops.router(ctx, principal))
     app.include_router(routes_deadletters.router(ctx, principal))
+    app.include_router(routes_tenants.router(ctx, principal))
 
     # -- API docs without a CDN: Swagger UI and ReDoc bundles from fastapi-offline's package data (MIT) ----
     app.mount("/ui/docs-assets", StaticFiles(directory=DOCS_ASSETS), name="docs-assets")

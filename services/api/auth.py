@@ -12,8 +12,9 @@ Auth file (YAML or JSON)::
       k-3f9a...: acme            # a tenant key
       k-77c1...: admin           # an admin key (sees every tenant)
       k-0d2e...: {tenant: admin} # a tenant literally named "admin"
-    tenants:                     # optional admission limits per tenant
-      acme: {rate_per_s: 5, burst: 10, max_open_jobs: 100}
+    tenants:                     # optional entitlements per tenant (dagfold.tenants)
+      acme: {max_tier: standard, handlers: [noop, sleep, shell], weight: 2,
+             gpu_quota: {default: 8}, rate_per_s: 5, burst: 10, max_open_jobs: 100}
 
 A mapping without ``keys`` is read as the ``keys`` mapping itself.
 ``DAGFOLD_API_KEYS="key1:acme,key2:admin"`` adds keys from the environment.
@@ -37,6 +38,7 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from dagfold.exceptions import DagfoldError
+from dagfold.tenants import DEFAULT, Entitlements, EntitlementsError
 from services.api.errors import ApiError
 
 ADMIN = "admin"
@@ -70,23 +72,29 @@ class Principal:
 OPEN = Principal("anonymous", None, admin=True, authenticated=False)
 
 
-@dataclass(frozen=True)
-class TenantLimits:
-    rate_per_s: float | None = None
-    burst: int | None = None
-    max_open_jobs: int | None = None
+TenantLimits = Entitlements  # admission reads rate_per_s, burst and max_open_jobs of a tenant's entitlements
 
 
 @dataclass(frozen=True)
 class AuthConfig:
-    """Key digests to principals, plus optional per-tenant admission limits."""
+    """Key digests to principals, plus optional per-tenant entitlements (``tenants:``)."""
 
     principals: Mapping[str, Principal] = field(default_factory=dict)
-    limits: Mapping[str, TenantLimits] = field(default_factory=dict)
+    limits: Mapping[str, Entitlements] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
         return bool(self.principals)
+
+    def entitlements(self, tenant: str) -> Entitlements:
+        """The auth file's settings of ``tenant`` (no restriction when it names none)."""
+        return self.limits.get(tenant, DEFAULT)
+
+    def tenants(self) -> dict[str, Entitlements]:
+        """Every tenant the file knows (with a key or a ``tenants:`` entry) and its settings."""
+        out = {p.tenant: DEFAULT for p in self.principals.values() if p.tenant is not None}
+        out.update(self.limits)
+        return out
 
     def lookup(self, key: str) -> Principal | None:
         return self.principals.get(_digest(key))
@@ -149,19 +157,15 @@ def _principals(keys: Mapping[Any, Any]) -> dict[str, Principal]:
     return out
 
 
-def _limits(doc: Any) -> dict[str, TenantLimits]:
+def _limits(doc: Any) -> dict[str, Entitlements]:
     if not isinstance(doc, dict):
-        raise AuthConfigError("'tenants' must map tenant names to limits")
+        raise AuthConfigError("'tenants' must map tenant names to their settings")
     out = {}
-    for tenant, lim in doc.items():
-        lim = lim or {}
+    for tenant, settings in doc.items():
         try:
-            out[str(tenant)] = TenantLimits(
-                rate_per_s=float(lim["rate_per_s"]) if "rate_per_s" in lim else None,
-                burst=int(lim["burst"]) if "burst" in lim else None,
-                max_open_jobs=int(lim["max_open_jobs"]) if "max_open_jobs" in lim else None)
-        except (TypeError, ValueError, AttributeError) as exc:
-            raise AuthConfigError(f"tenant {tenant!r}: bad limits: {exc}") from None
+            out[str(tenant)] = Entitlements.parse(settings, f"tenant {str(tenant)[:60]!r}")
+        except EntitlementsError as exc:
+            raise AuthConfigError(f"auth file: {exc}") from None
     return out
 
 

@@ -17,6 +17,7 @@ from dagfold.commands import CommandSender
 from dagfold.config import Config
 from dagfold.exceptions import CodecError, LogError, disk_full
 from dagfold.log.base import Log
+from dagfold.tenants import DEFAULT, Entitlements
 from projections.cluster import ClusterModel
 from projections.jobs import ReadModel
 from projections.operator import OperatorModel
@@ -25,6 +26,7 @@ from services.api.auth import AuthConfig, Principal
 from services.api.errors import ApiError, not_found
 from services.api.graph import LayoutCache
 from services.callbacks.ledger import CallbackLedger
+from services.worker.handlers import HandlerRegistry
 
 logger = logging.getLogger("dagfold.api")
 
@@ -70,6 +72,8 @@ class ApiContext:
     layouts: LayoutCache = field(default_factory=LayoutCache)
     callbacks: CallbackLedger | None = None  # the notifier's ledger when it runs in this process
     artifacts: ArtifactStore | None = None  # task outputs (opened from config.artifacts_url on first use)
+    # the workers' capabilities when they run in this process (dagfold up): handlers outside them are refused
+    handlers: HandlerRegistry | None = None
 
     def artifact_store(self) -> ArtifactStore:
         if self.artifacts is None:
@@ -83,6 +87,17 @@ class ApiContext:
     @property
     def cluster(self) -> ClusterModel:
         return ClusterModel(self.rm.store)
+
+    def entitlements(self, tenant: str) -> Entitlements | None:
+        """What ``tenant`` may use: as last set through the log (admin API, the auth file at start), else the
+        auth file's; with keys configured a tenant without settings gets the defaults (no shell). None: an
+        open API's tenant without settings (no restriction but the deployment's handlers)."""
+        stored = self.rm.tenant_settings(tenant)
+        if stored is not None:
+            return Entitlements.from_record(stored["entitlements"])
+        if tenant in self.auth.limits:
+            return self.auth.limits[tenant]
+        return DEFAULT if self.auth.enabled else None
 
     def job_for(self, job_id: str, principal: Principal) -> dict[str, Any]:
         """The job if it exists and the caller may see it; else the same 404 either way.

@@ -109,13 +109,15 @@ def to_spec_in(req: GpuJobIn) -> JobSpecIn:
     task = {"id": TASK_ID, "handler": HANDLER, "queue": req.pool,
             "args": {"model": req.model, "params": req.params, "prompt": req.prompt},
             "resources": req.resources.model_dump()}
-    doc: dict[str, Any] = {"tier": req.tier, "idempotency_key": req.idempotency_key, "tasks": [task],
+    doc: dict[str, Any] = {"idempotency_key": req.idempotency_key, "tasks": [task],
                            "callback_url": str(req.callback_url) if req.callback_url is not None else None,
                            "retry": req.retry.model_dump() if req.retry is not None else None}
     if req.job_id is not None:
         doc["id"] = req.job_id
     if req.tenant is not None:
         doc["tenant"] = req.tenant
+    if "tier" in req.model_fields_set:  # else the spec's default, lowered to the tenant's highest tier
+        doc["tier"] = req.tier
     return parse_spec(doc)
 
 

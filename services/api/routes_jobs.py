@@ -9,6 +9,7 @@ for other tenants' jobs.
 # No "from __future__ import annotations": FastAPI must see the route signatures'
 # Annotated[..., Depends(local)] objects, which string annotations would hide.
 
+import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
@@ -127,6 +128,10 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
             raise ApiError(403, "tenant_mismatch", f"this API key belongs to tenant {principal.tenant!r}; "
                            f"the spec names tenant {spec_in.tenant!r}")
         spec_in = spec_in.model_copy(update={"tenant": principal.tenant})
+    ent = ctx.entitlements(spec_in.tenant)
+    if ent is not None and ent.max_tier is not None and "tier" not in spec_in.model_fields_set \
+            and ent.tier_refusal(spec_in.tier):  # no tier named: the tenant's highest, not a refusal
+        spec_in = spec_in.model_copy(update={"tier": ent.max_tier})
     try:
         spec = to_job_spec(spec_in)
     except SpecError as exc:
@@ -134,6 +139,7 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
     rejection = validate_job_spec(spec, ctx.config.scheduler.limits)
     if rejection is not None:
         raise ApiError(422, rejection.code, rejection.reason)
+    check_capabilities(ctx, spec)
     try:
         digest = spec_hash(spec)
     except (ValueError, TypeError, OverflowError) as exc:
@@ -154,12 +160,44 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
                            f"(spec hash {existing['spec_hash'][:12]}, this one {digest[:12]})")
         raise ApiError(409, "job_exists", f"job {job_id} already exists with a different spec")
     if principal.tenant is None:
-        ctx.admission.check_rate(tenant)
+        # an open API's caller is one identity whatever tenant it names: its own bucket first
+        ctx.admission.check_rate(tenant, caller=None if principal.authenticated else principal.name)
     ctx.admission.check_open_jobs(tenant)
     ctx.sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="api"), job_id)
     ctx.admission.submitted(tenant, job_id)
     return 202, {"job_id": job_id, "state": "submitted", "tasks": len(spec["tasks"]), "tenant": tenant,
                  "idempotency_key": spec["idempotency_key"]}
+
+
+def check_capabilities(ctx: ApiContext, spec: dict[str, Any]) -> None:
+    """The tenant's tier and handlers (403), the deployment's handlers and their own argument checks.
+
+    The scheduler applies the tenant part again to SubmitJob records from any producer
+    (``processors.entitlement_refusal``); the API answers at once, before anything is written.
+    """
+    tenant = spec["tenant"]
+    ent = ctx.entitlements(tenant)
+    if ent is not None:
+        why = ent.tier_refusal(spec["tier"])
+        if why:
+            raise ApiError(403, "tier_not_allowed", f"tenant {tenant!r}: {why}")
+    seen: set[str] = set()
+    for t in spec["tasks"]:
+        name = t["handler"]
+        if ent is not None and name not in seen:
+            why = ent.handler_refusal(name)
+            if why:
+                raise ApiError(403, "handler_not_allowed", f"tenant {tenant!r}, task {t['task_id']!r}: {why}")
+        seen.add(name)
+        if ctx.handlers is None or t.get("resources") is not None:
+            continue  # workers elsewhere, or a GPU task (run by node agents)
+        if name not in ctx.handlers:
+            raise ApiError(403, "handler_not_enabled",
+                           f"task {t['task_id']!r}: handler {name!r} is not enabled on this deployment's workers "
+                           f"(enabled: {', '.join(ctx.handlers.names())}; see --handlers)")
+        bad = ctx.handlers.check_args(name, json.loads(t["args_json"] or "{}"))
+        if bad:
+            raise ApiError(422, "invalid_args", f"task {t['task_id']!r}: {bad}")
 
 
 def request_cancel(ctx: ApiContext, job_id: str, principal: Principal, reason: str) -> dict[str, Any]:

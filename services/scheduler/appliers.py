@@ -10,6 +10,8 @@ edges)) and an outcome's notification of its direct dependents (O(out-degree)).
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -281,8 +283,27 @@ def _no_state(txn: PartitionTransaction, e: Record) -> None:
     """Recorded for the audit only."""
 
 
+def _tenant_entitlements_set(txn: PartitionTransaction, e: Record) -> None:
+    """One key per tenant; ``file`` remembers the auth file's last settings, so an API restart with an
+    unchanged file does not undo what the admin API set since."""
+    old = txn.get(keys.tenant(e["tenant"])) or {}
+    file_digest = entitlements_digest(e["entitlements"]) if e.get("source") == "auth_file" else old.get("file")
+    txn.put(keys.tenant(e["tenant"]), {"ent": e["entitlements"], "file": file_digest})
+
+
+def entitlements_digest(rec: Record) -> str:
+    """A stable digest of an Entitlements record (sorted JSON)."""
+    return hashlib.sha256(json.dumps(rec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def read_tenant(txn: PartitionTransaction, tenant: str) -> Record | None:
+    """The tenant's stored settings ({ent, file}), or None when none were ever set."""
+    return txn.get(keys.tenant(tenant))  # type: ignore[no-any-return]
+
+
 APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobAccepted": _job_accepted,
+    "dagfold.event.TenantEntitlementsSet": _tenant_entitlements_set,
     "dagfold.event.JobRejected": _no_state,
     "dagfold.event.SubmissionDeduplicated": _no_state,
     "dagfold.event.TaskDispatched": _task_dispatched,

@@ -11,6 +11,7 @@ forbids control characters), so keys never collide.
 | dependents | ``d|job|task``                   | IDs of downstream tasks                 |
 | idempotency| ``i|tenant|key``                 | {job_id, hash} of the first submission  |
 | timers     | ``T|due(16 digits)|job|task|kind`` | attempt; ordered by due time          |
+| tenants    | ``E|tenant``                     | {ent: Entitlements, file: auth file digest} |
 
 Leases live in the task record (worker, lease deadline) and in the timers table.
 """
@@ -42,6 +43,10 @@ def dependents(job_id: str, task_id: str) -> bytes:
 
 def idempotency(tenant: str, key: str) -> bytes:
     return f"i{S}{tenant}{S}{key}".encode()
+
+
+def tenant(name: str) -> bytes:
+    return f"E{S}{name}".encode()
 
 
 TIMER_PREFIX = f"T{S}".encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,16 +24,20 @@ from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.outputs import Output
 from dagfold.processor.fold import FoldContext
 from dagfold.state import PartitionTransaction
+from dagfold.tenants import Entitlements, EntitlementsError
 from services.allocator import commands as alloc_cmds
 from services.scheduler import keys
 from services.scheduler.appliers import (
     apply_event,
+    entitlements_digest,
     get_dependents,
     read_job,
     read_task,
+    read_tenant,
 )
+from services.scheduler.exceptions import InvalidSettingsError
 from services.scheduler.retry import backoff_ms, should_retry
-from services.scheduler.validation import validate_job_spec
+from services.scheduler.validation import Rejection, validate_job_spec
 
 E = "dagfold.event."
 
@@ -187,7 +192,7 @@ def cancel_open_tasks(ctx: Ctx, job_id: str, reason: str) -> None:
 def submit_job(ctx: Ctx, cmd: Record) -> None:
     spec = cmd["spec"]
     job_id = spec["job_id"]
-    rej = validate_job_spec(spec, ctx.opts.limits)
+    rej = validate_job_spec(spec, ctx.opts.limits) or entitlement_refusal(ctx, spec)
     if rej is not None:
         ctx.event("JobRejected", job_id, tenant=spec["tenant"], code=rej.code, reason=rej.reason)
         return
@@ -211,6 +216,47 @@ def submit_job(ctx: Ctx, cmd: Record) -> None:
             t = read_task(ctx.txn, job_id, ts["task_id"])
             assert t is not None
             dispatch(ctx, job_id, ts["task_id"], t, 1, spec["tenant"])
+
+
+def entitlement_refusal(ctx: Ctx, spec: Record) -> Rejection | None:
+    """The tenant's entitlements as folded from the log: tier and handlers (none set: no restriction).
+
+    Upstream producers write SubmitJob without the API: the scheduler refuses what the API would
+    (403 there, ``tier_not_allowed`` / ``handler_not_allowed`` here). One key read per submission;
+    the handler check is one set lookup per distinct handler.
+    """
+    stored = read_tenant(ctx.txn, spec["tenant"])
+    if stored is None:
+        return None
+    ent = Entitlements.from_record(stored["ent"])
+    why = ent.tier_refusal(spec["tier"])
+    if why:
+        return Rejection("tier_not_allowed", why)
+    for handler in {t["handler"] for t in spec["tasks"]}:
+        why = ent.handler_refusal(handler)
+        if why:
+            return Rejection("handler_not_allowed", why)
+    return None
+
+
+def set_tenant_entitlements(ctx: Ctx, cmd: Record) -> None:
+    """Store a tenant's settings on this partition (each partition gets its own copy of the command).
+
+    Settings that do not parse are dropped with an exception (the runner dead-letters the command);
+    the auth file's settings, re-sent at every API start, are a no-op when the file did not change.
+    """
+    try:
+        ent = Entitlements.parse(cmd["entitlements"], f"tenant {cmd['tenant'][:60]!r}")
+    except EntitlementsError as exc:
+        raise InvalidSettingsError(str(exc)) from None
+    rec = ent.to_record()
+    old = read_tenant(ctx.txn, cmd["tenant"])
+    if old is not None:
+        if cmd["source"] == "auth_file" and old.get("file") == entitlements_digest(rec):
+            return  # the file's settings were applied before; later admin changes stand
+        if old["ent"] == rec and (cmd["source"] != "auth_file" or old.get("file") == entitlements_digest(rec)):
+            return
+    ctx.event("TenantEntitlementsSet", cmd["job_id"], tenant=cmd["tenant"], entitlements=rec, source=cmd["source"])
 
 
 def cancel_job(ctx: Ctx, cmd: Record) -> None:
@@ -310,6 +356,13 @@ def task_started(ctx: Ctx, cmd: Record) -> None:
 
 
 def task_heartbeat(ctx: Ctx, cmd: Record) -> None:
+    progress = cmd["progress"]
+    if progress is not None and not (math.isfinite(progress) and 0.0 <= progress <= 1.0):
+        # Avro doubles carry NaN and infinities: a hostile or buggy producer's number changes nothing
+        ctx.event("ReportIgnored", cmd["job_id"], task_id=cmd["task_id"], attempt=cmd["attempt"],
+                  worker_id=cmd["worker_id"], report="heartbeat",
+                  reason=f"progress must be a finite number in [0, 1], got {progress!r}")
+        return
     t = _report_target(ctx, cmd, "heartbeat")
     if t is None:
         return
@@ -497,4 +550,5 @@ PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
     "dagfold.command.TaskReleased": task_released,
     "dagfold.command.TimerFired": timer_fired,
     "dagfold.command.TaskAllocation": task_allocation,
+    "dagfold.command.SetTenantEntitlements": set_tenant_entitlements,
 }

@@ -15,6 +15,7 @@ from typing import Any
 
 from dagfold import rules
 from dagfold.config import Limits
+from services.worker.capabilities import check_builtin_args
 
 FAILURE_POLICIES = frozenset({"fail_fast", "skip_downstream", "allow_partial"})
 TRIGGER_RULES = frozenset({"all_success", "all_done", "one_success", "one_failed", "none_failed", "always"})
@@ -137,6 +138,9 @@ def _check_task(t: dict[str, Any], limits: Limits, names: set[tuple[str, str]]) 
         return Rejection("invalid_field", f"task {tid!r}: args_json is not valid JSON")
     if not isinstance(args, dict):
         return Rejection("invalid_field", f"task {tid!r}: args must be a JSON object")
+    bad_args = check_builtin_args(t["handler"], args)  # the handler's own rules (built-ins; see capabilities)
+    if bad_args:
+        return Rejection("invalid_args", f"task {tid!r}: {bad_args}")
     if t["trigger_rule"] not in TRIGGER_RULES:
         return Rejection("invalid_field", f"task {tid!r}: unknown trigger_rule {t['trigger_rule']!r}")
     if tid in t["depends_on"]:

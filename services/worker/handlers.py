@@ -22,21 +22,34 @@ or, on a registry of one's own, ``@registry.handler("resize")``.
 
 Built-ins: ``noop``, ``sleep`` (``args.seconds``) and ``shell`` (``args.cmd``
 run by ``/bin/sh -c`` in its own process group; optional ``args.env`` (object),
-``args.cwd``, ``args.kill_grace_s``).
+``args.cwd``, ``args.kill_grace_s``). ``shell`` is a capability a worker must
+enable (``HandlerRegistry.with_builtins(shell=True)``, ``--handlers ...,shell``);
+see ``services.worker.capabilities`` and docs/security.md. A handler may carry
+an argument check (``args_check``), run at submission where the API knows the
+registry, and by the worker before every attempt.
+
+Process handlers run without the service's secrets (``TaskRuntime``): a
+minimal environment, a fresh per-attempt work folder, and another user where
+one is configured and the worker runs as root.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from services.worker.capabilities import ArgsCheck, check_noop, check_shell, check_sleep
 from services.worker.exceptions import (
     NonRetryableError,
     ProcessFailed,
@@ -49,6 +62,96 @@ TAIL_BYTES = 4096
 """How much of a process's stdout and stderr (the end) a report carries."""
 
 HeartbeatFn = Callable[[float | None, str | None], None]
+
+PASS_ENV_DEFAULT = ("PATH", "LANG", "LC_ALL", "TZ")
+"""Variables of the worker's environment a task process inherits by default: none of them secret."""
+
+
+@dataclass(frozen=True)
+class TaskRuntime:
+    """Where and as whom process handlers run: the task side of the trust boundary.
+
+    A task process never inherits the worker's environment (which may hold
+    ``DAGFOLD_AUTH_FILE``, ``DAGFOLD_API_KEYS``, ``DAGFOLD_CALLBACK_SECRET``,
+    Kafka credentials, the data folder's path): it gets ``pass_env`` copied
+    from the worker, ``set_env`` (operator-fixed values), the spec's
+    ``args.env``, and its ``DAGFOLD_*`` task variables. Its working directory
+    is a fresh folder per attempt (``HOME`` and ``TMPDIR`` too), under
+    ``work_root`` (default: the system's temp folder), removed after the
+    attempt. With ``user`` set and the worker running as root, the process runs
+    as that user (its primary group, no supplementary groups).
+    """
+
+    pass_env: tuple[str, ...] = PASS_ENV_DEFAULT
+    set_env: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
+    work_root: Path | None = None
+
+    def check(self) -> None:
+        """Raise ValueError for a setting that cannot work (unknown user, user without root)."""
+        if self.user is not None:
+            try:
+                pwd.getpwnam(self.user)
+            except KeyError:
+                raise ValueError(f"task user {self.user!r} does not exist") from None
+            if os.geteuid() != 0:
+                raise ValueError(f"running tasks as {self.user!r} needs a worker running as root")
+        if self.work_root is not None and not self.work_root.is_dir():
+            raise ValueError(f"task work folder root {self.work_root} is not a directory")
+
+    @staticmethod
+    def protect_process() -> bool:
+        """Make this process's /proc files (environ, memory, fds, cwd) unreadable to same-user processes.
+
+        Linux ``prctl(PR_SET_DUMPABLE, 0)`` (no core dumps either): a task running as the worker's user
+        cannot read the service's environment from ``/proc/<worker>/environ``. Root (and a task user
+        that is root) still can; for that, run tasks as another user (``user``). False where unavailable.
+        """
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return False
+        try:
+            libc = ctypes.CDLL(name, use_errno=True)
+            return int(libc.prctl(4, 0, 0, 0, 0)) == 0  # PR_SET_DUMPABLE = 4
+        except (OSError, AttributeError):
+            return False
+
+    def _account(self) -> pwd.struct_passwd | None:
+        if self.user is None or os.geteuid() != 0:
+            return None
+        return pwd.getpwnam(self.user)
+
+    def process_env(self, extra: Mapping[str, Any], task_vars: Mapping[str, str], work_dir: str) -> dict[str, str]:
+        env = {k: os.environ[k] for k in self.pass_env if k in os.environ}
+        env.setdefault("PATH", os.defpath)
+        env.update(self.set_env)
+        env.update({str(k): str(v) for k, v in extra.items()})
+        env.update({"HOME": work_dir, "TMPDIR": work_dir, "PWD": work_dir, "DAGFOLD_WORK_DIR": work_dir})
+        env.update(task_vars)
+        return env
+
+    def popen_identity(self) -> dict[str, Any]:
+        """``subprocess.Popen`` arguments that switch to the task user (none without one)."""
+        acct = self._account()
+        if acct is None:
+            return {}
+        return {"user": acct.pw_uid, "group": acct.pw_gid, "extra_groups": [], "umask": 0o077}
+
+    @contextlib.contextmanager
+    def attempt_dir(self, ctx: TaskContext) -> Iterator[str]:
+        """A fresh folder for one attempt (owned by the task user), removed afterwards."""
+        root = str(self.work_root) if self.work_root is not None else None
+        path = tempfile.mkdtemp(prefix=f"dagfold-attempt-{ctx.attempt}-", dir=root)
+        acct = self._account()
+        if acct is not None:
+            os.chown(path, acct.pw_uid, acct.pw_gid)
+        try:
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @dataclass
@@ -73,6 +176,7 @@ class TaskContext:
     # or its process leaves there is uploaded when the attempt succeeds and listed in its report.
     output_dir: str | None = None
     on_heartbeat: HeartbeatFn | None = field(default=None, repr=False, compare=False)
+    runtime: TaskRuntime = field(default_factory=TaskRuntime, repr=False, compare=False)
 
     def heartbeat(self, progress: float | None = None, message: str | None = None) -> None:
         """Report liveness now, with optional progress (fraction in [0, 1]) and a short note.
@@ -120,26 +224,48 @@ class Handler:
     name: str
     fn: HandlerFn
     batched: bool = False
+    args_check: ArgsCheck | None = None
 
 
 class HandlerRegistry:
-    """Handlers by name."""
+    """Handlers by name: the capabilities of the workers built with it (they run nothing else)."""
 
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
         self._lock = threading.Lock()
 
     @classmethod
-    def with_builtins(cls) -> HandlerRegistry:
-        """A new registry holding ``noop``, ``sleep`` and ``shell``."""
+    def with_builtins(cls, *, shell: bool = False) -> HandlerRegistry:
+        """A new registry holding ``noop`` and ``sleep``, and ``shell`` only when asked for."""
         reg = cls()
-        reg.register("noop", noop, batched=True)
-        reg.register("sleep", sleep)
-        reg.register("shell", shell)
+        reg.register("noop", noop, batched=True, args_check=check_noop)
+        reg.register("sleep", sleep, args_check=check_sleep)
+        if shell:
+            reg.register("shell", shell_handler, args_check=check_shell)
         return reg
 
-    def register(self, name: str, fn: HandlerFn, *, batched: bool = False, replace: bool = False) -> None:
-        """Register ``fn`` under ``name``; ValueError if taken (unless ``replace``)."""
+    def select(self, names: tuple[str, ...] | list[str]) -> HandlerRegistry:
+        """A new registry with exactly ``names``: this registry's handlers, ``shell`` enabled if named.
+
+        ValueError for a name that is neither registered here nor a built-in.
+        """
+        builtins = HandlerRegistry.with_builtins(shell=True)
+        reg = HandlerRegistry()
+        for name in names:
+            h = self.find(name) or builtins.find(name)
+            if h is None:
+                raise ValueError(f"unknown handler {name!r} (registered: {', '.join(self.names()) or 'none'}; "
+                                 "built-ins: noop, sleep, shell)")
+            reg._handlers[name] = h
+        return reg
+
+    def register(self, name: str, fn: HandlerFn, *, batched: bool = False, replace: bool = False,
+                 args_check: ArgsCheck | None = None) -> None:
+        """Register ``fn`` under ``name``; ValueError if taken (unless ``replace``).
+
+        ``args_check(args) -> reason | None`` refuses bad arguments at submission (where the API
+        runs with this registry) and before each attempt.
+        """
         if not name or not isinstance(name, str):
             raise ValueError("handler name must be a non-empty string")
         if not callable(fn):
@@ -147,16 +273,22 @@ class HandlerRegistry:
         with self._lock:
             if name in self._handlers and not replace:
                 raise ValueError(f"handler {name!r} is already registered")
-            self._handlers[name] = Handler(name, fn, batched)
+            self._handlers[name] = Handler(name, fn, batched, args_check)
 
-    def handler(self, name: str, *, batched: bool = False, replace: bool = False) -> Callable[[F], F]:
+    def handler(self, name: str, *, batched: bool = False, replace: bool = False,
+                args_check: ArgsCheck | None = None) -> Callable[[F], F]:
         """Decorator form of ``register``: ``@registry.handler("name")``."""
 
         def deco(fn: F) -> F:
-            self.register(name, fn, batched=batched, replace=replace)
+            self.register(name, fn, batched=batched, replace=replace, args_check=args_check)
             return fn
 
         return deco
+
+    def check_args(self, name: str, args: Mapping[str, Any]) -> str | None:
+        """Why ``args`` are wrong for handler ``name`` (its own check); None if fine or unchecked."""
+        h = self._handlers.get(name)
+        return None if h is None or h.args_check is None else h.args_check(args)
 
     def find(self, name: str) -> Handler | None:
         return self._handlers.get(name)
@@ -180,7 +312,10 @@ _default_lock = threading.Lock()
 
 
 def default_registry() -> HandlerRegistry:
-    """The process-wide registry (built-ins plus whatever ``register_handler`` added)."""
+    """The process-wide registry: ``noop``, ``sleep`` and whatever ``register_handler`` added.
+
+    ``shell`` is not in it: a stack or worker enables it explicitly (``--handlers``, ``select``).
+    """
     global _default
     with _default_lock:
         if _default is None:
@@ -188,16 +323,18 @@ def default_registry() -> HandlerRegistry:
         return _default
 
 
-def register_handler(name: str, fn: HandlerFn, *, batched: bool = False, replace: bool = False) -> None:
+def register_handler(name: str, fn: HandlerFn, *, batched: bool = False, replace: bool = False,
+                     args_check: ArgsCheck | None = None) -> None:
     """Register a custom handler in the default registry (used by ``dagfold up`` / ``dagfold worker``).
 
     ``fn(ctx: TaskContext)`` returns None or a JSON-serialisable result, or
     raises (``NonRetryableError`` for failures that must not be retried). Use
     ``ctx.idempotency_key`` (stable across attempts) to deduplicate external
     side effects, e.g. with ``services.worker.sideeffects.SideEffectLedger``.
-    Set ``batched=True`` only for instant handlers (see ``Handler``).
+    Set ``batched=True`` only for instant handlers (see ``Handler``). ``args_check(args)`` returns
+    the reason arguments are wrong, or None.
     """
-    default_registry().register(name, fn, batched=batched, replace=replace)
+    default_registry().register(name, fn, batched=batched, replace=replace, args_check=args_check)
 
 
 # -- built-ins -----------------------------------------------------------------
@@ -210,10 +347,10 @@ def noop(ctx: TaskContext) -> None:
 
 def sleep(ctx: TaskContext) -> None:
     """Sleeps ``args.seconds`` (default 0); stops early, failing, when cancelled."""
-    seconds = ctx.args.get("seconds", 0)
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
-        raise NonRetryableError(f"sleep: args.seconds must be a number >= 0, got {seconds!r}")
-    if ctx.cancelled.wait(float(seconds)):
+    bad = check_sleep(ctx.args)
+    if bad:
+        raise NonRetryableError(bad)
+    if ctx.cancelled.wait(float(ctx.args.get("seconds", 0))):
         raise TaskCancelled(f"cancelled: {ctx.cancel_reason or 'cancelled'}")
 
 
@@ -262,33 +399,42 @@ def _kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 
 
 def shell(ctx: TaskContext) -> None:
-    """Runs ``args.cmd`` with ``/bin/sh -c`` in its own process group.
+    """Runs ``args.cmd`` with ``/bin/sh -c`` in its own process group, in a fresh work folder.
 
-    The environment is the worker's, plus ``args.env``, plus ``DAGFOLD_JOB_ID``,
-    ``DAGFOLD_TASK_ID``, ``DAGFOLD_ATTEMPT`` and ``DAGFOLD_IDEMPOTENCY_KEY``.
-    Exit 0 succeeds; another status raises ProcessFailed ("exit code N"). Both
-    output streams are drained by threads (no pipe deadlock on big outputs) and
-    their last ``TAIL_BYTES`` bytes are left in ``ctx.stdout_tail``/``stderr_tail``.
-    On cancellation or after ``ctx.start_to_close_s`` the whole group gets
-    SIGTERM, then SIGKILL after ``args.kill_grace_s`` (default 2 s). Processes
-    the command leaves behind holding its output open are killed too.
+    The environment is ``ctx.runtime``'s minimal one (never the worker's own),
+    plus ``args.env``, plus ``DAGFOLD_JOB_ID``, ``DAGFOLD_TASK_ID``,
+    ``DAGFOLD_ATTEMPT``, ``DAGFOLD_IDEMPOTENCY_KEY`` and ``DAGFOLD_WORK_DIR``
+    (also ``HOME``, ``TMPDIR`` and the working directory; ``args.cwd`` is a
+    folder inside it). Exit 0 succeeds; another status raises ProcessFailed
+    ("exit code N"). Both output streams are drained by threads (no pipe
+    deadlock on big outputs) and their last ``TAIL_BYTES`` bytes are left in
+    ``ctx.stdout_tail``/``stderr_tail``. On cancellation or after
+    ``ctx.start_to_close_s`` the whole group gets SIGTERM, then SIGKILL after
+    ``args.kill_grace_s`` (default 2 s). Processes the command leaves behind
+    holding its output open are killed too.
     """
-    cmd = ctx.args.get("cmd")
-    if not isinstance(cmd, str) or not cmd.strip():
-        raise NonRetryableError("shell: args.cmd must be a non-empty string")
-    extra_env = ctx.args.get("env") or {}
-    if not isinstance(extra_env, dict):
-        raise NonRetryableError("shell: args.env must be an object")
-    cwd = ctx.args.get("cwd")
-    if cwd is not None and not isinstance(cwd, str):
-        raise NonRetryableError("shell: args.cwd must be a string")
-    grace = ctx.args.get("kill_grace_s", 2.0)
-    if isinstance(grace, bool) or not isinstance(grace, int | float) or not grace >= 0:
-        raise NonRetryableError("shell: args.kill_grace_s must be a number >= 0")
-    env = dict(os.environ)
-    env.update({str(k): str(v) for k, v in extra_env.items()})
-    env.update(ctx.env())
+    bad = check_shell(ctx.args)
+    if bad:
+        raise NonRetryableError(bad)
+    with ctx.runtime.attempt_dir(ctx) as work_dir:
+        cwd = work_dir
+        if ctx.args.get("cwd"):
+            cwd = os.path.join(work_dir, ctx.args["cwd"])
+            try:
+                os.makedirs(cwd, exist_ok=True)
+                if ctx.runtime.popen_identity():
+                    acct = pwd.getpwnam(str(ctx.runtime.user))
+                    os.chown(cwd, acct.pw_uid, acct.pw_gid)
+            except OSError as exc:
+                raise NonRetryableError(f"shell: cannot create args.cwd: {exc}") from exc
+        env = ctx.runtime.process_env(ctx.args.get("env") or {}, ctx.env(), work_dir)
+        _run_shell(ctx, ctx.args["cmd"], env, cwd, float(ctx.args.get("kill_grace_s", 2.0)))
 
+
+shell_handler = shell  # with_builtins' keyword ``shell`` hides the function's name there
+
+
+def _run_shell(ctx: TaskContext, cmd: str, env: dict[str, str], cwd: str, grace: float) -> None:
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -299,6 +445,7 @@ def shell(ctx: TaskContext) -> None:
             env=env,
             cwd=cwd,
             start_new_session=True,
+            **ctx.runtime.popen_identity(),
         )
     except OSError as exc:
         raise NonRetryableError(f"shell: cannot start /bin/sh: {exc}") from exc
@@ -327,7 +474,7 @@ def shell(ctx: TaskContext) -> None:
                 break
     finally:
         if proc.returncode is None:  # cancelled, timed out, or interrupted
-            _kill_group(proc, float(grace))
+            _kill_group(proc, grace)
     # Leftover processes of the group may still hold the pipes open.
     end = time.monotonic() + 0.5
     for t in readers:

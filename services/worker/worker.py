@@ -58,7 +58,7 @@ from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Ack, Consumer, Log, LogRecord, QueuedRecord, TopicPartition, TopicSpec
 from dagfold.logs import log_context
 from services.worker.exceptions import NonRetryableError, TaskError, TaskTimeout, UnknownHandlerError
-from services.worker.handlers import Handler, HandlerRegistry, TaskContext, default_registry
+from services.worker.handlers import Handler, HandlerRegistry, TaskContext, TaskRuntime, default_registry
 
 log = logging.getLogger("dagfold.worker")
 
@@ -168,8 +168,10 @@ class Worker:
         lock_ms: int = DISPATCH_LOCK_MS,
         max_deliveries: int = DISPATCH_MAX_DELIVERIES,
         artifacts: ArtifactStore | None = None,
+        runtime: TaskRuntime | None = None,
     ) -> None:
         self.log = log
+        self.runtime = runtime if runtime is not None else TaskRuntime()
         self.queue = queue
         self.worker_id = worker_id
         self.registry = registry if registry is not None else default_registry()
@@ -512,7 +514,7 @@ class Worker:
         ctx = TaskContext(job_id=key[0], task_id=key[1], attempt=key[2], idempotency_key=d["idempotency_key"],
                           tenant=d["tenant"], handler=d["handler"], worker_id=self.worker_id,
                           start_to_close_s=d["start_to_close_s"],
-                          output_dir=str(output_dir) if output_dir is not None else None)
+                          output_dir=str(output_dir) if output_dir is not None else None, runtime=self.runtime)
         try:
             args = json.loads(d["args_json"] or "{}")
             if not isinstance(args, dict):
@@ -520,8 +522,11 @@ class Worker:
         except ValueError as err:
             return self._failed(ctx, NonRetryableError(f"invalid args_json: {err}"))
         ctx.args = args
-        if handler is None:
+        if handler is None:  # not a capability of this worker (e.g. shell where it is not enabled)
             return self._failed(ctx, UnknownHandlerError(d["handler"]))
+        bad_args = handler.args_check(args) if handler.args_check is not None else None
+        if bad_args:
+            return self._failed(ctx, NonRetryableError(f"invalid args: {bad_args}"))
         if handler.batched:
             ctx.on_heartbeat = lambda p, m: self._send_heartbeat(ctx, p, m, flush=False)
             value, error = self._call(handler, ctx)
