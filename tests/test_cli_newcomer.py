@@ -52,7 +52,8 @@ class Up:
         with open(self.log_path, "wb") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dagfold", "up", "--data", str(self.data), "--port", str(self.port),
-                 "--workers", "2"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                 "--workers", "2", "--handlers", "noop,sleep,shell"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**env, "PYTHONPATH": str(ROOT)})
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

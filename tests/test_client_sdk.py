@@ -12,6 +12,7 @@ import pytest
 from dagfold.client import ClientError, Job, JobNotFound, KafkaClient, RestClient, Retry
 from dagfold.config import Config
 from services.stack import Stack, StackOptions
+from services.worker.handlers import HandlerRegistry
 from tests.cli_support import ROOT, free_port
 
 
@@ -40,7 +41,8 @@ def test_the_builder_makes_the_apis_spec_and_fixes_the_job_id() -> None:
 def test_rest_submit_wait_status_and_idempotency_on_a_running_stack(tmp_path: Path) -> None:
     port = free_port()
     cfg = Config(data_dir=tmp_path / "data", partitions=2, dispatch_partitions=2, api_port=port)
-    with Stack(cfg, StackOptions(workers=1, callbacks=False)), RestClient(f"http://127.0.0.1:{port}") as client:
+    opts = StackOptions(workers=1, callbacks=False, registry=HandlerRegistry.with_builtins(shell=True))  # the example
+    with Stack(cfg, opts), RestClient(f"http://127.0.0.1:{port}") as client:  # script runs shell tasks
         job = chain(Job(idempotency_key="nightly-1"), 3)
         first = client.submit(job)
         assert first.job_id == job.id and first.created is True

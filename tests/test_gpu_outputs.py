@@ -19,6 +19,7 @@ import pytest
 from dagfold.artifacts import LocalArtifactStore, output_files, output_prefix, valid_name
 from dagfold.config import Config
 from services.stack import Stack, StackOptions
+from services.worker.handlers import HandlerRegistry
 from tests.api_support import free_port
 from tests.callback_support import Receiver
 from tests.s3_support import S3Server
@@ -158,9 +159,13 @@ def test_a_preempted_jobs_sse_stream_shows_the_seed_states_in_order(tmp_path: Pa
         assert not stack.failed, stack.errors
 
 
-def test_a_cpu_task_returns_what_it_wrote_to_its_output_dir(tmp_path: Path, keys: None) -> None:
+def test_a_cpu_task_returns_what_it_wrote_to_its_output_dir(tmp_path: Path, keys: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    auth = tmp_path / "auth.yaml"  # shell is a capability: enabled on the stack, granted to studio-a
+    auth.write_text("tenants:\n  studio-a: {handlers: [noop, sleep, shell]}\n")
+    monkeypatch.setenv("DAGFOLD_AUTH_FILE", str(auth))
     cfg = Config(data_dir=tmp_path / "data", partitions=2, dispatch_partitions=2, api_port=free_port())
-    with Stack(cfg, StackOptions(workers=1)) as stack:
+    with Stack(cfg, StackOptions(workers=1, registry=HandlerRegistry.with_builtins(shell=True))) as stack:
         base = f"http://127.0.0.1:{cfg.api_port}"
         spec = {"id": "cpu-1", "tasks": [{"id": "render", "handler": "shell", "args": {
             "cmd": 'mkdir -p "$DAGFOLD_OUTPUT_DIR/frames" && printf frame > "$DAGFOLD_OUTPUT_DIR/frames/0.txt" '

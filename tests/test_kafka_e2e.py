@@ -35,7 +35,7 @@ def test_montage_runs_to_success_on_kafka(kafka_bootstrap: str, tmp_path: Path) 
 def test_up_on_kafka_submit_wait_upstream_producer_and_kill9(kafka_bootstrap: str, tmp_path: Path) -> None:
     url = f"kafka://{kafka_bootstrap}"
     data = tmp_path / "data"
-    up = UpProcess(data, log=url).start()
+    up = UpProcess(data, log=url, args=("--handlers", "noop,sleep,shell")).start()  # the examples run shell
     try:
         r = dagfold("submit", "examples/diamond.yaml", "--wait", "--api", up.api, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr

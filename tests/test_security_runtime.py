@@ -319,3 +319,16 @@ def test_a_shell_task_cannot_reach_the_services_secrets(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(10)
         logf.close()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_allocator_rejects_non_finite_runtime_and_ignores_non_finite_perf(bad: float) -> None:
+    from services.allocator.harness import AllocatorHarness
+
+    h = AllocatorHarness()
+    h.register("n0")
+    h.request("r", gpus=1, max_runtime_s=bad)  # was a fold error (int(inf)) or an allocation without a limit
+    assert "max_runtime_s" in h.of_type("RequestRejected")[-1]["reason"]
+    h.heartbeat("n0", perf=bad)
+    assert h.of_type("NodeHeartbeatRecorded")[-1]["perf"] is None
+    assert h.replayed_digest() == h.digest()

@@ -7,6 +7,7 @@ never writes state directly, never reads a clock and never does I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from dagfold.codec import Record
@@ -143,6 +144,8 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
                           "checkpoint_uri": s["checkpoint_uri"]})
     health = cmd["health"]
     perf = cmd["perf"]
+    if perf is not None and not (math.isfinite(perf) and perf >= 0):
+        perf = None  # NaN or infinite from a hostile or broken agent: no measurement, not a poisoned average
     avg = st.perf.get(n.gpu_type)
     if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
         health = "slow"
@@ -190,8 +193,8 @@ def _validate(ctx: Ctx, cmd: Record) -> str | None:
     if ctx.opts.tier_rank(cmd["tier"]) is None:
         return f"unknown tier {cmd['tier']!r}; known: {', '.join(ctx.opts.tiers)}"
     mrt = cmd["max_runtime_s"]
-    if mrt is not None and mrt <= 0:
-        return "max_runtime_s must be positive"
+    if mrt is not None and not (math.isfinite(mrt) and 0 < mrt <= 10 * 365 * 24 * 3600):
+        return f"max_runtime_s must be a finite number > 0 (at most 10 years), got {mrt}"
     return None
 
 
@@ -206,7 +209,7 @@ def request_allocation(ctx: Ctx, cmd: Record) -> None:
     mrt = cmd["max_runtime_s"]
     fields = {"gpus": cmd["gpus"], "gpu_type": sorted(cmd["gpu_type"]), "hosts": cmd["hosts"],
               "gpu_milli": cmd["gpu_milli"], "cpu_milli": cmd["cpu_milli"], "memory_mib": cmd["memory_mib"],
-              "max_runtime_ms": None if mrt is None else int(mrt * 1000), "checkpoint": cmd["checkpoint"],
+              "max_runtime_ms": None if mrt is None or why else int(mrt * 1000), "checkpoint": cmd["checkpoint"],
               "submitted_ms": cmd["submitted_ms"]}
     probe = RequestView(key, {**ident, **fields, "seq": 0, "queued_ms": ctx.now_ms, "resume": None, "grants": 0})
     if why is None:

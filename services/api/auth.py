@@ -129,8 +129,9 @@ def load_file(path: Path) -> dict[str, Any]:
         raise AuthConfigError(f"auth file {path} is not valid YAML/JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise AuthConfigError(f"auth file {path} must be a mapping of keys")
-    if "keys" not in doc:
+    if "keys" not in doc and "tenants" not in doc:
         doc = {"keys": doc}
+    doc.setdefault("keys", {})  # tenants only: keys may come from DAGFOLD_API_KEYS
     if not isinstance(doc["keys"], dict):
         raise AuthConfigError(f"auth file {path}: 'keys' must map API keys to a tenant or 'admin'")
     return doc

@@ -133,6 +133,12 @@ class TaskRuntime:
         env.update(task_vars)
         return env
 
+    def hand_over(self, path: str | Path) -> None:
+        """Make a folder the task's (owned by the task user, when tasks run as one): e.g. its output folder."""
+        acct = self._account()
+        if acct is not None:
+            os.chown(path, acct.pw_uid, acct.pw_gid)
+
     def popen_identity(self) -> dict[str, Any]:
         """``subprocess.Popen`` arguments that switch to the task user (none without one)."""
         acct = self._account()
@@ -145,9 +151,7 @@ class TaskRuntime:
         """A fresh folder for one attempt (owned by the task user), removed afterwards."""
         root = str(self.work_root) if self.work_root is not None else None
         path = tempfile.mkdtemp(prefix=f"dagfold-attempt-{ctx.attempt}-", dir=root)
-        acct = self._account()
-        if acct is not None:
-            os.chown(path, acct.pw_uid, acct.pw_gid)
+        self.hand_over(path)
         try:
             yield path
         finally:
@@ -422,9 +426,7 @@ def shell(ctx: TaskContext) -> None:
             cwd = os.path.join(work_dir, ctx.args["cwd"])
             try:
                 os.makedirs(cwd, exist_ok=True)
-                if ctx.runtime.popen_identity():
-                    acct = pwd.getpwnam(str(ctx.runtime.user))
-                    os.chown(cwd, acct.pw_uid, acct.pw_gid)
+                ctx.runtime.hand_over(cwd)
             except OSError as exc:
                 raise NonRetryableError(f"shell: cannot create args.cwd: {exc}") from exc
         env = ctx.runtime.process_env(ctx.args.get("env") or {}, ctx.env(), work_dir)

@@ -585,6 +585,7 @@ class Worker:
             return self._execute_attempt(d, key, handler, stop)
         folder = Path(tempfile.mkdtemp(prefix="dagfold-outputs-"))
         try:
+            self.runtime.hand_over(folder)  # the task process writes there, as the task user if any
             report = self._execute_attempt(d, key, handler, stop, output_dir=folder)
             if report is None or report["type"] != "dagfold.command.TaskSucceeded":
                 return report
