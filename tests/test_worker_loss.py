@@ -19,6 +19,8 @@ import httpx
 
 from tests.cli_support import UpProcess
 
+SHELL = ("--handlers", "noop,sleep,shell")  # these tasks run shell: a capability the stack enables
+
 
 def _history(up: UpProcess, job_id: str) -> list[dict[str, Any]]:
     r = httpx.get(f"{up.api}/v1/jobs/{job_id}/history", params={"limit": 1000}, timeout=10)
@@ -57,7 +59,7 @@ def test_a_job_survives_repeated_kill_9_of_its_workers_and_scheduler(tmp_path: P
     cmd = f'sleep 0.6; echo "$DAGFOLD_IDEMPOTENCY_KEY/$DAGFOLD_ATTEMPT" >> {effects}/$DAGFOLD_ATTEMPT'
     tasks = "\n".join(f"  - {{id: t{i:02d}, handler: shell, args: {{cmd: '{cmd}'}}}}" for i in range(n))
     spec = f"id: survivor\ntimeouts: {{heartbeat_s: 2}}\ntasks:\n{tasks}\n"
-    up = UpProcess(data, workers=2).start()
+    up = UpProcess(data, workers=2, args=SHELL).start()
     try:
         job = up.submit(spec)
         kills = 0
@@ -69,7 +71,7 @@ def test_a_job_survives_repeated_kill_9_of_its_workers_and_scheduler(tmp_path: P
                 break
             up.kill9()
             kills += 1
-            up = UpProcess(data, workers=2).start()
+            up = UpProcess(data, workers=2, args=SHELL).start()
         final = up.wait(job, timeout=180)
         assert kills == 3, "the job ended before it could be killed three times"
         assert final["state"] == "succeeded", final
@@ -94,7 +96,7 @@ def test_a_job_survives_repeated_kill_9_of_its_workers_and_scheduler(tmp_path: P
 
 def _launch(data: Path) -> UpProcess:
     """`dagfold up` with one worker, which may die before its API answers (the poison task)."""
-    up = UpProcess(data, workers=1)
+    up = UpProcess(data, workers=1, args=SHELL)
     try:
         up.start()
     except RuntimeError:
@@ -107,7 +109,7 @@ def test_a_task_that_kills_every_worker_fails_with_worker_lost_after_the_limit(t
     spec = ("id: poison\ntimeouts: {heartbeat_s: 2}\nretry: {max_attempts: 5}\ntasks:\n"
             "  - {id: bomb, handler: shell, args: {cmd: 'kill -9 $PPID; sleep 5'}}\n"
             "  - {id: fine, handler: noop}\n")
-    up = UpProcess(data, workers=1).start()
+    up = UpProcess(data, workers=1, args=SHELL).start()
     job = up.submit(spec)
     deaths = 0
     j: dict[str, Any] | None = None
