@@ -755,7 +755,7 @@ def tasks(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_
     if as_json:
         _print_json(items)
         return
-    t = _table("task", "state", "attempt", "worker", "reason")
+    t = _id_table("task", "state", "attempt", "worker", "reason")
     for x in items:
         t.add_row(x["task_id"], x["state"], str(x.get("attempt", "")), x.get("worker_id") or "",
                   (x.get("reason") or "")[:80])
@@ -772,7 +772,7 @@ def attempts(job_id: JobArg, task_id: Annotated[str, typer.Argument(help="task I
     if as_json:
         _print_json(items)
         return
-    t = _table("#", "worker", "outcome", "started", "duration", "reason")
+    t = _id_table("#", "worker", "outcome", "started", "duration", "reason")
     for a in items:
         reason = a.get("reason") or ""
         if a.get("exit_code") is not None and "exit code" not in reason:
@@ -817,7 +817,7 @@ def queues(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt =
     if as_json:
         _print_json(res)
         return
-    t = _table("queue", "runnable", "running", "retrying", "oldest wait")
+    t = _id_table("queue", "runnable", "running", "retrying", "oldest wait")
     for q in res["queues"]:
         age = q.get("oldest_runnable_age_s")
         t.add_row(q["queue"], str(q["runnable"]), str(q["running"]), str(q["retrying"]),
@@ -833,7 +833,7 @@ def tenants(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt 
         _print_json(res)
         return
     cols = ["tenant", "open jobs", "running", "share"] + (["gpus", "gpu share", "weight"] if res["cluster"] else [])
-    t = _table(*cols, "retries", "failures")
+    t = _id_table(*cols, "retries", "failures")
     for x in res["tenants"]:
         row = [x["tenant"], str(x["open_jobs"]), str(x["running_tasks"]), f"{x['share']['running_tasks']:.1%}"]
         if res["cluster"]:
@@ -857,17 +857,17 @@ def cluster(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt 
     tot = res["totals"]
     out.print(f"GPUs: {tot['allocated']} of {tot['healthy_gpus']} healthy allocated ({tot['allocation_ratio']:.1%}), "
               f"{tot['free']} free, {tot['gpus'] - tot['healthy_gpus']} unhealthy; {tot['nodes']} nodes")
-    t = _table("pool", "nodes", "gpus", "allocated", "unhealthy nodes")
+    t = _id_table("pool", "nodes", "gpus", "allocated", "unhealthy nodes")
     for p in res["pools"]:
         t.add_row(p["pool"], str(p["nodes"]), str(p["gpus"]), str(p["allocated"]), str(p["unhealthy_nodes"]))
     out.print(t)
-    t = _table("tenant", "gpus", "share", "weight")
+    t = _id_table("tenant", "gpus", "share", "weight")
     for x in res["tenants"]:
         t.add_row(x["tenant"], str(x["gpus"]), "" if x.get("share") is None else f"{x['share']:.1%}",
                   str(x.get("weight") or ""))
     out.print(t)
     if node_list:
-        t = _table("node", "pool", "type", "health", "gpus", "allocated", "tenants")
+        t = _id_table("node", "pool", "type", "health", "gpus", "allocated", "tenants")
         for n in node_list:
             t.add_row(n["node_id"], n.get("pool") or "", n.get("gpu_type") or "", n["health"], str(n["gpus"]),
                       str(n["allocated"]), ", ".join(f"{k}:{v}" for k, v in (n.get("tenants") or {}).items()))
@@ -883,7 +883,7 @@ def failures(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt
     if as_json:
         _print_json(res)
         return
-    t = _table("reason", "count", "final", "last task", "example")
+    t = _id_table("reason", "count", "final", "last task", "example")
     for r in res["reasons"]:
         t.add_row(r["class"], str(r["count"]), str(r["final"]), f"{r['last_job_id']} {r['last_task_id']}",
                   r["sample_reason"][:60])
@@ -927,7 +927,7 @@ def history(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, a
         _print_json(items)
         return
     now = now_ms()
-    t = _table("time", "event", "task", "attempt", "detail")
+    t = _id_table("time", "event", "task", "attempt", "detail")
     for x in items:
         t.add_row(_when(x["ts_ms"], now), x["type"].rsplit(".", 1)[-1], x.get("task_id") or "",
                   str(x.get("attempt") or ""), x.get("detail") or "")
