@@ -11,7 +11,7 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser bench bench-peers bench-scale bench-gpu-sweep chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser bench bench-peers bench-scale bench-hostile bench-gpu-sweep chaos lint clean
 
 install: $(STAMP)
 
@@ -57,6 +57,10 @@ bench-peers: install kafka-fetch
 # Synthetic layered DAGs of 1k to 1M tasks on the embedded stack (about 10 minutes; 6 GiB at 1M)
 bench-scale: install
 	$(BIN)/python -m bench.scale
+
+# Hostile input against a live `dagfold up`: answers, crash, peak RSS growth (bench/results/hostile_api.json)
+bench-hostile: install
+	$(BIN)/python -m bench.hostile_api
 
 # The synthetic GPU day at 70/85/95/110% offered load, ours beside FIFO and best-fit (SWEEP_GPUS=10000 for the full day)
 SWEEP_GPUS ?= 2000
