@@ -53,6 +53,7 @@ bench: install kafka-fetch
 bench-peers: install kafka-fetch
 	bench/peers/setup.sh
 	$(BIN)/python -m bench.peers
+	$(BIN)/python -m bench.peers.durations --repeat 3
 
 # Synthetic layered DAGs of 1k to 1M tasks on the embedded stack (about 10 minutes; 6 GiB at 1M)
 bench-scale: install
