@@ -21,6 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 # Control characters: C0, DEL and C1. ESC (\x1b) is among them: no terminal escapes in names.
 _CONTROLS = "\\x00-\\x1f\\x7f-\\x9f"
@@ -121,3 +122,10 @@ def has_control(value: str) -> bool:
 def finite_number(value: Any) -> bool:
     """A real number, finite, and not a boolean (``True`` is an int to Python, not a count to a spec)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def path_segment(value: str) -> str:
+    """``value`` as one URL path segment, for clients (the CLI, the SDK): every reserved character escaped
+    ('/', '#', '?', '%'), and a name of dots too (HTTP clients remove '.' and '..' segments, so a job named
+    '..' would reach another route)."""
+    return "%2E" * len(value) if value and not value.strip(".") else quote(str(value), safe="")

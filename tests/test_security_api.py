@@ -413,6 +413,18 @@ def test_cli_escapes_every_path_segment(live: tuple[ApiHarness, str]) -> None:
     assert r.exit_code == 0 and [c["type"] for c in api.commands()] == ["dagfold.command.RedriveJob"]
 
 
+def test_the_sdk_escapes_job_ids_in_paths(live: tuple[ApiHarness, str]) -> None:
+    from dagfold.client.clients import ClientError, RestClient
+
+    api, url = live
+    with RestClient(url) as client:
+        for ref in ("JOB/redrive#", "JOB/redrive?x=", ".."):
+            with pytest.raises(ClientError):
+                client.cancel(ref)
+        assert client.status("JOB").state == "failed"
+    assert api.commands() == []
+
+
 def test_cli_never_reads_data_as_markup(live: tuple[ApiHarness, str]) -> None:
     _, url = live
     for args in (["jobs"], ["tenants"], ["tasks", "markup"], ["status", "JOB"], ["failures"], ["queues"]):

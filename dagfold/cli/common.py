@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import quote
 
 import httpx
 import typer
@@ -24,6 +23,7 @@ from rich.text import Text
 
 from dagfold import clock
 from dagfold.config import Config
+from dagfold.rules import path_segment
 
 
 class _App(typer.Typer):
@@ -62,10 +62,7 @@ def fail(msg: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def seg(value: str) -> str:
-    """``value`` as one URL path segment: every reserved character escaped ('/', '#', '?', '%'), and a name
-    of dots too (an HTTP client removes '.' and '..' segments, so `cancel ..` would reach another route)."""
-    return "%2E" * len(value) if value and not value.strip(".") else quote(str(value), safe="")
+seg = path_segment  # every ID the CLI puts into a URL path goes through it
 
 
 def _logging(verbose: bool) -> None:

@@ -22,6 +22,7 @@ from dagfold.commands import CommandSender, now_ms
 from dagfold.config import EVENTS, Config
 from dagfold.exceptions import CodecError, DagfoldError
 from dagfold.log import TopicPartition, open_log
+from dagfold.rules import path_segment
 from projections.jobs import TERMINAL_JOB_STATES
 from services.scheduler.spec import SpecError
 from services.scheduler.validation import validate_job_spec
@@ -136,7 +137,7 @@ class RestClient:
         return Submission(str(r.json()["job_id"]), created=r.status_code == 202)
 
     def status(self, job_id: str) -> JobStatus:
-        r = self._call("GET", f"/v1/jobs/{job_id}")
+        r = self._call("GET", f"/v1/jobs/{path_segment(job_id)}")
         if r.status_code != 200:
             raise self._error(r)
         j = r.json()
@@ -159,7 +160,7 @@ class RestClient:
             time.sleep(poll_s)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
-        r = self._call("POST", f"/v1/jobs/{job_id}/cancel", json={"reason": reason})
+        r = self._call("POST", f"/v1/jobs/{path_segment(job_id)}/cancel", json={"reason": reason})
         if r.status_code >= 400:
             raise self._error(r)
 
