@@ -180,7 +180,8 @@ def test_settings_commands_reach_every_partition() -> None:
 
 
 def test_admin_api_writes_entitlements_through_the_log(api: ApiHarness) -> None:
-    body = {"max_tier": "standard", "handlers": ["noop"], "weight": 3, "gpu_quota": {"default/h100": 4}}
+    body = {"max_tier": "standard", "handlers": ["noop"], "weight": 3, "gpu_quota": {"default/h100": 4},
+            "max_open_jobs": 1}
     assert api.client.put("/v1/tenants/beta/entitlements", json=body, headers=h(B_KEY)).status_code == 403
     bad = api.client.put("/v1/tenants/beta/entitlements", json={"max_tier": "gold"}, headers=h(ADMIN_KEY))
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_entitlements"
@@ -204,6 +205,8 @@ def test_admin_api_writes_entitlements_through_the_log(api: ApiHarness) -> None:
     assert got["entitlements"]["max_tier"] == "standard" and got["source"] == "admin_api"
     r = api.client.post("/v1/jobs", json={"tier": "standard", "tasks": [{"id": "a"}]}, headers=h(B_KEY))
     assert r.status_code == 202, r.text  # was free in the auth file
+    r = api.client.post("/v1/jobs", json={"tier": "free", "tasks": [{"id": "a"}]}, headers=h(B_KEY))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_queued_jobs"  # the new cap, live
     assert api.client.get("/v1/tenants/alpha/entitlements", headers=h(B_KEY)).status_code == 403
 
 

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -47,7 +48,7 @@ from services.api import auth as auth_mod
 from services.api import errors, routes_deadletters, routes_gpu, routes_jobs, routes_ops, routes_outputs, routes_tenants
 from services.api.admission import Admission, AdmissionConfig
 from services.api.auth import AuthConfig, Principal
-from services.api.context import ApiContext, ApiSender
+from services.api.context import ApiContext, ApiSender, LiveEntitlements
 from services.api.errors import ApiError
 from services.api.guard import BrowserGuard, GuardConfig
 from services.api.metrics_collector import ReadModelCollector
@@ -140,6 +141,8 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
         body_limit=max_body_bytes if max_body_bytes is not None else config.scheduler.limits.max_spec_bytes,
         sse_poll_s=sse_poll_s, callbacks=callbacks, handlers=handlers,
     )
+    if admission is None:  # the tenants' limits as set through the log (admin API), else the auth file's
+        ctx.admission.config = replace(adm_config, tenants=LiveEntitlements(ctx))
     principal = auth_mod.dependency(auth_config)
     local_registry = CollectorRegistry(auto_describe=False)
     local_registry.register(ReadModelCollector(ops, ClusterModel(read_model.store)))

@@ -8,6 +8,7 @@ tests).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -137,3 +138,27 @@ def parse_time_ms(value: str | None, name: str) -> int | None:
         return max(int(dt.timestamp() * 1000), 0)
     except (OverflowError, OSError, ValueError):
         raise ApiError(400, "invalid_request", f"{name}: time out of range") from None
+
+
+class LiveEntitlements(Mapping[str, Entitlements]):
+    """Tenants' entitlements as ``ApiContext.entitlements`` finds them now (the log's copy, else the auth
+    file's): admission reads rate limits and open-job caps through it, so a change made through the admin
+    API applies without a restart. Only ``get`` is used per request (one read-model lookup)."""
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self._ctx = ctx
+
+    def __getitem__(self, tenant: str) -> Entitlements:
+        ent = self._ctx.entitlements(tenant)
+        if ent is None:
+            raise KeyError(tenant)
+        return ent
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ctx.auth.limits)
+
+    def __len__(self) -> int:
+        return len(self._ctx.auth.limits)
+
+    def __bool__(self) -> bool:
+        return True
