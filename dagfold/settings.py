@@ -37,7 +37,7 @@ CONFIG_ENV = "DAGFOLD_CONFIG"
 # Set by dagfold for a task's process (shell handler, GPU job launcher): read there, never settings.
 TASK_ENVIRONMENT = ("DAGFOLD_JOB_ID", "DAGFOLD_TASK_ID", "DAGFOLD_ATTEMPT", "DAGFOLD_IDEMPOTENCY_KEY",
                     "DAGFOLD_ARGS_JSON", "DAGFOLD_ALLOC_ID", "DAGFOLD_EPOCH", "DAGFOLD_CHECKPOINT_DIR",
-                    "DAGFOLD_RESUME_CHECKPOINT", "DAGFOLD_OUTPUT_DIR", "DAGFOLD_SPEED")
+                    "DAGFOLD_RESUME_CHECKPOINT", "DAGFOLD_OUTPUT_DIR", "DAGFOLD_SPEED", "DAGFOLD_WORK_DIR")
 
 
 class SettingsError(DagfoldError, ValueError):
@@ -99,6 +99,14 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = _s("text", "process log lines: `text`, or `json` with job, task, "
                                              "attempt, partition and offset fields", "--log-format",
                                              group="process")
+    handlers: str | None = _s(None, "handlers the workers run, comma-separated (default: noop, sleep and those "
+                              "registered in Python; `shell` only where listed)", "--handlers", group="process")
+    task_user: str | None = _s(None, "run task processes as this user (the worker runs as root)", "--task-user",
+                               group="process")
+    task_dir: Path | None = _s(None, "folder of the per-attempt work folders of task processes (default: the "
+                               "system temp folder)", "--task-dir", group="process")
+    kafka_sasl_password: str | None = _s(None, "the Kafka SASL password (kept out of --log, which every local "
+                                         "user sees in the process list)", group="core")
     # -- job-end callbacks (the notifier)
     callback_secret: str = _s("", "HMAC key of callback signatures (empty: one generated into "
                               "DATA/callbacks-secret; set it in production)", group="callbacks")

@@ -138,7 +138,8 @@ def config_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON"),
     rows: list[dict[str, Any]] = []
     for r in settings_rows():
         value = getattr(settings, r["setting"])
-        secret = r["setting"] in ("api_key", "api_keys", "callback_secret") and value
+        secret = r["setting"] in ("api_key", "api_keys", "api_token", "callback_secret", "kafka_sasl_password") \
+            and value
         rows.append({**r, "value": "***" if secret else ("" if value is None else str(value)),
                      "source": source_of(r["setting"], {}, path)})
     if as_json:
