@@ -11,7 +11,7 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser bench bench-peers bench-scale bench-hostile bench-gpu-sweep chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep chaos lint clean
 
 install: $(STAMP)
 
@@ -67,6 +67,10 @@ bench-hostile: install
 SWEEP_GPUS ?= 2000
 bench-gpu-sweep: install
 	$(BIN)/python -m dagfold sim day --gpus $(SWEEP_GPUS) --sweep 0.7,0.85,0.95,1.1 --out bench/results/gpu-day-sweep.json
+
+# dagfold run --log kafka://... 50 times in a row on one broker: time and RSS per run (about 8 minutes)
+bench-kafka-runs: install kafka-fetch
+	$(BIN)/python -m bench.kafka_runs --runs 50
 
 # The long chaos run: >= 1,000 faults on a 3-broker cluster; the short run is part of `make test`
 chaos: install kafka-fetch
