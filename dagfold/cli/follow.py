@@ -176,6 +176,10 @@ def local_events(read_model: Any, job_id: str, alive: Callable[[], bool], timeou
         time.sleep(poll_s)
 
 
+# How long a job just submitted may be unknown to the API before it is an error.
+NOT_YET_PROJECTED_S = 30.0
+
+
 def sse_events(api: str, job_id: str, headers: dict[str, str], timeout_s: float,
                get_job: Callable[[], dict[str, Any]]) -> Iterator[Event]:
     """The events of a job from the API's server-sent events, reconnecting (and resuming after the last
@@ -183,6 +187,7 @@ def sse_events(api: str, job_id: str, headers: dict[str, str], timeout_s: float,
     deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
     last_id: str | None = None
     url = f"{api.rstrip('/')}/v1/jobs/{seg(job_id)}/events"
+    not_found_until = time.monotonic() + NOT_YET_PROJECTED_S
     while True:
         params: dict[str, str] = {}
         if deadline is not None:
@@ -191,6 +196,11 @@ def sse_events(api: str, job_id: str, headers: dict[str, str], timeout_s: float,
             params["after"] = last_id
         try:
             with httpx.stream("GET", url, params=params, headers=headers, timeout=httpx.Timeout(30, read=60)) as r:
+                if r.status_code == 404 and last_id is None and time.monotonic() < not_found_until:
+                    # Just submitted: the API has accepted the command, but the projector has not
+                    # folded its JobAccepted yet (on Kafka: after the scheduler's transaction).
+                    time.sleep(0.25)
+                    continue
                 if r.status_code >= 400:
                     raise fail(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}", 1)
                 event = None
