@@ -36,7 +36,13 @@ def dispatch_topic(queue: str) -> str:
 
 
 def worker_group(queue: str) -> str:
-    return f"dagfold-workers.{queue}"
+    """The workers' queue group (a Kafka share group) of one queue.
+
+    Not ``dagfold-workers.<queue>``, the consumer group workers used before dispatch topics were
+    queues: Kafka keeps one group type per group ID, so a share consumer could not join a group
+    that an older deployment left behind as a consumer group (and an older worker could not join
+    this one)."""
+    return f"dagfold-queue.{queue}"
 
 
 @dataclass(frozen=True)

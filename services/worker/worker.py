@@ -2,7 +2,7 @@
 
 Data flow (one ``Worker``, its own queue consumer and producer)::
 
-    dispatch.<queue> --(queue group dagfold-workers.<queue>; Kafka: a share group)--> Worker
+    dispatch.<queue> --(queue group dagfold-queue.<queue>; Kafka: a share group)--> Worker
         -> commands: TaskStarted, TaskHeartbeat..., TaskSucceeded | TaskFailed | TaskReleased
         -> deadletter: records that do not decode as a TaskDispatch
     control (all partitions, from the end) --> StopTask for this worker_id
