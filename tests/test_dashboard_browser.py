@@ -54,7 +54,8 @@ class Stack:
         self.log = open(tmp / "up.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dagfold.cli", "up", "--data", str(tmp / "data"), "--port", str(self.port),
-             "--workers", "3"], cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--workers", "3", "--handlers", "noop,sleep,shell"],  # the examples it submits use shell
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, (tmp / "up.log").read_text()
