@@ -8,7 +8,6 @@ rewound to the committed offsets, already past the batch, so the job was gone fo
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from services.allocator.runner import AllocatorRunner
 from services.scheduler.replay import replay, verify
 from services.scheduler.runner import SchedulerRunner
 from services.scheduler.spec import load_spec_text, to_job_spec
+from tests.runner_support import Running, wait_for
 
 codec = default_codec()
 PARTS = 2
@@ -45,15 +45,6 @@ def events(log: EmbeddedLog) -> list[dict[str, Any]]:
 
 def types(log: EmbeddedLog, job: str) -> list[str]:
     return [e["type"].rsplit(".", 1)[-1] for e in events(log) if e.get("job_id") == job]
-
-
-def wait_for(pred: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 class FaultyCommit:
@@ -76,25 +67,6 @@ class FaultyCommit:
             raise fault.exc("scripted commit failure")
 
         monkeypatch.setattr(EmbeddedTransactionalProducer, "commit", commit)
-
-
-class Scheduler:
-    def __init__(self, log: EmbeddedLog, cfg: Config) -> None:
-        self.runner = SchedulerRunner(log, cfg, "t")
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.runner.run(self.stop)
-        except BaseException as exc:
-            self.error = exc
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
 
 
 @pytest.fixture
@@ -129,7 +101,7 @@ def test_a_commit_that_raises_after_committing_keeps_the_job(
         env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: type[LogError]) -> None:
     log, cfg = env
     fault = FaultyCommit(monkeypatch, "after", exc)
-    s = Scheduler(log, cfg)
+    s = Running(log, cfg)
     try:
         send(log, "J", submit_job(to_job_spec(load_spec_text("id: J\ntasks: [{id: a}]"))))
         wait_for(lambda: fault.left == 0 and types(log, "J") == ["JobAccepted", "TaskDispatched"])
@@ -143,31 +115,18 @@ def test_a_commit_that_raises_after_committing_keeps_the_job(
     assert diffs == []
 
 
-def test_a_commit_that_raises_without_committing_is_redone_once(
-        env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("exc", "reconciled"), [(CommitUnknownError, 1), (TransactionAbortedError, 0)])
+def test_a_commit_that_failed_without_committing_is_redone_once(
+        env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: type[LogError], reconciled: int) -> None:
+    """Unknown: reconciled from the log (nothing there), then redone; aborted: rewound and redone."""
     log, cfg = env
-    fault = FaultyCommit(monkeypatch, "before", CommitUnknownError)
-    s = Scheduler(log, cfg)
+    fault = FaultyCommit(monkeypatch, "before", exc)
+    s = Running(log, cfg)
     try:
         send(log, "K", submit_job(to_job_spec(load_spec_text("id: K\ntasks: [{id: a}]"))))
         wait_for(lambda: types(log, "K") == ["JobAccepted", "TaskDispatched"])
-        assert fault.left == 0 and s.runner.reconciled == 1
+        assert fault.left == 0 and s.runner.reconciled == reconciled
         run_job_to_the_end(log, "K")
-    finally:
-        s.close()
-    assert verify(cfg.data_dir, _replayed(log, tmp_path), PARTS) == []
-
-
-def test_an_aborted_commit_is_rewound_and_redone_without_reconciling(
-        env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    log, cfg = env
-    fault = FaultyCommit(monkeypatch, "before", TransactionAbortedError)
-    s = Scheduler(log, cfg)
-    try:
-        send(log, "L", submit_job(to_job_spec(load_spec_text("id: L\ntasks: [{id: a}]"))))
-        wait_for(lambda: types(log, "L") == ["JobAccepted", "TaskDispatched"])
-        assert fault.left == 0 and s.runner.reconciled == 0
-        run_job_to_the_end(log, "L")
     finally:
         s.close()
     assert verify(cfg.data_dir, _replayed(log, tmp_path), PARTS) == []
@@ -186,7 +145,7 @@ def test_the_applied_offset_never_passes_events_the_state_lacks(
 
     log, cfg = env
     FaultyCommit(monkeypatch, "after", LogError)
-    s = Scheduler(log, cfg)
+    s = Running(log, cfg)
     try:
         send(log, "M", submit_job(to_job_spec(load_spec_text("id: M\ntasks: [{id: a}]"))))
         wait_for(lambda: s.runner.reconciled == 1)
@@ -297,7 +256,7 @@ def test_a_resumed_zombie_scheduler_is_fenced_and_its_late_writes_change_nothing
     # SIGSTOP past the session timeout: the group drops the zombie; its replacement (same instance ID,
     # started elsewhere, e.g. rescheduled by an orchestrator) takes its work
     zombie.consumer.close()
-    successor = Scheduler(log, Config(data_dir=cfg.data_dir.parent / "elsewhere", partitions=PARTS))
+    successor = Running(log, Config(data_dir=cfg.data_dir.parent / "elsewhere", partitions=PARTS))
     try:
         wait_for(lambda: types(log, "Z") == ["JobAccepted", "TaskDispatched"])
         with pytest.raises(FencedError):  # SIGCONT: the zombie's late transaction is refused
@@ -328,7 +287,7 @@ def test_a_rewind_that_fails_after_an_abort_is_retried_before_the_next_poll(
         return real_committed(self, tps)
 
     monkeypatch.setattr(EmbeddedConsumer, "committed", committed)
-    s = Scheduler(log, cfg)
+    s = Running(log, cfg)
     try:
         send(log, "R", submit_job(to_job_spec(load_spec_text("id: R\ntasks: [{id: a}]"))))
         wait_for(lambda: types(log, "R") == ["JobAccepted", "TaskDispatched"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from dagfold.state.store import applied_events_offset, state_digest
 from services.scheduler.replay import replay
 from services.scheduler.runner import SchedulerRunner
 from services.scheduler.spec import load_spec_text, to_job_spec
+from tests.runner_support import Running, wait_for
 
 codec = default_codec()
 
@@ -33,34 +33,6 @@ def read_all(log: EmbeddedLog, topic: str) -> list[LogRecord]:
 
 def decoded(log: EmbeddedLog, topic: str) -> list[dict[str, Any]]:
     return [codec.decode(r.value) for r in read_all(log, topic)]
-
-
-class Running:
-    def __init__(self, log: EmbeddedLog, cfg: Config) -> None:
-        self.runner = SchedulerRunner(log, cfg, "t")
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.runner.run(self.stop)
-        except BaseException as exc:
-            self.error = exc
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-
-def wait_for(pred: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 @pytest.fixture
