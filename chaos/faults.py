@@ -154,7 +154,8 @@ class Injector:
             self._due = {"scheduler": self._next(p.scheduler_every_s), "worker": self._next(p.worker_every_s),
                          "broker": (time.monotonic() + self.rng.uniform(3.0, min(20.0, p.broker_every_s))
                                     if p.broker_every_s > 0 else float("inf")),
-                         "commit": self._first(p.commit_every_s), "sigstop": self._first(p.sigstop_every_s),
+                         "commit": (time.monotonic() + self.rng.uniform(1.0, 3.0)) if p.commit_every_s > 0
+                         else float("inf"), "sigstop": self._first(p.sigstop_every_s),
                          "allocator": self._first(p.allocator_sigstop_every_s) + 10.0}
         due = self._due
         while time.monotonic() < until:
@@ -174,7 +175,10 @@ class Injector:
                 else:
                     due["broker"] = now + 1.0  # not now: a broker is down or the ISR is not complete
             if now >= due["commit"]:
-                self.arm_commit_fault()
+                # Until one broker kill inside a commit happened, that kind goes first whenever the
+                # brokers are whole: broker kills keep one busy most of a short run.
+                self.arm_commit_fault("broker-restart" if not self.counts[BROKER_RESTART_IN_COMMIT]
+                                      and not self._broker_busy and self.cluster.healthy() else None)
                 due["commit"] = self._next(p.commit_every_s)
             if now >= due["sigstop"]:
                 self.sigstop_scheduler()
@@ -302,25 +306,30 @@ class Injector:
         self._broker_busy = False
 
     # -- issue 13: commit faults and zombies ----------------------------------------------
-    def arm_commit_fault(self) -> None:
-        """Arm the next commit-fault kind (in turn) in the schedulers' shared folder: the first commit
-        with records, of whichever scheduler, takes it. One not taken within ``ARM_TIMEOUT_S`` (no
-        scheduler committed anything) is taken back."""
+    def arm_commit_fault(self, kind: str | None = None) -> bool:
+        """Arm the next commit-fault kind (in turn), or ``kind``, in the schedulers' shared folder: the
+        first commit with records, of whichever scheduler, takes it. One not taken within
+        ``ARM_TIMEOUT_S`` (no scheduler committed anything) is taken back. True if armed."""
         folder = self.fault_dir
         if folder is None:
-            return
+            return False
         now = time.monotonic()
         if (folder / "next").exists():
             if now - self._armed_at > ARM_TIMEOUT_S and not (folder / "committing").exists():
                 (folder / "next").unlink(missing_ok=True)
                 self.record("disarmed (not taken)", "schedulers")
-            return
-        kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
-        self._commit_turn += 1
-        if kind == "broker-restart" and (self._broker_busy or not self.cluster.healthy()):
-            # a broker is down or coming back (minutes on a loaded machine): the next kind instead
+            return False
+        broker_free = not self._broker_busy and self.cluster.healthy()
+        if kind is not None:
+            if kind == "broker-restart" and not broker_free:
+                return False
+        else:
             kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
             self._commit_turn += 1
+            if kind == "broker-restart" and not broker_free:
+                # a broker is down or coming back (minutes on a loaded machine): the next kind instead
+                kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
+                self._commit_turn += 1
         self._armed_at = now
         commitfaults.arm(folder, kind)
         self.record("armed", "schedulers", fault=kind)
@@ -329,6 +338,7 @@ class Injector:
             self._broker_thread = threading.Thread(target=self._kill_broker_in_commit, args=(folder,),
                                                    daemon=True, name="broker-in-commit")
             self._broker_thread.start()
+        return True
 
     def _kill_broker_in_commit(self, folder: Path) -> None:
         """Wait for the armed scheduler to be inside its commit, kill -9 a broker, let it commit."""
