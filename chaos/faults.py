@@ -111,6 +111,8 @@ class Injector:
         self.allocators = allocators or []
         self._commit_turn = rng.randrange(len(commitfaults.KINDS))
         self._armed_at = 0.0
+        self._armed_kind: str | None = None
+        self._retry_kind: str | None = None
         self._conts: list[tuple[float, int, Proc, int, Proc | None]] = []  # SIGCONT due: (t, seq, proc, pid, successor)
 
     # -- bookkeeping ------------------------------------------------------------
@@ -318,8 +320,12 @@ class Injector:
             if now - self._armed_at > ARM_TIMEOUT_S and not (folder / "committing").exists():
                 (folder / "next").unlink(missing_ok=True)
                 self.record("disarmed (not taken)", "schedulers")
+                if self._armed_kind != "broker-restart":
+                    self._retry_kind = self._armed_kind  # armed again next: a short run needs each kind
             return False
         broker_free = not self._broker_busy and self.cluster.healthy()
+        if kind is None and self._retry_kind is not None:
+            kind, self._retry_kind = self._retry_kind, None
         if kind is not None:
             if kind == "broker-restart" and not broker_free:
                 return False
@@ -331,6 +337,7 @@ class Injector:
                 kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
                 self._commit_turn += 1
         self._armed_at = now
+        self._armed_kind = kind
         commitfaults.arm(folder, kind)
         self.record("armed", "schedulers", fault=kind)
         if kind == "broker-restart":
