@@ -7,12 +7,15 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from dagfold.state import PartitionStore, PartitionTransaction
 from services.scheduler import keys
 from tests.cli_support import ROOT, UpProcess, dagfold
 
 
-def test_replay_verify_audit_and_tamper_detection(tmp_path: Path) -> None:
+def test_replay_verify_audit_and_tamper_detection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAGFOLD_HANDLERS", "noop,sleep,shell")  # examples/failing.yaml runs shell tasks
     data = tmp_path / "data"
     up = UpProcess(data).start()
     try:

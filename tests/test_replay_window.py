@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from dagfold.state import PartitionStore
 from services.scheduler.replay import job_ids
@@ -43,7 +44,8 @@ def _replay(data: Path, out: Path, *args: str) -> dict:  # type: ignore[type-arg
     return dict(json.loads(r.stdout))
 
 
-def test_replay_windows_audit_range_and_read_only_serve(tmp_path: Path) -> None:
+def test_replay_windows_audit_range_and_read_only_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAGFOLD_HANDLERS", "noop,sleep,shell")  # examples/failing.yaml runs shell tasks
     data = tmp_path / "data"
     diamond = (ROOT / "examples/diamond.yaml").read_text()
     up = UpProcess(data).start()
