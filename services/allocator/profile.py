@@ -76,27 +76,45 @@ Groups = list[tuple[int, int, frozenset[str], list[tuple[int, int, float]]]]
 
 def group_classes(classes: list[Class], type_gpus: dict[str, int] | None = None) -> Groups:
     """Classes grouped by their GPU part ``(gpus, milli, types)``: the GPU fit count is computed once per
-    group, and only the CPU/memory limits per class (``(cpu, mem, weight x size x scarcity)``).
+    group, and only the CPU/memory limits per class (``(cpu, mem, weight)``, see ``usable``).
 
     Scarcity: a class that may only use some GPU types weighs more, by the
-    pool's GPUs over the GPUs of its types, so capacity that only few
-    requests can use is kept for them and the others go elsewhere."""
+    square of the pool's GPUs over the GPUs of its types, so capacity that only
+    few requests can use is kept for them and the others go elsewhere (the
+    square: on gpuspec33, a third of the pods typed, the linear weight still
+    let untyped pods take typed hosts first: 5.6% unallocated on seed 42, 5.2%
+    with the square)."""
     total = sum((type_gpus or {}).values())
     groups: dict[tuple[int, int, tuple[str, ...]], list[tuple[int, int, float]]] = {}
     for g, milli, cpu, mem, types, w in classes:
         if g == 0:
             continue
-        size = g * (milli if g == 1 else FULL)
+        per_unit = milli if g == 1 and milli < FULL else FULL  # a slot's milli; a whole GPU's
         scarcity = 1.0
         if types and total and type_gpus is not None:
             eligible = sum(type_gpus.get(t, 0) for t in types)
-            scarcity = total / eligible if eligible else 0.0
-        groups.setdefault((g, milli, types), []).append((cpu, mem, w * size * scarcity))
+            scarcity = (total / eligible) ** 2 if eligible else 0.0
+        groups.setdefault((g, milli, types), []).append((cpu, mem, w * per_unit * scarcity))
     return [(g, m, frozenset(t), members) for (g, m, t), members in groups.items()]
 
 
 def usable(gpu_type: str, sig: tuple[int, int, tuple[int, ...]], groups: Groups) -> float:
-    """Expected GPU milli of this host state that the learned request mix could still use."""
+    """Expected GPU milli of this host state that the learned request mix could still use.
+
+    Per class, weighted by its frequency and scarcity:
+
+    * a GPU-share class (one GPU, ``milli < 1000``) can use ``n x milli``, ``n``
+      the slots it could take at once (free milli of each GPU over ``milli``,
+      capped by the CPU and memory left);
+    * a whole-GPU class of ``g`` GPUs can use every whole free GPU of the host
+      as long as one request of it still fits there (``g`` whole GPUs, its CPU
+      and memory), and nothing otherwise. Counting only ``g x floor(free/g)``
+      (what that class alone could pack) penalised leaving, say, 7 free GPUs
+      for a 2-GPU class, though the rest of the mix fills the odd one; the
+      whole-GPU view cut multigpu50's unallocated share from 3.2-3.4% to 2.8%
+      (seeds 42, 43) while GPU shares keep the exact slot count, which packs
+      the default trace's fractional pods better than a free-milli view.
+    """
     cpu_free, mem_free, free = sig
     full = 0
     for f in free:
@@ -106,7 +124,8 @@ def usable(gpu_type: str, sig: tuple[int, int, tuple[int, ...]], groups: Groups)
     for g, milli, types, members in groups:
         if types and gpu_type not in types:
             continue
-        if g == 1 and milli < FULL:
+        share = g == 1 and milli < FULL
+        if share:
             n0 = 0
             for f in free:
                 n0 += f // milli
@@ -114,12 +133,12 @@ def usable(gpu_type: str, sig: tuple[int, int, tuple[int, ...]], groups: Groups)
             n0 = full // g
         if not n0:
             continue
-        for cpu, mem, wsize in members:
+        for cpu, mem, wt in members:
             n = n0
             if cpu and cpu_free < cpu * n:
                 n = cpu_free // cpu
             if mem and mem_free < mem * n:
                 n = mem_free // mem
             if n:
-                u += wsize * n
+                u += wt * (n if share else full)
     return u
