@@ -64,7 +64,7 @@ bench-hostile: install
 	$(BIN)/python -m bench.hostile_api
 
 # The synthetic GPU day at 70/85/95/110% offered load, ours beside FIFO and best-fit (SWEEP_GPUS=10000 for the full day)
-SWEEP_GPUS ?= 2000
+SWEEP_GPUS ?= 1000
 bench-gpu-sweep: install
 	$(BIN)/python -m dagfold sim day --gpus $(SWEEP_GPUS) --sweep 0.7,0.85,0.95,1.1 --out bench/results/gpu-day-sweep.json
 

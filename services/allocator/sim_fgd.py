@@ -111,7 +111,8 @@ def run(data: Path, traces: list[str], seeds: list[int], policies: tuple[str, ..
                 runs.append(r)
                 if progress:
                     progress(f"fgd {trace} {pol} seed {seed}: unallocated {r['unallocated_pct_at_100']}% "
-                             f"({r['wall_s']} s)")
+                             f"({r['wall_s']} s; decision p99 {r['decision_cpu_p99_ms']} ms CPU, "
+                             f"{r['decision_p99_ms']} ms wall)")
             mean_curve = [round(statistics.fmean(r["alloc_ratio"][i] for r in runs), 3) for i in range(131)]
             un = [r["unallocated_pct_at_100"] for r in runs]
             tr["policies"][pol] = {
