@@ -359,7 +359,8 @@ class Injector:
         node = self.rng.randint(1, 3)
         down_s = self.rng.uniform(*self.plan.broker_down_s)
         killed = self.cluster.kill9(node)
-        (folder / "go").write_text("")
+        (folder / "go.tmp").write_text("killed" if killed else "")
+        (folder / "go.tmp").replace(folder / "go")  # whole, never seen half-written
         if not killed:
             self._broker_busy = False
             return
