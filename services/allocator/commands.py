@@ -78,6 +78,6 @@ def release_allocation(pool: str, alloc_id: str, epoch: int, node_id: str, reaso
 
 
 def cancel_request(pool: str, job_id: str, task_id: str | None = None, reason: str = "cancelled",
-                   ts_ms: int = 0) -> Record:
-    return {"type": C + "CancelRequest", "pool": pool, "job_id": job_id, "task_id": task_id, "reason": reason,
-            "ts_ms": ts_ms}
+                   ts_ms: int = 0, attempt: int | None = None) -> Record:
+    return {"type": C + "CancelRequest", "pool": pool, "job_id": job_id, "task_id": task_id, "attempt": attempt,
+            "reason": reason, "ts_ms": ts_ms}

@@ -253,7 +253,7 @@ def release_allocation(ctx: Ctx, cmd: Record) -> None:
 
 def cancel_request(ctx: Ctx, cmd: Record) -> None:
     st = ctx.st
-    job, task = cmd["job_id"], cmd["task_id"]
+    job, task, upto = cmd["job_id"], cmd["task_id"], cmd.get("attempt")
     freed = False
     for key in sorted(st.by_job.get(job, ())):
         r = st.requests.get(key)
@@ -261,6 +261,8 @@ def cancel_request(ctx: Ctx, cmd: Record) -> None:
         target: RequestView | None = r if r is not None else (st.allocs[aid].req if aid else None)
         if target is None or (task is not None and target.task_id != task):
             continue
+        if upto is not None and target.attempt > upto:
+            continue  # a later attempt's: a late (delayed or duplicated) cancel must not withdraw it
         if r is not None:
             ctx.event("RequestCancelled", job_id=r.job_id, task_id=r.task_id, attempt=r.attempt,
                       reason=cmd["reason"])

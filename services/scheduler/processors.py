@@ -74,7 +74,7 @@ def stop_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], reas
     if is_gpu(t):
         if t["state"] in ("runnable", "running"):
             ctx.emit(ALLOCATOR_COMMANDS, t["queue"], alloc_cmds.cancel_request(
-                t["queue"], job_id, task_id, reason, ts_ms=ctx.now_ms))
+                t["queue"], job_id, task_id, reason, ts_ms=ctx.now_ms, attempt=t["attempt"]))
     elif t["state"] == "running":
         ctx.stop_task(t["worker"], job_id, task_id, t["attempt"], reason)
 

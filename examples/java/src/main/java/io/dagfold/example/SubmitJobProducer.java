@@ -99,8 +99,8 @@ public final class SubmitJobProducer {
             List<String> deps = i == 0 ? List.of() : List.of("t" + (i - 1));
             taskList.add(new GenericRecordBuilder(taskSpec)
                     .set("task_id", "t" + i)
-                    .set("handler", "shell")
-                    .set("args_json", "{\"cmd\": \"echo from java " + i + "\"}")
+                    .set("handler", "sleep")
+                    .set("args_json", "{\"seconds\": 0.05}")
                     .set("depends_on", new GenericData.Array<>(taskSpec.getField("depends_on").schema(), deps))
                     .build());
         }
