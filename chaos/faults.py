@@ -179,6 +179,9 @@ class Injector:
             if now >= due["commit"]:
                 # Until one broker kill inside a commit happened, that kind goes first whenever the
                 # brokers are whole: broker kills keep one busy most of a short run.
+                # (counted from what commits took: a kind counts when a commit took it, not when armed;
+                # while the brokers are not whole, the other kinds go in turn meanwhile)
+                self.count_commit_faults()
                 self.arm_commit_fault("broker-restart" if not self.counts[BROKER_RESTART_IN_COMMIT]
                                       and not self._broker_busy and self.cluster.healthy() else None)
                 due["commit"] = self._next(p.commit_every_s)
