@@ -92,7 +92,7 @@ PROFILES: dict[str, Profile] = {
     "short": Profile("short", generated_jobs=36, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
                      inject_s=90, min_faults=60, max_inject_s=110, drain_s=150,
                      plan=FaultPlan(scheduler_every_s=5.0, worker_every_s=4.0, broker_every_s=20.0,
-                                    commit_every_s=5.0, sigstop_every_s=45.0, allocator_sigstop_every_s=50.0)),
+                                    commit_every_s=10.0, sigstop_every_s=45.0, allocator_sigstop_every_s=50.0)),
     # python -m chaos --profile commit-faults: issue 13's kinds alone, under 5 minutes.
     "commit-faults": Profile("commit-faults", generated_jobs=24,
                              workflows=("montage-chameleon-2mass-01d-001.json.gz",), inject_s=70, min_faults=16,
