@@ -330,7 +330,7 @@ def submit_examples(stack: Any) -> None:
     from dagfold.wfcommons import workflow_spec
     from services.scheduler.spec import SpecError, load_spec_text, parse_spec, to_job_spec
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the repository: dagfold/cli/main.py
     docs: list[tuple[str, dict[str, Any]]] = []
     for f in sorted((root / "examples").glob("*.yaml")):
         try:
