@@ -8,7 +8,6 @@ Uses the stack, browser and page fixtures of test_dashboard_browser (Debian's Ch
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,22 +18,9 @@ from tests.test_dashboard_browser import ROOT, Stack, shot
 MONTAGE_05D = ROOT.parent / "shared" / "data" / "wfcommons" / "montage-chameleon-2mass-05d-001.json.gz"
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    with base.playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=base.CHROMIUM, args=base.CHROMIUM_ARGS)
-        yield b
-        b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-    errors: list[str] = []
-    pg.on("pageerror", lambda e: errors.append(str(e)))
-    yield pg
-    pg.close()
-    assert errors == [], errors  # no JavaScript error on any page
+# The browser and page fixtures are test_dashboard_browser's own (one Chromium launch, one JS-error check).
+browser = base.browser
+page = base.page
 
 
 @pytest.fixture(scope="module")
