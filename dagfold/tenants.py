@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dagfold.rules import check_id
+
 TIERS: tuple[str, ...] = ("enterprise", "standard", "free")
 """Priority tiers, highest first (the allocator's default order)."""
 
@@ -116,16 +118,24 @@ class Entitlements:
             raise EntitlementsError(f"{where}: max_tier must be one of {', '.join(TIERS)}, got {tier!r}")
         handlers = doc.get("handlers")
         if handlers is not None:
-            if (not isinstance(handlers, list | tuple) or len(handlers) > 256
-                    or not all(isinstance(h, str) and 0 < len(h) <= 200 for h in handlers)):
+            if not isinstance(handlers, list | tuple) or len(handlers) > 256:
                 raise EntitlementsError(f"{where}: handlers must be a list of handler names")
+            for h in handlers:
+                bad = check_id("handler", h)
+                if bad:
+                    raise EntitlementsError(f"{where}: handlers: {bad}")
             handlers = tuple(dict.fromkeys(handlers))
         quota = doc.get("gpu_quota") or {}
         if not isinstance(quota, Mapping) or len(quota) > 1024:
             raise EntitlementsError(f"{where}: gpu_quota must map pool or pool/type to a number of GPUs")
         for k, v in quota.items():
             if not isinstance(k, str) or not k or k.count("/") > 1 or not _finite(v, 0):
-                raise EntitlementsError(f"{where}: gpu_quota.{k}: a number of GPUs >= 0 per pool or pool/type")
+                raise EntitlementsError(f"{where}: gpu_quota.{str(k)[:60]!r}: a number of GPUs >= 0 per pool "
+                                        "or pool/type")
+            pool, _, gtype = k.partition("/")
+            bad = check_id("pool", pool) or (check_id("gpu_type", gtype) if "/" in k else None)
+            if bad:
+                raise EntitlementsError(f"{where}: gpu_quota: {bad}")
         weight = doc.get("weight")
         if weight is not None and not (_finite(weight, 0) and weight > 0):
             raise EntitlementsError(f"{where}: weight must be a finite number > 0")

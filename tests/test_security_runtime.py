@@ -227,6 +227,43 @@ def test_allocator_options_take_weights_and_quotas_from_the_auth_file(tmp_path: 
     assert opts.weight("beta") == 0.5 and opts.quota_milli("beta") == 2000 and opts.quota_milli("alpha") is None
 
 
+BAD_AUTH_ENTRIES = [
+    ("keys: {k-0123456789: '[/bold]'}", "key ...6789: tenant '[/bold]' may contain only"),
+    ("keys: {k-0123456789: {tenant: 'a/b'}}", "key ...6789: tenant 'a/b' may contain only"),
+    ("tenants: {'..': {weight: 1}}", "tenants: tenant '..' is reserved"),
+    ('tenants: {"t\\e[31m": {weight: 1}}', "tenants: tenant 't\\x1b[31m' may contain only"),
+    ("tenants: {acme: {handlers: [noop, 'rm -rf']}}", "tenant 'acme': handlers: handler 'rm -rf' may contain only"),
+    ("tenants: {acme: {handlers: ['']}}", "tenant 'acme': handlers: handler must not be empty"),
+    ("tenants: {acme: {gpu_quota: {'p[x]': 1}}}", "tenant 'acme': gpu_quota: pool 'p[x]' may contain only"),
+    ("tenants: {acme: {gpu_quota: {'default/h 100': 1}}}",
+     "tenant 'acme': gpu_quota: gpu_type 'h 100' may contain only"),
+    ("tenants: {acme: {gpu_quota: {'default/..': 1}}}", "tenant 'acme': gpu_quota: gpu_type '..' is reserved"),
+    ("tenants: {acme: {max_tier: gold}}", "tenant 'acme': max_tier must be one of"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_AUTH_ENTRIES)
+def test_auth_file_identifiers_are_checked_by_the_rules_table(tmp_path: Path, text: str, message: str) -> None:
+    from services.api.auth import AuthConfigError
+
+    f = tmp_path / "auth.yaml"
+    f.write_text(text + "\n")
+    with pytest.raises(AuthConfigError) as err:
+        AuthConfig.from_env(f, env={})
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("command", [["allocator"], ["up", "--port", str(free_port())]])
+def test_a_bad_auth_file_entry_stops_start_up_in_one_line(tmp_path: Path, command: list[str]) -> None:
+    f = tmp_path / "auth.yaml"
+    f.write_text("keys: {k-0123456789: acme}\ntenants: {acme: {handlers: [noop, 'sh;id']}}\n")
+    r = subprocess.run([*DAGFOLD, *command, "--data", str(tmp_path / "d"), "--auth-file", str(f)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "handler 'sh;id' may contain only" in r.stderr, r.stderr
+    assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())  # nothing started
+
+
 # -- bullet 8: reports and numbers from the log -------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from dagfold.exceptions import DagfoldError
+from dagfold.rules import check_id
 from dagfold.tenants import DEFAULT, Entitlements, EntitlementsError
 from services.api.errors import ApiError
 
@@ -147,15 +148,26 @@ def _principals(keys: Mapping[Any, Any]) -> dict[str, Principal]:
             if who.get("role") == ADMIN or who.get("admin") is True:
                 p = Principal(ADMIN, None, admin=True)
             elif isinstance(who.get("tenant"), str) and who["tenant"]:
-                p = Principal(who["tenant"], who["tenant"])
+                p = Principal(who["tenant"], _tenant_name(who["tenant"], f"key ...{k[-4:]}"))
             else:
                 raise AuthConfigError(f"key ...{k[-4:]}: give 'tenant: NAME' or 'role: admin'")
         elif isinstance(who, str) and who:
-            p = Principal(ADMIN, None, admin=True) if who == ADMIN else Principal(who, who)
+            p = Principal(ADMIN, None, admin=True) if who == ADMIN else \
+                Principal(who, _tenant_name(who, f"key ...{k[-4:]}"))
         else:
             raise AuthConfigError(f"key ...{k[-4:]}: value must be a tenant name or 'admin'")
         out[_digest(k)] = p
     return out
+
+
+def _tenant_name(name: str, where: str) -> str:
+    """A tenant name of the auth file, checked by the rules table (``dagfold.rules``): the API refuses
+    such names in requests, so a key or settings for one could never be used (and a name like
+    ``[/bold]`` would reach tables and metric labels)."""
+    bad = check_id("tenant", name)
+    if bad:
+        raise AuthConfigError(f"auth file: {where}: {bad}")
+    return name
 
 
 def _limits(doc: Any) -> dict[str, Entitlements]:
@@ -163,8 +175,9 @@ def _limits(doc: Any) -> dict[str, Entitlements]:
         raise AuthConfigError("'tenants' must map tenant names to their settings")
     out = {}
     for tenant, settings in doc.items():
+        name = _tenant_name(str(tenant), "tenants")
         try:
-            out[str(tenant)] = Entitlements.parse(settings, f"tenant {str(tenant)[:60]!r}")
+            out[name] = Entitlements.parse(settings, f"tenant {name!r}")
         except EntitlementsError as exc:
             raise AuthConfigError(f"auth file: {exc}") from None
     return out

@@ -20,13 +20,14 @@ from fastapi.concurrency import run_in_threadpool
 from dagfold.commands import set_tenant_entitlements
 from dagfold.config import COMMANDS
 from dagfold.exceptions import LogError
+from dagfold.rules import RULES
 from dagfold.tenants import Entitlements, EntitlementsError
 from services.api.auth import Principal
 from services.api.context import ApiContext
 from services.api.errors import ApiError
 
 logger = logging.getLogger("dagfold.api")
-TenantName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:\-]+$")]
+TenantName = Annotated[str, Path(min_length=1, max_length=RULES["tenant"].max_len, pattern=RULES["tenant"].pattern)]
 
 
 def send_entitlements(ctx: ApiContext, tenant: str, ent: Entitlements, source: str) -> None:
