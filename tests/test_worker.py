@@ -537,3 +537,22 @@ def test_a_backlog_of_slow_tasks_is_not_passed_around_until_archived(elog: Embed
         dispatch(elog, f"job-{i}", handler="sleep", args={"seconds": 0.01})
     wait_for(lambda: len(commands(elog, type_=SUCCEEDED)) == 60, timeout=30, what="all 60 tasks")
     assert sum(w.tasks_run for w in workers) == 60
+
+
+def test_a_record_on_its_last_delivery_is_requeued_not_released(elog: EmbeddedLog, start: WorkerFactory) -> None:
+    """A busy worker gives back the slow tasks it cannot run now. A record on its last delivery was
+    released too, so the queue archived it and its task never ran; now it is appended anew (delivery
+    count 1) and the held one accepted."""
+    dispatch(elog, "job-a", handler="sleep", args={"seconds": 0.3})
+    dispatch(elog, "job-a", "t2", handler="sleep", args={"seconds": 0.01})
+    other = elog.queue_consumer(worker_group(QUEUE), "other", max_records=8, max_deliveries=2)
+    other.subscribe([dispatch_topic(QUEUE)])
+    held = wait_for(lambda: other.poll(0.1), what="both records acquired")
+    assert len(held) == 2
+    for r in held:  # a first delivery, given back (e.g. by a worker that stopped)
+        other.acknowledge(r, Ack.RELEASE)
+    other.commit()
+    other.close()
+    w, _, _ = start(max_batch=8, max_deliveries=2)
+    wait_for(lambda: len(commands(elog, "job-a", SUCCEEDED)) == 2, timeout=10, what="both tasks")
+    assert w.tasks_requeued == 1 and w.tasks_released == 0

@@ -184,6 +184,7 @@ class Worker:
                              spec.min_insync_replicas)
         self.dispatch_spec = spec
         self.max_batch = max_batch
+        self.max_deliveries = max_deliveries
         self.poll_timeout_s = poll_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.artifacts = artifacts  # task outputs: uploaded from ctx.output_dir when an attempt succeeds
@@ -208,6 +209,7 @@ class Worker:
         self.tasks_skipped = 0
         self.tasks_released = 0  # records given back to the queue unstarted (another worker runs them)
         self.tasks_given_back = 0  # started attempts given back at shutdown (TaskReleased)
+        self.tasks_requeued = 0  # unstarted records on their last delivery, appended anew instead of released
         self.dead_lettered = 0
         self.heartbeats_sent = 0
         self.batches = 0
@@ -222,6 +224,7 @@ class Worker:
             "tasks_skipped": self.tasks_skipped,
             "tasks_released": self.tasks_released,
             "tasks_given_back": self.tasks_given_back,
+            "tasks_requeued": self.tasks_requeued,
             "dead_lettered": self.dead_lettered,
             "heartbeats_sent": self.heartbeats_sent,
             "batches": self.batches,
@@ -405,6 +408,11 @@ class Worker:
         if stop.is_set():
             instant = []
         give_back = [rec for rec, _, _ in slow[len(run_now):]] + [rec for rec, _, _ in instant if stop.is_set()]
+        # A record on its last delivery is not released (the queue would archive it, its task never run):
+        # the same record is appended anew, delivery count 1, and the held one accepted once that is durable.
+        requeue = [rec for rec in give_back if rec.delivery_count >= self.max_deliveries]
+        if requeue:
+            give_back = [rec for rec in give_back if rec.delivery_count < self.max_deliveries]
         try:
             for rec, d, handler in instant:
                 self._start(d)
@@ -412,7 +420,9 @@ class Worker:
                 settle.append((rec, Ack.ACCEPT))
             if run_now:
                 self._start(run_now[0][1])
-            self._producer.flush()  # reports of the instant tasks and the slow one's TaskStarted
+            for rec in requeue:
+                self._producer.send(rec.topic, rec.key or b"", rec.value or b"", rec.partition)
+            self._producer.flush()  # reports of the instant tasks, the slow one's TaskStarted, the requeued
         except LogError:
             log.exception("cannot write reports; the batch's records go back to the queue",
                           extra={"worker_id": self.worker_id})
@@ -422,7 +432,9 @@ class Worker:
         # From here the slow attempt's lease stands for it (TaskStarted is durable): accept it,
         # and hand the records this worker will not run now to whichever worker is free.
         settle += [(rec, Ack.ACCEPT) for rec, _, _ in run_now] + [(rec, Ack.RELEASE) for rec in give_back]
+        settle += [(rec, Ack.ACCEPT) for rec in requeue]
         self.tasks_released += len(give_back)
+        self.tasks_requeued += len(requeue)
         self._settle(settle)
         if run_now:
             _, d, handler = run_now[0]

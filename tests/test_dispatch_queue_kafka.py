@@ -1,0 +1,107 @@
+"""The dispatch queue on a real Kafka broker (share groups, KIP-932): what the broker's batching and
+retention do to a queue of tasks, beyond the log contract (tests/test_log_contract.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from dagfold import codec
+from dagfold.codec import Record, default_codec
+from dagfold.config import COMMANDS, Config, dispatch_topic
+from dagfold.log.base import Log, TopicPartition
+from dagfold.log.factory import open_log
+from services.worker.handlers import HandlerRegistry
+from services.worker.worker import Worker
+
+pytestmark = pytest.mark.kafka
+
+STARTED = "dagfold.command.TaskStarted"
+SUCCEEDED = "dagfold.command.TaskSucceeded"
+
+
+@pytest.fixture
+def klog(kafka_bootstrap: str, tmp_path: Any) -> Iterator[Log]:
+    """A Kafka log in a topic namespace of its own (nothing of other tests is seen)."""
+    lg = open_log(f"kafka://{kafka_bootstrap}?prefix=dq-{uuid.uuid4().hex[:8]}", tmp_path)
+    lg.create_topics(Config(log_url=lg.url, partitions=1).core_topics())
+    yield lg
+    lg.close()
+
+
+def _dispatch_all(log: Log, queue: str, jobs: list[str], seconds: float) -> None:
+    """One transaction, as the scheduler writes a burst: the broker keeps it as one batch."""
+    log.create_topics([Config(log_url=log.url, partitions=1).dispatch_spec(queue)])
+    txp = log.transactional_producer(f"dispatcher-{uuid.uuid4().hex[:6]}")
+    txp.begin()
+    for job in jobs:
+        rec = codec.make("dagfold.dispatch.TaskDispatch", job_id=job, task_id="t", attempt=1, handler="sleep",
+                         args_json=json.dumps({"seconds": seconds}), idempotency_key=f"{job}/t",
+                         lease_timeout_s=30.0, dispatched_at_ms=int(time.time() * 1000))
+        txp.send(dispatch_topic(queue), b"tenant", default_codec().encode(rec))
+    txp.commit({}, None)
+    txp.close()
+
+
+def _commands(log: Log, type_: str) -> list[Record]:
+    c = log.consumer(None)
+    tp = TopicPartition(COMMANDS, 0)
+    end = log.end_offsets([tp])[tp]
+    c.assign({tp: 0})
+    out: list[Record] = []
+    deadline = time.monotonic() + 10
+    n = 0
+    while n < end and time.monotonic() < deadline:
+        recs = c.poll(timeout_s=0.2)
+        n += len(recs)
+        out += [r for r in (default_codec().decode(x.value) for x in recs) if r["type"] == type_]
+    c.close()
+    return out
+
+
+def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _workers(log: Log, queue: str, n: int, **kw: Any) -> list[tuple[Worker, threading.Event, threading.Thread]]:
+    out = []
+    for i in range(n):
+        w = Worker(log, queue, f"w{i}-{uuid.uuid4().hex[:4]}", HandlerRegistry.with_builtins(),
+                   config=Config(log_url=log.url, partitions=1), poll_timeout_s=0.1, shutdown_grace_s=0.1, **kw)
+        stop = threading.Event()
+        out.append((w, stop, w.start_thread(stop)))
+    return out
+
+
+def _stop(workers: list[tuple[Worker, threading.Event, threading.Thread]]) -> None:
+    for _, stop, _ in workers:
+        stop.set()
+    for w, _, t in workers:
+        t.join(20)
+        w.close()
+
+
+def test_a_deep_backlog_of_slow_tasks_loses_none_to_the_delivery_limit(klog: Log) -> None:
+    """A burst of slow tasks is one producer batch; a worker acquires the whole batch, runs one task
+    and gives the rest back, and each give-back counts as a delivery. With a delivery limit of 3,
+    records passed around 3 times were archived by the broker and their tasks never ran."""
+    queue = f"q{uuid.uuid4().hex[:6]}"
+    jobs = [f"job-{i}" for i in range(24)]
+    _dispatch_all(klog, queue, jobs, 0.02)
+    workers = _workers(klog, queue, 4, max_deliveries=3)
+    try:
+        _wait(lambda: len({r["job_id"] for r in _commands(klog, SUCCEEDED)}) == len(jobs), 90, "every task")
+    finally:
+        _stop(workers)
+    assert sorted({r["job_id"] for r in _commands(klog, STARTED)}) == sorted(jobs)
