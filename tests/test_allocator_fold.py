@@ -147,6 +147,57 @@ def test_heartbeats_keep_allocations_alive_and_record_checkpoints() -> None:
     assert h.fold.state.allocs[g["alloc_id"]].last_ckpt_uri == "/ckpt/5"
 
 
+def test_a_heartbeat_with_nothing_new_records_nothing_until_the_lease_needs_renewing() -> None:
+    # 1 s heartbeats against a 30 s lease: only what changes state, and a renewal every lease/4, is recorded
+    h = harness(hosts=2, lease_s=30.0, orphan_grace_s=60.0)
+    h.request("a", gpus=4, checkpoint=True)
+    g = granted(h, "a")
+    run = [cmds.alloc_status(g["alloc_id"], g["epoch"])]
+    gpus = [cmds.gpu_status(i, utilization=0.9 if i < 4 else 0.0) for i in range(8)]
+    h.advance(1_000)
+    before = len(h.of_type("NodeHeartbeatRecorded"))
+    for _ in range(60):  # a minute of unchanged heartbeats from both hosts
+        h.heartbeat("n0", allocations=run, gpus=gpus, perf=1.0)
+        h.heartbeat("n1", gpus=[cmds.gpu_status(i, utilization=0.0) for i in range(8)])
+        h.advance(1_000)
+    beats = h.of_type("NodeHeartbeatRecorded")[before:]
+    per_node = {n: [e for e in beats if e["node_id"] == n] for n in ("n0", "n1")}
+    assert 7 <= len(per_node["n0"]) <= 10 and 7 <= len(per_node["n1"]) <= 10  # every 7.5 s, not 60 each
+    assert not h.of_type("NodeDrained") and not h.of_type("AllocationExpired")  # the leases stayed alive
+    assert per_node["n0"][-1]["utilization"] == pytest.approx(0.45)
+
+    # a checkpoint, a bad GPU, a node-level health change: each recorded at once, in the next heartbeat
+    n = len(h.of_type("NodeHeartbeatRecorded"))
+    h.heartbeat("n0", allocations=[cmds.alloc_status(g["alloc_id"], g["epoch"], last_checkpoint_ms=h.now_ms,
+                                                      checkpoint_uri="/ckpt/1")], gpus=gpus, perf=1.0)
+    assert len(h.of_type("NodeHeartbeatRecorded")) == n + 1
+    assert h.fold.state.allocs[g["alloc_id"]].last_ckpt_uri == "/ckpt/1"
+    bad = [cmds.gpu_status(i, health="xid" if i == 6 else "ok") for i in range(8)]
+    h.heartbeat("n1", gpus=bad)
+    assert h.of_type("NodeHeartbeatRecorded")[-1]["cordoned_gpus"] == [6]
+    assert h.fold.state.nodes["n1"].cordoned == [6]
+    h.heartbeat("n1", gpus=bad)  # the same report again: nothing new
+    assert len(h.of_type("NodeHeartbeatRecorded")) == n + 2
+    h.heartbeat("n1", health="throttled", gpus=bad)
+    assert h.of_type("NodeDrained")[-1]["node_id"] == "n1"
+    # a process the allocator does not know is fenced by an unrecorded heartbeat too
+    out = h.heartbeat("n0", allocations=run + [cmds.alloc_status("p:99", 99)], gpus=gpus, perf=1.0)
+    assert any(o.record["type"] == A + "StopAllocation" and o.record["alloc_id"] == "p:99" for o in out)
+    assert h.replayed_digest() == h.digest()  # replay of the recorded events equals the live state
+
+
+def test_a_node_whose_heartbeats_stop_is_lost_within_a_lease_of_its_last_heartbeat() -> None:
+    h = harness(hosts=1, lease_s=30.0)
+    for _ in range(20):
+        h.advance(1_000)
+        h.heartbeat("n0")
+    last = h.now_ms
+    h.advance(40_000)
+    lost = h.of_type("NodeDrained")
+    assert lost and lost[0]["lost"]
+    assert 30_000 - 7_500 <= lost[0]["ts_ms"] - last <= 30_000  # lease_s - lease_s/4 .. lease_s
+
+
 def test_gray_failure_drains_and_moves_jobs_from_checkpoints() -> None:
     h = harness(hosts=2, grace_s=30.0, undrain_ok_heartbeats=2)
     h.request("a", gpus=8, checkpoint=True)

@@ -43,6 +43,14 @@ class AllocatorOptions:
     preempt_after_s: Mapping[str, float] = field(default_factory=lambda: {"enterprise": 0.0, "standard": 600.0})
     # Leases: allocations live as long as their node's lease, renewed by node heartbeats.
     lease_s: float = 30.0
+    # A heartbeat that brings nothing new (same health, cordoned GPUs and checkpoints, perf near the fleet
+    # average, node up) is recorded only when it moves the lease deadline by at least this much (None:
+    # lease_s / 4, Kubernetes' node-lease ratio). Hosts heartbeat far more often than their lease needs;
+    # unrecorded heartbeats write no event and no state, so a node is declared lost between
+    # lease_s - renew and lease_s after its last heartbeat.
+    lease_renew_s: float | None = None
+    # perf further than this fraction from its GPU type's average is always recorded (it moves the average)
+    perf_record_tolerance: float = 0.05
     grace_s: float = 30.0  # preemption and drain: checkpoint request -> forced stop
     runtime_grace_s: float = 60.0  # an allocation is stopped at max_runtime_s + this
     # An allocation its first host's heartbeats do not list this long after the grant is requeued
@@ -72,6 +80,9 @@ class AllocatorOptions:
             raise ValueError(f"placement must be one of {PLACEMENTS}, not {self.placement!r}")
         if not self.tiers:
             raise ValueError("at least one tier is needed")
+
+    def lease_renew_ms(self) -> int:
+        return int((self.lease_s / 4 if self.lease_renew_s is None else self.lease_renew_s) * 1000)
 
     def tier_rank(self, tier: str) -> int | None:
         """0 for the highest tier; None for an unknown tier. All 0 when tiers are not strict."""

@@ -86,15 +86,21 @@ def _move_off(ctx: Ctx, a: AllocView, deadline: int, reason: str, stop_reason: s
     ctx.stop(a, stop_reason, checkpoint=True, deadline_ms=deadline)
 
 
-def _cordoned(cmd: Record, n: NodeView) -> list[int]:
-    """The GPUs of a heartbeat's per-GPU report that are not ok (sorted, on the node)."""
-    return sorted({g["index"] for g in cmd.get("gpus") or []
-                   if g.get("health", "ok") != "ok" and 0 <= g["index"] < n.gpus})
-
-
-def _utilization(cmd: Record) -> float | None:
-    us = [float(g["utilization"]) for g in cmd.get("gpus") or [] if g.get("utilization") is not None]
-    return round(min(1.0, max(0.0, sum(us) / len(us))), 4) if us else None
+def _gpu_report(cmd: Record, n: NodeView) -> tuple[list[int], float | None]:
+    """The GPUs of a heartbeat's per-GPU report that are not ok (sorted, on the node), and their mean
+    utilisation (None: none reported). One pass over the report: it runs for every heartbeat."""
+    bad: set[int] = set()
+    total = 0.0
+    count = 0
+    size = n.gpus
+    for g in cmd.get("gpus") or ():
+        if g.get("health", "ok") != "ok" and 0 <= g["index"] < size:
+            bad.add(g["index"])
+        u = g.get("utilization")
+        if u is not None:
+            total += float(u)
+            count += 1
+    return sorted(bad), (round(min(1.0, max(0.0, total / count)), 4) if count else None)
 
 
 def _end_orphans(ctx: Ctx, n: NodeView, listed: set[str]) -> bool:
@@ -149,11 +155,22 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     avg = st.perf.get(n.gpu_type)
     if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
         health = "slow"
-    cordoned = _cordoned(cmd, n)
+    cordoned, utilization = _gpu_report(cmd, n)
+    lease_deadline = ctx.now_ms + int(ctx.opts.lease_s * 1000)
+    if not ckpts and n.state == "up" and health == n.health and cordoned == n.cordoned \
+            and lease_deadline - n.lease_until < ctx.opts.lease_renew_ms() \
+            and (perf is None or health != "ok"
+                 or (avg is not None and abs(perf - avg) <= ctx.opts.perf_record_tolerance * avg)):
+        # Nothing new and the lease is fresh: no event, no state write (options.lease_renew_s). What a
+        # heartbeat tells beyond its state is still acted on: unknown processes are fenced (above) and
+        # processes missing long after their grant are requeued (below).
+        if _end_orphans(ctx, n, {s["alloc_id"] for s in cmd["allocations"]}):
+            schedule(ctx)
+        return
     newly = set(cordoned) - set(n.cordoned)
     restored = bool(set(n.cordoned) - set(cordoned))
-    ctx.event("NodeHeartbeatRecorded", node_id=nid, lease_deadline_ms=ctx.now_ms + int(ctx.opts.lease_s * 1000),
-              health=health, perf=perf, checkpoints=ckpts, cordoned_gpus=cordoned, utilization=_utilization(cmd))
+    ctx.event("NodeHeartbeatRecorded", node_id=nid, lease_deadline_ms=lease_deadline,
+              health=health, perf=perf, checkpoints=ckpts, cordoned_gpus=cordoned, utilization=utilization)
     if newly:  # jobs on a GPU just cordoned checkpoint and move; the node's other GPUs keep serving
         bad = {g["index"]: g.get("detail") or g.get("health") for g in cmd["gpus"] if g["index"] in newly}
         deadline = ctx.now_ms + int(ctx.opts.grace_s * 1000)
