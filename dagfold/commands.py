@@ -67,6 +67,17 @@ def set_tenant_entitlements(tenant: str, entitlements: Record, partitions: int, 
             for key in settings_keys(partitions, partition_of)]
 
 
+def set_allocator_entitlements(tenant: str, entitlements: Record, partitions: int, source: str = "admin_api",
+                               partition_of: Callable[[bytes, int], int] = partition_for) -> list[Record]:
+    """The same settings for the GPU allocators: one ``dagfold.allocator.SetTenantEntitlements`` per partition
+    of ``allocator.commands`` (``partitions`` of them), keyed by that partition's settings key, so that every
+    pool's allocator folds them (weights and quotas change live; replay sees them). Send to that topic."""
+    at = now_ms()
+    return [{"type": "dagfold.allocator.SetTenantEntitlements", "pool": key, "tenant": tenant,
+             "entitlements": entitlements, "source": source, "requested_at_ms": at}
+            for key in settings_keys(partitions, partition_of)]
+
+
 class CommandSender:
     """Thread-safe producer of commands; ``send`` returns once the record is durable.
 
@@ -82,14 +93,14 @@ class CommandSender:
         self._codec = default_codec()
         self._lock = threading.Lock()
 
-    def send(self, record: Record, key: str | None = None) -> None:
-        """Write ``record`` keyed by ``key`` (default: its job ID, see ``job_id_of``)."""
+    def send(self, record: Record, key: str | None = None, topic: str = COMMANDS) -> None:
+        """Write ``record`` keyed by ``key`` (default: its job ID, see ``job_id_of``) to ``topic``."""
         job_id = key if key is not None else job_id_of(record)
         value = self._codec.encode(record, validate_record=True)
         with self._lock:
             if self._producer is None:
                 self._producer = self._log.producer(self._client_id)
-            self._producer.send(COMMANDS, job_id.encode(), value)
+            self._producer.send(topic, job_id.encode(), value)
             self._producer.flush()
 
     def close(self) -> None:

@@ -25,6 +25,8 @@ handler but the unsafe ones" for handlers.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -177,3 +179,27 @@ def type_quotas(tenants: Mapping[str, Entitlements], pool: str) -> dict[str, dic
 
 def weights(tenants: Mapping[str, Entitlements]) -> dict[str, float]:
     return {t: e.weight for t, e in tenants.items() if e.weight is not None}
+
+
+# -- settings folded from the log (the scheduler's partitions and the allocators' pools alike) -----------------
+
+def entitlements_digest(rec: Mapping[str, Any]) -> str:
+    """A stable digest of an Entitlements record (sorted JSON)."""
+    return hashlib.sha256(json.dumps(rec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def settings_unchanged(old: Mapping[str, Any] | None, rec: Mapping[str, Any], source: str) -> bool:
+    """Whether a SetTenantEntitlements of ``rec`` from ``source`` changes nothing of the stored ``old``
+    (``{ent, file}``, see ``stored_settings``). The auth file's settings, re-sent at every API start,
+    change nothing when the file did not change: later admin changes stand."""
+    if old is None:
+        return False
+    if source == "auth_file" and old.get("file") == entitlements_digest(rec):
+        return True
+    return bool(old["ent"] == rec and (source != "auth_file" or old.get("file") == entitlements_digest(rec)))
+
+
+def stored_settings(old: Mapping[str, Any] | None, rec: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """What a TenantEntitlementsSet event stores: the settings, and the digest of the auth file's last ones."""
+    file_digest = entitlements_digest(rec) if source == "auth_file" else (old or {}).get("file")
+    return {"ent": rec, "file": file_digest}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dagfold.codec import Record
+from dagfold.tenants import stored_settings
 from services.allocator import keys
 from services.allocator.model import FULL, AllocView, NodeView, Part, RequestView
 from services.allocator.profile import active_classes, shape_key, should_refresh
@@ -199,6 +200,11 @@ def _pass_deferred(st: PoolState, e: Record) -> None:
     st.set_timer("pass", st.opts.pool, e["due_ms"])
 
 
+def _tenant_entitlements_set(st: PoolState, e: Record) -> None:
+    t = e["tenant"]
+    st.put_tenant(t, stored_settings(st.tenant_settings.get(t), e["entitlements"], e.get("source") or "admin_api"))
+
+
 def _no_state(st: PoolState, e: Record) -> None:
     """Recorded for the audit only."""
 
@@ -218,6 +224,7 @@ APPLIERS: dict[str, Applier] = {
     A + "ReservationMade": _reservation_made,
     A + "ReservationCleared": _reservation_cleared,
     A + "PassDeferred": _pass_deferred,
+    A + "TenantEntitlementsSet": _tenant_entitlements_set,
 }
 
 

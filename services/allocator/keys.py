@@ -14,6 +14,7 @@ Separator 0x1F cannot appear in IDs (the scheduler's validation forbids control 
 | timers       | ``T|due(16)|kind|id``               | due-time index: node lease, grace, runtime, pass |
 | checkpoints  | ``c|alloc``                         | [time, URI] of an allocation's last checkpoint |
 | perf         | ``f|gpu type``                      | fleet average relative throughput (slow-node detection) |
+| tenants      | ``e|tenant``                        | entitlements set through the log ({ent, file}): weight, quotas |
 
 Queues, the capacity index and the tier/host maps are not stored: they are
 rebuilt from these records when a store is opened (see ``state``).
@@ -33,6 +34,11 @@ TIMER_PREFIX = f"T{S}".encode()
 SHAPE_PREFIX = f"s{S}".encode()
 CKPT_PREFIX = f"c{S}".encode()
 PERF_PREFIX = f"f{S}".encode()
+TENANT_PREFIX = f"e{S}".encode()
+
+
+def tenant(name: str) -> bytes:
+    return TENANT_PREFIX + name.encode()
 
 
 def ckpt(alloc_id: str) -> bytes:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagfold.tenants import Entitlements, pool_quotas, weights
+from dagfold.tenants import Entitlements, pool_quotas, type_quotas, weights
 
 PLACEMENTS = ("frag", "bestfit", "firstfit")
 HEALTH_OK = "ok"
@@ -30,8 +30,10 @@ class AllocatorOptions:
     fair_share: bool = True
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
     default_weight: float = 1.0
-    # Optional per-tenant cap on GPUs in use (whole GPUs; shared GPUs count their fraction).
+    # Optional per-tenant cap on GPUs in use (whole GPUs; shared GPUs count their fraction), and per GPU type
+    # (tenant -> type -> GPUs). Settings folded from the log (SetTenantEntitlements) replace a tenant's.
     tenant_quota_gpus: Mapping[str, float] = field(default_factory=dict)
+    tenant_type_quota_gpus: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     placement: str = "frag"  # frag | bestfit | firstfit
     # frag: small best-fit term that breaks near-ties towards packing. FGD protocol, seed 42, 0.01 -> 0.001:
     # default 4.59 -> 4.33% unallocated (0.1: 4.99%, 0.0001: 4.37%), multigpu50 2.78 -> 2.81%, gpuspec33
@@ -99,13 +101,18 @@ class AllocatorOptions:
         q = self.tenant_quota_gpus.get(tenant)
         return None if q is None else int(q * 1000)
 
+    def type_quota_milli(self, tenant: str) -> dict[str, int]:
+        return {t: int(q * 1000) for t, q in self.tenant_type_quota_gpus.get(tenant, {}).items()}
+
 
 def options_for_pool(pool: str, tenants: Mapping[str, Entitlements], **knobs: Any) -> AllocatorOptions:
-    """The options of ``pool``'s allocator with the tenants' fair-share weights and the pool's GPU quotas.
+    """The options of ``pool``'s allocator with the tenants' fair-share weights and the pool's GPU quotas
+    (per pool and per ``pool/type``).
 
     ``dagfold up --gpu-nodes`` and ``dagfold allocator`` build them from the auth file's ``tenants:``
-    (the same settings the API and the scheduler enforce), so weights and quotas are not a simulator-only
-    knob. Quotas per GPU type (``pool/type``) are parsed but not enforced by the allocator yet.
+    (the same settings the API and the scheduler enforce): the settings at start. The API also writes
+    them, and every admin change, through the log (``SetTenantEntitlements`` on ``allocator.commands``),
+    and what the fold folded from the log replaces a tenant's settings here (``PoolState.weight``).
     """
     return AllocatorOptions(pool=pool, tenant_weights=weights(tenants), tenant_quota_gpus=pool_quotas(tenants, pool),
-                            **knobs)
+                            tenant_type_quota_gpus=type_quotas(tenants, pool), **knobs)

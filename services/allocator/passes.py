@@ -19,6 +19,10 @@ strictly in priority order. Within a tier:
    around it (backfill, see ``reservations``). Without backfill (the FIFO
    baseline) the pass stops at the head of line.
 
+Quotas: a request that would take its tenant past its GPU quota of the pool
+waits (the tenant's later requests are still looked at); one that would pass
+the quota of some GPU types is placed only on the others (``within_quota``).
+
 Work per pass is bounded (``pass_budget`` placement attempts, a look-ahead per
 tenant, and request shapes that already failed in this pass are skipped
 without a second attempt); when the budget runs out after progress, a
@@ -115,6 +119,28 @@ def _blocked(ctx: Ctx, r: RequestView, rank: int, *, head: bool, preempt: bool) 
     return False
 
 
+def within_quota(ctx: Ctx, r: RequestView) -> RequestView | None:
+    """``r`` as its tenant's GPU quotas let it be placed now: None while it would exceed the pool quota or
+    the quota of every GPU type it may use; else ``r``, or a copy narrowed to the GPU types still under
+    their quota (``pool/type`` entries). Cost: the tenant's per-type quotas (a handful), never a scan."""
+    st = ctx.st
+    tenant, need = r.tenant, r.total_milli
+    quota = st.quota_milli(tenant)
+    if quota is not None and st.tenant_usage.get(tenant, 0) + need > quota:
+        return None
+    per_type = st.type_quotas(tenant)
+    if not per_type:
+        return r
+    usage = st.type_usage
+    types = r.gpu_types or tuple(st.gpu_types)
+    ok = tuple(t for t in types if t not in per_type or usage.get((tenant, t), 0) + need <= per_type[t])
+    if len(ok) == len(types):
+        return r
+    if not ok:
+        return None
+    return RequestView(r.key, {**r.record(), "gpu_type": list(ok)})
+
+
 def _tenant_share(ctx: Ctx, tier_name: str, tenant: str) -> float:
     """The tenant's usage over its weight: in this tier with strict tiers, else over all tiers."""
     st = ctx.st
@@ -161,6 +187,11 @@ def _owners_first(ctx: Ctx, rank: int) -> tuple[int, bool]:
             if any(share(t) < mine - 1e-9 for t in q if t != r.tenant):
                 ctx.event("ReservationCleared", **_ident(r), reason="fair share moved another tenant ahead")
                 continue
+        if st.has_quotas:
+            rq = within_quota(ctx, r)
+            if rq is None:
+                continue  # over a quota now (its tenant got GPUs since, or a quota was lowered): it waits
+            r = rq
         used += 1
         if grant(ctx, r, excluded_for(st, r, ctx.now_ms)):
             shares.pop(r.tenant, None)
@@ -204,7 +235,6 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
     if not q:
         return budget, False
     tier_name = opts.tiers[rank] if rank < len(opts.tiers) else ""
-    tenant_usage = st.tenant_usage
 
     def share(tenant: str) -> float:
         return _tenant_share(ctx, tier_name, tenant)
@@ -231,7 +261,6 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
     examined = 0
     reserved = st.meta["reservations"]
     requests = st.requests
-    quotas = opts.tenant_quota_gpus
     while heap and budget > 0 and examined < limit:
         sh, _, tenant, i = heappop(heap)
         h = heads.get(tenant)
@@ -244,14 +273,14 @@ def _tier(ctx: Ctx, rank: int, budget: int) -> tuple[int, bool]:
         key = h[i][1]
         nxt = i + 1
         if key not in reserved:
-            r = requests[key]
-            quota = opts.quota_milli(tenant) if quotas else None
-            if quota is None or tenant_usage.get(tenant, 0) + r.total_milli <= quota:
+            r0 = requests[key]
+            r = within_quota(ctx, r0) if st.has_quotas else r0
+            if r is not None:
                 pattern = excl.pattern(r)
                 fkey = (r.shape, pattern)
                 if fkey not in failed:
                     granted = False
-                    if r.gpu_shape in feasible:
+                    if r0.gpu_shape in feasible:  # (r may be r0 narrowed to the GPU types under quota)
                         budget -= 1
                         granted = grant(ctx, r, excl.hosts(pattern))
                     if granted:

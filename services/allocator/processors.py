@@ -11,8 +11,10 @@ import math
 from collections.abc import Callable
 
 from dagfold.codec import Record
+from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
 from services.allocator import keys
 from services.allocator.ctx import Ctx
+from services.allocator.exceptions import InvalidCommandError
 from services.allocator.model import FULL, AllocView, NodeView, RequestView
 from services.allocator.options import DRAIN_HEALTH, STICKY_HEALTH
 from services.allocator.passes import schedule
@@ -215,6 +217,20 @@ def _validate(ctx: Ctx, cmd: Record) -> str | None:
     return None
 
 
+def _over_quota(ctx: Ctx, r: RequestView) -> str | None:
+    """Why ``r`` could never be granted under its tenant's quotas (bigger than the pool quota, or than the
+    quota of every GPU type it names), or None. A request that fits a quota waits for it while it is used."""
+    st, need = ctx.st, r.total_milli
+    quota = st.quota_milli(r.tenant)
+    if quota is not None and need > quota:
+        return f"asks for {need / 1000:g} GPUs; tenant quota is {quota / 1000:g}"
+    per_type = st.type_quotas(r.tenant)
+    if per_type and r.gpu_types and all(t in per_type and need > per_type[t] for t in r.gpu_types):
+        caps = ", ".join(f"{ctx.opts.pool}/{t}: {per_type[t] / 1000:g}" for t in r.gpu_types)
+        return f"asks for {need / 1000:g} GPUs of {'|'.join(r.gpu_types)}; tenant quota is {caps}"
+    return None
+
+
 def request_allocation(ctx: Ctx, cmd: Record) -> None:
     st = ctx.st
     key = keys.request_key(cmd["job_id"], cmd["task_id"], cmd["attempt"])
@@ -230,9 +246,7 @@ def request_allocation(ctx: Ctx, cmd: Record) -> None:
               "submitted_ms": cmd["submitted_ms"]}
     probe = RequestView(key, {**ident, **fields, "seq": 0, "queued_ms": ctx.now_ms, "resume": None, "grants": 0})
     if why is None:
-        quota = ctx.opts.quota_milli(cmd["tenant"])
-        if quota is not None and probe.total_milli > quota:
-            why = f"asks for {probe.total_milli / 1000:g} GPUs; tenant quota is {quota / 1000:g}"
+        why = _over_quota(ctx, probe)
     if why is None and ctx.opts.reject_unfittable:
         why = could_ever_fit(st, probe)
     if why is not None:
@@ -291,6 +305,25 @@ def cancel_request(ctx: Ctx, cmd: Record) -> None:
         schedule(ctx)
 
 
+# -- settings -------------------------------------------------------------------------------------
+
+def set_tenant_entitlements(ctx: Ctx, cmd: Record) -> None:
+    """A tenant's weight and quotas from now on (the copy of ``allocator.commands``' partition; every pool's
+    allocator folds it). Settings that do not parse raise (the runtime dead-letters the command); the
+    auth file's, re-sent at every API start, change nothing when the file did not change. A pass follows:
+    a raised quota or weight serves the waiting requests at once."""
+    tenant = cmd["tenant"]
+    try:
+        ent = Entitlements.parse(cmd["entitlements"], f"tenant {tenant[:60]!r}")
+    except EntitlementsError as exc:
+        raise InvalidCommandError(str(exc)) from None
+    rec = ent.to_record()
+    if settings_unchanged(ctx.st.tenant_settings.get(tenant), rec, cmd["source"]):
+        return
+    ctx.event("TenantEntitlementsSet", tenant=tenant, entitlements=rec, source=cmd["source"])
+    schedule(ctx)
+
+
 # -- timers -------------------------------------------------------------------------------------
 
 def timer_fired(ctx: Ctx, cmd: Record) -> None:
@@ -331,4 +364,5 @@ PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
     C + "ReleaseAllocation": release_allocation,
     C + "CancelRequest": cancel_request,
     C + "AllocatorTimerFired": timer_fired,
+    C + "SetTenantEntitlements": set_tenant_entitlements,
 }

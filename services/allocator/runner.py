@@ -6,7 +6,8 @@ whose transactional ID (``dagfold-allocator-<pool>``) fences an older one. Comma
 pools hashed onto the same partition are skipped (their own allocator folds them), and so are
 their events when catching up. Events go to the pool's partition of ``allocator.events``,
 control records (``control``, keyed by node) and scheduler commands (``commands``, keyed by
-job) by key. Timers go through the log: the runtime scans the pool's due-time index and
+job) by key. Tenant settings (SetTenantEntitlements, one copy per partition) are folded by
+every pool's allocator on the partition. Timers go through the log: the runtime scans the pool's due-time index and
 writes AllocatorTimerFired commands to the pool's partition, as the scheduler does.
 """
 
@@ -27,6 +28,7 @@ from services.allocator.options import AllocatorOptions
 from services.allocator.timers import due_timers_in_store
 
 GROUP = "dagfold-allocator"
+SETTINGS = "dagfold.allocator.SetTenantEntitlements"
 
 
 def store_path(data_dir: Path, pool: str) -> Path:
@@ -44,6 +46,8 @@ def allocator_spec(log_: Log, opts: AllocatorOptions, data_dir: Path | None,
     events_p = log_.partition_for(pool.encode(), log_.partitions(ALLOCATOR_EVENTS))
 
     def admit(rec: LogRecord, cmd: Record) -> list[Output] | None:
+        if cmd.get("type") == SETTINGS:
+            return None  # tenant settings: every pool's allocator on this partition folds them
         return None if cmd.get("pool") == pool else []  # another pool's: its own allocator folds it
 
     def accepts(event: Record) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 from sortedcontainers import SortedList
 
 from dagfold.state import PartitionTransaction, Store
+from dagfold.tenants import Entitlements, type_quotas
 from services.allocator import keys
 from services.allocator.capacity import CapacityIndex
 from services.allocator.model import AllocView, NodeView, RequestView
@@ -46,7 +47,6 @@ class PoolState:
         self._put: Callable[[bytes, Any], None] = self._unbound_put  # the bound transaction's put
         # tier -> rank (a function of the options only; unknown tiers are added when first seen)
         self.ranks: dict[str, int] = {t: self.rank_of_tier(t) for t in opts.tiers}
-        self._weights: dict[str, float] = {}  # tenant -> weight (likewise)
         self._clear()
 
     def _clear(self) -> None:
@@ -83,6 +83,14 @@ class PoolState:
         # up hosts by the time all their allocations will have ended (runtime limits): reservations of whole hosts
         self.free_at: SortedList = SortedList()
         self.free_at_of: dict[str, int] = {}
+        # Tenant entitlements folded from the log ({ent, file} per tenant; they replace the options' settings of
+        # that tenant), their decoded form, and what derives from them, memoised per tenant until they change
+        self.tenant_settings: dict[str, dict[str, Any]] = {}
+        self.ents: dict[str, Entitlements] = {}
+        self._weights: dict[str, float] = {}  # tenant -> weight
+        self._type_quotas: dict[str, dict[str, int]] = {}  # tenant -> GPU type -> milli
+        self.has_quotas = bool(self.opts.tenant_quota_gpus or self.opts.tenant_type_quota_gpus)
+        self.type_usage: dict[tuple[str, str], int] = {}  # (tenant, GPU type) -> milli in use (per-type quotas)
 
     # -- transaction ------------------------------------------------------------
     def bind(self, txn: PartitionTransaction) -> None:
@@ -217,13 +225,65 @@ class PoolState:
                 self.timer_heap = [(d, k, t) for (k, t), d in self.timers.items()]
                 heapq.heapify(self.timer_heap)
 
+    def put_tenant(self, tenant: str, stored: dict[str, Any]) -> None:
+        """A tenant's entitlements as folded from the log (``{ent, file}``): its weight and quotas from now on."""
+        self._set_tenant(tenant, stored)
+        self._put(keys.tenant(tenant), stored)
+
+    def _set_tenant(self, tenant: str, stored: dict[str, Any]) -> None:
+        self.tenant_settings[tenant] = stored
+        ent = self.ents[tenant] = Entitlements.from_record(stored["ent"])
+        self._weights.pop(tenant, None)
+        self._type_quotas.pop(tenant, None)
+        self.has_quotas = self.has_quotas or bool(ent.gpu_quota)
+
     # -- derived indexes ----------------------------------------------------------
     def weight(self, tenant: str) -> float:
-        """``opts.weight``, memoised."""
+        """The tenant's fair-share weight: from the log's settings, else ``opts.weight``; memoised."""
         w = self._weights.get(tenant)
         if w is None:
-            w = self._weights[tenant] = self.opts.weight(tenant)
+            ent = self.ents.get(tenant)
+            if ent is None:
+                w = self.opts.weight(tenant)
+            else:
+                w = ent.weight if ent.weight is not None else self.opts.default_weight
+            self._weights[tenant] = w
         return w
+
+    def quota_milli(self, tenant: str) -> int | None:
+        """The tenant's cap on GPU milli in use in this pool (None: none)."""
+        ent = self.ents.get(tenant)
+        if ent is None:
+            return self.opts.quota_milli(tenant)
+        q = ent.gpu_quota.get(self.opts.pool)
+        return None if q is None else int(q * 1000)
+
+    def type_quotas(self, tenant: str) -> dict[str, int]:
+        """The tenant's caps on GPU milli in use per GPU type of this pool (``pool/type``), memoised."""
+        q = self._type_quotas.get(tenant)
+        if q is None:
+            ent = self.ents.get(tenant)
+            if ent is None:
+                q = self.opts.type_quota_milli(tenant)
+            else:
+                pool = self.opts.pool
+                q = {t: int(v * 1000) for t, v in type_quotas({tenant: ent}, pool).get(tenant, {}).items()}
+            self._type_quotas[tenant] = q
+        return q
+
+    def _count_types(self, a: AllocView, sign: int) -> None:
+        """Add (or take away) ``a``'s GPU milli per GPU type of its hosts to its tenant's ``type_usage``."""
+        tenant = a.req.tenant
+        for p in a.parts:
+            n = self.nodes.get(p.node)
+            if n is None or not p.gpus:
+                continue
+            k = (tenant, n.gpu_type)
+            v = self.type_usage.get(k, 0) + sign * p.milli * len(p.gpus)
+            if v:
+                self.type_usage[k] = v
+            else:
+                self.type_usage.pop(k, None)
 
     def rank_of_tier(self, tier: str) -> int:
         known = self.opts.tier_rank(tier)
@@ -254,6 +314,7 @@ class PoolState:
 
     def link_alloc(self, a: AllocView) -> None:
         self.alloc_of_req[a.req.key] = a.id
+        self._count_types(a, 1)
         self.by_job.setdefault(a.req.job_id, set()).add(a.req.key)
         rank = self.rank(a.req.tier)
         tn = self.tier_nodes.setdefault(rank, {})
@@ -267,6 +328,7 @@ class PoolState:
                 hosts.add(p.node)
 
     def unlink_alloc_nodes(self, a: AllocView) -> None:
+        self._count_types(a, -1)
         rank = self.rank(a.req.tier)
         tn = self.tier_nodes.get(rank, {})
         for p in a.parts:
@@ -346,6 +408,8 @@ class PoolState:
                 ca.last_ckpt_ms, ca.last_ckpt_uri = v[0], v[1]
         for k, v in scan(keys.PERF_PREFIX):
             self.perf[k[len(keys.PERF_PREFIX):].decode()] = v
+        for k, v in scan(keys.TENANT_PREFIX):
+            self._set_tenant(k[len(keys.TENANT_PREFIX):].decode(), v)
         for n in self.nodes.values():
             self.refresh_free_at(n)
         self.regroup()

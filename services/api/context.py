@@ -15,7 +15,7 @@ from typing import Any
 
 from dagfold.artifacts import ArtifactStore, open_store
 from dagfold.commands import CommandSender
-from dagfold.config import Config
+from dagfold.config import COMMANDS, Config
 from dagfold.exceptions import CodecError, LogError, disk_full
 from dagfold.log.base import Log
 from dagfold.tenants import DEFAULT, Entitlements
@@ -39,11 +39,11 @@ class ApiSender:
     def __init__(self, log: Log | None) -> None:
         self._sender = CommandSender(log, "api") if log is not None else None
 
-    def send(self, record: dict[str, Any], key: str) -> None:
+    def send(self, record: dict[str, Any], key: str, topic: str = COMMANDS) -> None:
         if self._sender is None:
             raise ApiError(405, "read_only", "this API is read-only: it has no command log")
         try:
-            self._sender.send(record, key)
+            self._sender.send(record, key, topic)
         except CodecError as exc:
             raise ApiError(400, "invalid_spec", str(exc)) from None
         except LogError as exc:

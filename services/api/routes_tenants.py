@@ -1,7 +1,9 @@
 """Routes of tenant entitlements: read them (the tenant itself or an admin), set them (an admin).
 
 Setting them writes ``SetTenantEntitlements`` to every partition of the
-commands topic (``dagfold.commands.set_tenant_entitlements``): each scheduler
+commands topic (``dagfold.commands.set_tenant_entitlements``) and of
+``allocator.commands`` (each GPU pool's allocator folds its copy: weights and
+quotas change live): each scheduler
 partition folds its copy (an upstream producer's SubmitJob is checked against
 it), the projector shows it to every API instance, and a replay sees the same
 settings at the same point of the log. The auth file's ``tenants:`` section is
@@ -17,8 +19,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Path
 from fastapi.concurrency import run_in_threadpool
 
-from dagfold.commands import set_tenant_entitlements
-from dagfold.config import COMMANDS
+from dagfold.commands import set_allocator_entitlements, set_tenant_entitlements
+from dagfold.config import ALLOCATOR_COMMANDS, COMMANDS
 from dagfold.exceptions import LogError
 from dagfold.rules import RULES
 from dagfold.tenants import Entitlements, EntitlementsError
@@ -31,15 +33,20 @@ TenantName = Annotated[str, Path(min_length=1, max_length=RULES["tenant"].max_le
 
 
 def send_entitlements(ctx: ApiContext, tenant: str, ent: Entitlements, source: str) -> None:
-    """One SetTenantEntitlements per partition of the commands topic."""
+    """One SetTenantEntitlements per partition of the commands topic (the schedulers), and one per partition
+    of ``allocator.commands`` (the GPU allocators: weights and quotas)."""
     if ctx.log is None:
         raise ApiError(405, "read_only", "this API is read-only: it has no command log")
     try:
         partitions = ctx.log.partitions(COMMANDS)
+        pool_partitions = ctx.log.partitions(ALLOCATOR_COMMANDS)
     except LogError as exc:
         raise ApiError(503, "log_unavailable", f"the command log is unavailable: {exc}") from None
-    for cmd in set_tenant_entitlements(tenant, ent.to_record(), partitions, source, ctx.log.partition_for):
+    rec = ent.to_record()
+    for cmd in set_tenant_entitlements(tenant, rec, partitions, source, ctx.log.partition_for):
         ctx.sender.send(cmd, cmd["job_id"])
+    for cmd in set_allocator_entitlements(tenant, rec, pool_partitions, source, ctx.log.partition_for):
+        ctx.sender.send(cmd, cmd["pool"], ALLOCATOR_COMMANDS)
 
 
 def publish_auth_file(ctx: ApiContext) -> None:

@@ -10,14 +10,13 @@ edges)) and an outcome's notification of its direct dependents (O(out-degree)).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from dagfold.codec import Record
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.state import PartitionTransaction
+from dagfold.tenants import stored_settings
 from services.scheduler import keys
 from services.scheduler.retry import NO_RETRY
 
@@ -286,14 +285,8 @@ def _no_state(txn: PartitionTransaction, e: Record) -> None:
 def _tenant_entitlements_set(txn: PartitionTransaction, e: Record) -> None:
     """One key per tenant; ``file`` remembers the auth file's last settings, so an API restart with an
     unchanged file does not undo what the admin API set since."""
-    old = txn.get(keys.tenant(e["tenant"])) or {}
-    file_digest = entitlements_digest(e["entitlements"]) if e.get("source") == "auth_file" else old.get("file")
-    txn.put(keys.tenant(e["tenant"]), {"ent": e["entitlements"], "file": file_digest})
-
-
-def entitlements_digest(rec: Record) -> str:
-    """A stable digest of an Entitlements record (sorted JSON)."""
-    return hashlib.sha256(json.dumps(rec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    old = txn.get(keys.tenant(e["tenant"]))
+    txn.put(keys.tenant(e["tenant"]), stored_settings(old, e["entitlements"], e.get("source") or "admin_api"))
 
 
 def read_tenant(txn: PartitionTransaction, tenant: str) -> Record | None:

@@ -24,12 +24,11 @@ from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.outputs import Output
 from dagfold.processor.fold import FoldContext
 from dagfold.state import PartitionTransaction
-from dagfold.tenants import Entitlements, EntitlementsError
+from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
 from services.allocator import commands as alloc_cmds
 from services.scheduler import keys
 from services.scheduler.appliers import (
     apply_event,
-    entitlements_digest,
     get_dependents,
     read_job,
     read_task,
@@ -250,12 +249,8 @@ def set_tenant_entitlements(ctx: Ctx, cmd: Record) -> None:
     except EntitlementsError as exc:
         raise InvalidSettingsError(str(exc)) from None
     rec = ent.to_record()
-    old = read_tenant(ctx.txn, cmd["tenant"])
-    if old is not None:
-        if cmd["source"] == "auth_file" and old.get("file") == entitlements_digest(rec):
-            return  # the file's settings were applied before; later admin changes stand
-        if old["ent"] == rec and (cmd["source"] != "auth_file" or old.get("file") == entitlements_digest(rec)):
-            return
+    if settings_unchanged(read_tenant(ctx.txn, cmd["tenant"]), rec, cmd["source"]):
+        return  # e.g. the file's settings were applied before; later admin changes stand
     ctx.event("TenantEntitlementsSet", cmd["job_id"], tenant=cmd["tenant"], entitlements=rec, source=cmd["source"])
 
 
