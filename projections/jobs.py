@@ -12,6 +12,7 @@ never contain ``\\x00``, which keeps every prefix unambiguous)::
     j  job                         -> job summary
     t  job task                    -> task record
     a  job task attempt(>I)        -> attempt record
+    r  job                         -> the refused spec's graph of a rejected job (JobRejected.graph, bounded)
     h  job partition(>I) offset(>Q) -> history entry (one key per event: O(1) appends; an entry of a
                                       task event carries ``task_state``, the task's state after it, so
                                       live views recolour from the history stream alone)
@@ -105,6 +106,10 @@ def attempts_prefix(job_id: str, task_id: str) -> bytes:
 
 def attempt_key(job_id: str, task_id: str, attempt: int) -> bytes:
     return attempts_prefix(job_id, task_id) + _U32.pack(max(attempt, 0))
+
+
+def rejected_graph_key(job_id: str) -> bytes:
+    return b"r" + _SEP + part(job_id)
 
 
 def history_prefix(job_id: str) -> bytes:
@@ -334,6 +339,7 @@ def _job_accepted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
             return  # a job is accepted once; a repeat changes nothing (history keeps it)
         for k in _index_keys(old):
             txn.delete(k)
+        txn.delete(rejected_graph_key(job_id))
         ops.count_job(txn, old["tenant"], "rejected", -1)
     ts = ev["ts_ms"]
     job = _new_job(job_id, spec.get("tenant", "default"), ts, partition)
@@ -372,6 +378,11 @@ def _job_rejected(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
         return  # e.g. job_exists: a resubmission of a live job; the job itself is unchanged
     job.update(code=ev["code"], reason=ev["reason"], ended_ms=ts, duration_ms=0, updated_ms=ts)
     txn.put(jkey, job)
+    graph = ev.get("graph")  # bounded by the scheduler (validation.rejected_graph); None before the field
+    if graph is not None:
+        txn.put(rejected_graph_key(ev["job_id"]), graph)
+    else:
+        txn.delete(rejected_graph_key(ev["job_id"]))
 
 
 def _task_dispatched(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
@@ -826,6 +837,11 @@ class ReadModel:
                 yield k, keep(self.get_job(unpart(k.rsplit(_SEP, 1)[1])))
 
         return paginate(rows(), clamp_limit(limit))
+
+    def get_rejected_graph(self, job_id: str) -> Record | None:
+        """The refused spec's graph of a rejected job (task IDs, edges, the offending ones marked), or None."""
+        graph: Record | None = self.store.get(rejected_graph_key(job_id))
+        return graph
 
     def get_tasks(self, job_id: str, limit: int = 100, cursor: str | None = None,
                   state: str | None = None) -> Page:

@@ -7,7 +7,9 @@ only draws (canvas) and recolours nodes as states change.
 Layers are longest paths from the roots (Sugiyama's first step); within a
 layer, nodes are ordered by the barycentre of their parents' positions (one
 downward sweep), which keeps fan-in/fan-out workflows like Montage readable.
-Tasks on a cycle (impossible for an accepted job) go to a last layer.
+A cycle (only in a rejected job's graph) is broken where Kahn's algorithm gets stuck: the first task
+left (in input order) is placed as if its unplaced upstreams were not there, so a cycle a -> b -> c -> a
+reads left to right with one edge back (Eades' greedy cycle breaking, simplified).
 """
 
 from __future__ import annotations
@@ -45,35 +47,40 @@ def layout(tasks: Iterable[tuple[str, list[str]]]) -> Layout:
             children[p].append(c)
     layer = [0] * n
     queue = deque(i for i in range(n) if indeg[i] == 0)
+    placed = [False] * n
     order: list[int] = []
-    while queue:
-        i = queue.popleft()
-        order.append(i)
-        for c in children[i]:
-            layer[c] = max(layer[c], layer[i] + 1)
-            indeg[c] -= 1
-            if indeg[c] == 0:
-                queue.append(c)
-    if len(order) < n:  # a cycle: park the rest after the deepest layer
-        last = (max(layer) + 1) if n else 0
-        placed = set(order)
-        for i in range(n):
-            if i not in placed:
-                layer[i] = last
-                order.append(i)
+    stuck = 0  # the next task to force when a cycle stops the walk: O(n) over all cycles together
+    while len(order) < n:
+        while queue:
+            i = queue.popleft()
+            placed[i] = True
+            order.append(i)
+            for c in children[i]:
+                if placed[c]:
+                    continue  # an edge back into a broken cycle
+                layer[c] = max(layer[c], layer[i] + 1)
+                indeg[c] -= 1
+                if indeg[c] == 0:
+                    queue.append(c)
+        while stuck < n and (placed[stuck] or indeg[stuck] <= 0):
+            stuck += 1
+        if stuck < n:  # a cycle: place its first task as if its unplaced upstreams were not there
+            indeg[stuck] = 0
+            queue.append(stuck)
     depth = (max(layer) + 1) if n else 0
     members: list[list[int]] = [[] for _ in range(depth)]
     for i in range(n):
         members[layer[i]].append(i)
     pos = [0] * n
+    widths = [len(m) for m in members]
     for lvl, nodes in enumerate(members):
         if lvl == 0:
             nodes.sort(key=lambda i: ids[i])
         else:
-            def bary(i: int) -> tuple[float, str]:
-                ps = parents[i]
+            def bary(i: int, lvl: int = lvl) -> tuple[float, str]:
+                ps = [p for p in parents[i] if layer[p] < lvl]  # placed already (an edge back is not)
                 # parents' positions relative to their layer's width: layers differ in size
-                return (sum(pos[p] / len(members[layer[p]]) for p in ps) / len(ps) if ps else 0.0), ids[i]
+                return (sum(pos[p] / widths[layer[p]] for p in ps) / len(ps) if ps else 0.0), ids[i]
 
             nodes.sort(key=bary)
         for k, i in enumerate(nodes):
@@ -111,3 +118,23 @@ class LayoutCache:
 def graph_json(lay: Layout, states: dict[str, str]) -> dict[str, Any]:
     return {"ids": lay.ids, "layer": lay.layer, "pos": lay.pos, "layers": lay.layers, "edges": lay.edges,
             "states": [states.get(t, "pending") for t in lay.ids]}
+
+
+def rejected_graph_json(graph: dict[str, Any] | None) -> dict[str, Any]:
+    """A rejected job's refused graph (``JobRejected.graph``, bounded by the scheduler) laid out like an
+    accepted one, with ``rejected``: the offending edges and tasks (indexes into ``ids``), the tasks named
+    but not defined, and the spec's own totals. Not cached: at most a few thousand tasks, and a later
+    rejection under the same job ID replaces it. None (a record from before the field): an empty graph."""
+    if graph is None:
+        return {**graph_json(layout([]), {}), "rejected": None}
+    ids: list[str] = graph["task_ids"]
+    deps: list[list[str]] = [[] for _ in ids]
+    e = graph["edges"]
+    for k in range(0, len(e) - 1, 2):
+        if 0 <= e[k] < len(ids) and 0 <= e[k + 1] < len(ids):
+            deps[e[k + 1]].append(ids[e[k]])
+    lay = layout(zip(ids, deps, strict=True))
+    missing = set(graph["missing_tasks"])
+    return {**graph_json(lay, {}), "states": ["missing" if i in missing else "pending" for i in range(len(ids))],
+            "rejected": {k: graph[k] for k in ("marked_edges", "marked_tasks", "missing_tasks", "total_tasks",
+                                               "total_edges")}}

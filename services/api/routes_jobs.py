@@ -25,7 +25,7 @@ from projections.jobs import TERMINAL_JOB_STATES, Page
 from services.api.auth import Principal
 from services.api.context import ApiContext, parse_time_ms
 from services.api.errors import ApiError
-from services.api.graph import graph_json, layout
+from services.api.graph import graph_json, layout, rejected_graph_json
 from services.api.sse import stream_response
 from services.scheduler.processors import spec_hash
 from services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
@@ -319,6 +319,9 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
     @r.get("/v1/jobs/{job_id}/graph", summary="The job's DAG with a layered layout and task states")
     def get_graph(job_id: str, principal: Caller) -> JSONResponse:
         job = ctx.job_for(job_id, principal)
+        if job["state"] == "rejected":
+            return JSONResponse({"job_id": job_id, "state": "rejected", **rejected_graph_json(
+                ctx.rm.get_rejected_graph(job_id))})
         cache_key = f"{job_id}\x00{job['created_ms']}"
         lay = ctx.layouts.get(cache_key)
         states: dict[str, str] = {}

@@ -36,7 +36,7 @@ from services.scheduler.appliers import (
 )
 from services.scheduler.exceptions import InvalidSettingsError
 from services.scheduler.retry import backoff_ms, should_retry
-from services.scheduler.validation import Rejection, validate_job_spec
+from services.scheduler.validation import Rejection, rejected_graph, validate_job_spec
 
 E = "dagfold.event."
 
@@ -193,7 +193,8 @@ def submit_job(ctx: Ctx, cmd: Record) -> None:
     job_id = spec["job_id"]
     rej = validate_job_spec(spec, ctx.opts.limits) or entitlement_refusal(ctx, spec)
     if rej is not None:
-        ctx.event("JobRejected", job_id, tenant=spec["tenant"], code=rej.code, reason=rej.reason)
+        ctx.event("JobRejected", job_id, tenant=spec["tenant"], code=rej.code, reason=rej.reason,
+                  graph=rejected_graph(spec, rej, ctx.opts.limits))
         return
     h = spec_hash(spec)
     key = spec["idempotency_key"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dagfold import rules
@@ -23,10 +24,17 @@ TRIGGER_RULES = frozenset({"all_success", "all_done", "one_success", "one_failed
 
 @dataclass(frozen=True)
 class Rejection:
-    """Why a submission is refused: a machine code and a sentence for people."""
+    """Why a submission is refused: a machine code and a sentence for people.
+
+    ``tasks`` and ``edges`` name what is at fault in the graph (the tasks of a cycle and its edges as
+    ``(upstream, downstream)``, the dependency on an unknown task, a duplicated or invalid task), so
+    the JobRejected event can carry a drawing of the refused graph with them marked (``rejected_graph``).
+    """
 
     code: str
     reason: str
+    tasks: tuple[str, ...] = ()
+    edges: tuple[tuple[str, str], ...] = ()
 
 
 def find_cycle(tasks: list[dict[str, Any]]) -> list[str] | None:
@@ -144,7 +152,7 @@ def _check_task(t: dict[str, Any], limits: Limits, names: set[tuple[str, str]]) 
     if t["trigger_rule"] not in TRIGGER_RULES:
         return Rejection("invalid_field", f"task {tid!r}: unknown trigger_rule {t['trigger_rule']!r}")
     if tid in t["depends_on"]:
-        return Rejection("cycle", f"dependency cycle: {tid} -> {tid}")
+        return Rejection("cycle", f"dependency cycle: {tid} -> {tid}", (tid,), ((tid, tid),))
     return _check_policies(f"task {tid!r}: ", t["retry"], t["timeouts"]) or _check_resources(tid, t.get("resources"))
 
 
@@ -178,18 +186,126 @@ def validate_job_spec(spec: dict[str, Any], limits: Limits) -> Rejection | None:
     ids: set[str] = set()
     for t in tasks:
         if t["task_id"] in ids:
-            return Rejection("duplicate_task", f"duplicate task id {t['task_id']!r}")
+            return Rejection("duplicate_task", f"duplicate task id {t['task_id']!r}", (t["task_id"],))
         ids.add(t["task_id"])
     names: set[tuple[str, str]] = set()
     for t in tasks:
         task_bad = _check_task(t, limits, names)
         if task_bad:
-            return task_bad
+            return task_bad if task_bad.tasks else replace(task_bad, tasks=(t["task_id"],))
         for dep in t["depends_on"]:
             if dep not in ids:
                 return Rejection("unknown_dependency",
-                                 f"task {t['task_id']!r} depends on unknown task {dep!r}")
+                                 f"task {t['task_id']!r} depends on unknown task {dep!r}",
+                                 (t["task_id"],), ((dep, t["task_id"]),))
     cycle = find_cycle(tasks)
     if cycle:
-        return Rejection("cycle", "dependency cycle: " + " -> ".join(cycle))
+        return Rejection("cycle", "dependency cycle: " + _path(cycle), tuple(cycle[:-1][:REJECTED_GRAPH_TASKS]),
+                         tuple(zip(cycle, cycle[1:], strict=False))[:REJECTED_GRAPH_TASKS])
     return None
+
+
+CYCLE_NAMED = 50  # tasks of a cycle the reason names: a cycle through a million tasks is one line
+
+
+def _path(cycle: list[str]) -> str:
+    if len(cycle) <= CYCLE_NAMED + 1:
+        return " -> ".join(cycle)
+    return (" -> ".join(cycle[:CYCLE_NAMED]) + f" -> \u2026 ({len(cycle) - 1 - CYCLE_NAMED} more tasks) -> "
+            + cycle[-1])
+
+
+# What a JobRejected may carry of the refused graph: a 1M-task spec must not make a 1M-task event.
+REJECTED_GRAPH_TASKS = 2000
+REJECTED_GRAPH_BYTES = 64 * 1024  # of task IDs (UTF-8); edges are 2 ints each, at most 4 per task drawn
+REJECTED_GRAPH_EDGES = 4 * REJECTED_GRAPH_TASKS
+
+
+def rejected_graph(spec: dict[str, Any], rej: Rejection, limits: Limits) -> dict[str, Any]:
+    """A bounded drawing of a refused spec for the ``JobRejected.graph`` field (schema: RejectedGraph).
+
+    The tasks the rejection names come first (so a cycle among a million tasks is always drawn), then
+    their neighbours breadth first (the context a reader needs), then the rest in spec order, until
+    ``REJECTED_GRAPH_TASKS`` tasks or ``REJECTED_GRAPH_BYTES`` of IDs. Edges among the drawn tasks
+    follow, the offending ones first, up to ``REJECTED_GRAPH_EDGES``. Task IDs are cut to the length
+    limit of an ID (an over-long one is itself a reason for refusal; a cut that repeats a drawn ID is
+    left out). Cost: O(tasks + edges) of the spec, as validation already is, once per refused
+    submission (the downstream index only when the rejection names tasks); the event is O(limits).
+    """
+    tasks = spec["tasks"]
+    cut = limits.max_task_id_len
+    order: list[str] = []  # full IDs drawn, in drawing order
+    index: dict[str, int] = {}
+    shorts: set[str] = set()
+    budget = REJECTED_GRAPH_BYTES
+
+    def take(tid: str) -> bool:
+        """Draw ``tid`` if it fits; False once the graph is full."""
+        nonlocal budget
+        short = tid[:cut]
+        if tid in index or short in shorts:
+            return True
+        size = len(short.encode("utf-8", "surrogatepass"))
+        if len(order) >= REJECTED_GRAPH_TASKS or size > budget:
+            return False
+        budget -= size
+        shorts.add(short)
+        index[tid] = len(order)
+        order.append(tid)
+        return True
+
+    deps_of: dict[str, list[str]] = {}
+    total_edges = 0
+    for t in tasks:
+        deps_of.setdefault(t["task_id"], t["depends_on"])  # a duplicate's first definition
+        total_edges += len(t["depends_on"])
+    named = [*rej.tasks, *(x for e in rej.edges for x in e)]
+    full = False
+    if named:
+        downs: dict[str, list[str]] = {}
+        for tid, deps in deps_of.items():
+            for d in deps:
+                downs.setdefault(d, []).append(tid)
+        queue: deque[str] = deque()
+        for tid in named:
+            if tid not in index:
+                full = not take(tid)
+                if full:
+                    break
+                if tid in index:
+                    queue.append(tid)
+        while queue and not full:  # neighbours of what the rejection names, breadth first
+            tid = queue.popleft()
+            for n in (*deps_of.get(tid, ()), *downs.get(tid, ())):
+                if n in index:
+                    continue
+                full = not take(n)
+                if full:
+                    break
+                if n in index:
+                    queue.append(n)
+    for t in tasks:
+        if full or not take(t["task_id"]):
+            break
+
+    marked = list(dict.fromkeys((index[a], index[b]) for a, b in rej.edges if a in index and b in index))
+    seen = set(marked)
+    edges = [i for pair in marked for i in pair]
+    for tid in order:
+        c = index[tid]
+        for d in deps_of.get(tid, ()):
+            p = index.get(d)
+            if p is not None and (p, c) not in seen:
+                if len(seen) >= REJECTED_GRAPH_EDGES:
+                    break
+                seen.add((p, c))
+                edges += (p, c)
+    return {
+        "task_ids": [tid[:cut] for tid in order],
+        "edges": edges,
+        "marked_edges": [i for pair in marked for i in pair],
+        "marked_tasks": sorted({index[tid] for tid in rej.tasks if tid in index}),
+        "missing_tasks": [i for i, tid in enumerate(order) if tid not in deps_of],
+        "total_tasks": len(tasks),
+        "total_edges": total_edges,
+    }

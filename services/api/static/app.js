@@ -12,6 +12,7 @@ const STATE_COLORS = {
   succeeded: "#2e9e5b", failed: "#d64545", skipped: "#9aa3ad", cancelled: "#6b7280",
 };
 const TASK_STATES = Object.keys(STATE_COLORS);
+const MARK_COLOR = "#dc2626";  // a rejected job's offending edges and tasks
 const OUTCOME_COLORS = { running: "#3b82f6", succeeded: "#2e9e5b", failed: "#d64545", cancelled: "#6b7280" };
 const TERMINAL = new Set(["succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]);
 const JOB_STATES = ["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"];
@@ -224,6 +225,11 @@ class DagView extends PanZoom {
     this._groups = null;
     this.index = new Map(data.ids.map((id, i) => [id, i]));
     this.states = data.states.slice();
+    // A rejected job's refused graph: the offending edges (parent * n + child) and tasks, drawn in red.
+    const rj = (this.rejected = data.rejected || null), n = data.ids.length;
+    this.markedEdges = new Set();
+    this.markedTasks = new Set(rj ? rj.marked_tasks : []);
+    if (rj) for (let k = 0; k + 1 < rj.marked_edges.length; k += 2) this.markedEdges.add(rj.marked_edges[k] * n + rj.marked_edges[k + 1]);
     this.grid = data.layers.map((n) => new Array(n));
     data.ids.forEach((_, i) => { this.grid[data.layer[i]][data.pos[i]] = i; });
     // Wide layers wrap into sub-columns of at most R rows, so a 1000-task fan-out stays readable.
@@ -242,6 +248,19 @@ class DagView extends PanZoom {
     this.redraw();
   }
   nodeXY(i) { return [this.X[i], this.Y[i]]; }
+  // An edge from a's right side to b's left side; one that goes back (a cycle's, in a rejected job's graph)
+  // arcs over the layers between instead of crossing its own nodes.
+  edgePath(ax, ay, bx, by) {
+    const { ctx } = this;
+    ctx.moveTo(ax + NODE_W, ay);
+    if (bx > ax) {
+      const mx = (ax + NODE_W + bx) / 2;
+      ctx.bezierCurveTo(mx, ay, mx, by, bx, by);
+    } else {
+      const lift = Math.min(ay, by) - NODE_H - 40 - 0.15 * (ax - bx);
+      ctx.bezierCurveTo(ax + NODE_W + 60, lift, bx - 60, lift, bx, by);
+    }
+  }
   fit() {
     const tall = Math.min(Math.max(1, ...this.data.layers), this.rowsPerCol);
     const bw = Math.max(this.width, NODE_W), bh = tall * GAP_Y;
@@ -286,7 +305,9 @@ class DagView extends PanZoom {
   }
   hoverText(x, y) {
     const i = this.hit(x, y);
-    return i === null ? null : `${this.data.ids[i]}\n${this.states[i]}`;
+    if (i === null) return null;
+    if (this.rejected) return `${this.data.ids[i]}\n${this.states[i] === "missing" ? "not defined in the spec" : this.markedTasks.has(i) ? "named by the rejection" : "as submitted"}`;
+    return `${this.data.ids[i]}\n${this.states[i]}`;
   }
   // The critical path: the chain of tasks whose attempt times add up to the longest, by the layers'
   // topological order (a parent is always in an earlier layer). O(tasks + edges), once per attempts load.
@@ -387,14 +408,24 @@ class DagView extends PanZoom {
     for (let k = 0; k < e.length && drawn < 200000; k += 2) {
       const [ax, ay] = this.nodeXY(e[k]), [bx, by] = this.nodeXY(e[k + 1]);
       if ((ax + NODE_W < x0 && bx < x0) || (ax > x1 && bx > x1) || (ay < y0 && by < y0) || (ay > y1 && by > y1)) continue;
-      ctx.moveTo(ax + NODE_W, ay);
-      const mx = (ax + NODE_W + bx) / 2;
-      ctx.bezierCurveTo(mx, ay, mx, by, bx, by);
+      this.edgePath(ax, ay, bx, by);
       drawn++;
     }
     ctx.strokeStyle = "rgba(100,116,139,0.45)";
     ctx.lineWidth = 1 / this.sx;
     ctx.stroke();
+    this.drawnMarked = 0;
+    if (this.markedEdges.size) {  // a rejected job: the cycle's edges, the dependency on an unknown task
+      ctx.beginPath();
+      const n = data.ids.length;
+      for (let k = 0; k < e.length; k += 2) {
+        if (!this.markedEdges.has(e[k] * n + e[k + 1])) continue;
+        const [ax, ay] = this.nodeXY(e[k]), [bx, by] = this.nodeXY(e[k + 1]);
+        this.edgePath(ax, ay, bx, by);
+        this.drawnMarked++;
+      }
+      ctx.strokeStyle = MARK_COLOR; ctx.lineWidth = 3 / this.sx; ctx.stroke();
+    }
     // nodes grouped by state: one fill per colour
     const byState = new Map();
     const shown = [];
@@ -409,8 +440,17 @@ class DagView extends PanZoom {
     for (const [s, nodes] of byState) {
       ctx.beginPath();
       for (const i of nodes) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
-      ctx.fillStyle = STATE_COLORS[s] || "#999";
+      ctx.fillStyle = s === "missing" ? "#fff" : STATE_COLORS[s] || "#999";
       ctx.fill();
+    }
+    if (this.rejected) {  // tasks the rejection names: red outline; named but not defined: dashed
+      for (const [set, dash] of [[this.markedTasks, []], [new Set(this.rejected.missing_tasks), [4 / this.sx, 3 / this.sx]]]) {
+        if (!set.size) continue;
+        ctx.beginPath();
+        for (const i of set) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
+        ctx.setLineDash(dash); ctx.strokeStyle = MARK_COLOR; ctx.lineWidth = 2 / this.sx; ctx.stroke();
+      }
+      ctx.setLineDash([]);
     }
     if (this.critical && this.critical.size > 1) {  // the critical path: its edges and nodes outlined
       ctx.beginPath();
@@ -436,7 +476,7 @@ class DagView extends PanZoom {
       for (const i of shown) {
         const [x, y] = this.nodeXY(i);
         const s = this.states[i];
-        ctx.fillStyle = s === "pending" || s === "runnable" ? "#1f2933" : "#fff";
+        ctx.fillStyle = s === "pending" || s === "runnable" || s === "missing" ? "#1f2933" : "#fff";
         let label = data.ids[i];
         if (label.length > 22) label = label.slice(0, 21) + "\u2026";
         ctx.fillText(label, x + 6, y + 0.5, NODE_W - 10);
@@ -640,6 +680,17 @@ function jobHeader(job) {
     ${job.reason ? `<div class="${job.state === "failed" || job.state === "rejected" ? "error-box" : "muted"}" id="job-reason">${esc(job.code ? job.code + ": " : "")}${esc(job.reason)}</div>` : ""}`;
 }
 
+/* Above a rejected job's graph: what is drawn (the spec as submitted, bounded) and what the red marks are. */
+function rejectedNote(g) {
+  const rj = g.rejected;
+  if (!rj) return `<div class="muted small" id="rejected-note">This job was rejected before its graph was recorded (an event from before the field).</div>`;
+  const shown = g.ids.length < rj.total_tasks ? ` · showing ${g.ids.length.toLocaleString()} of ${rj.total_tasks.toLocaleString()} tasks (those the rejection names and their neighbours first)` : "";
+  const what = [rj.marked_edges.length ? `<b style="color:${MARK_COLOR}">red edges</b>: the offending dependencies` : "",
+    rj.marked_tasks.length ? `red outline: the tasks the reason names` : "",
+    rj.missing_tasks.length ? `dashed: named as a dependency but not defined` : ""].filter(Boolean).join(" · ");
+  return `<div class="small" id="rejected-note">The graph as submitted${what ? `: ${what}` : ""}${shown}.</div>`;
+}
+
 async function showTask(jobId, taskId) {
   const box = $("#task-panel");
   if (!box) return;
@@ -712,8 +763,9 @@ async function pageJob(jobId, signal) {
   try {
     const g = await api(`/v1/jobs/${enc(jobId)}/graph`);
     if (signal.aborted) return;
-    graph = new DagView($("#dag"), g, select);
+    graph = new DagView($("#dag"), g, g.state === "rejected" ? () => {} : select);  // a refused spec has no tasks to show
     hooks.graph = graph;
+    if (g.state === "rejected") $("#dag").parentElement.insertAdjacentHTML("beforebegin", rejectedNote(g));
     $("#dag-fit").addEventListener("click", () => graph.fit());
   } catch (e) { $("#dag").parentElement.outerHTML = errorBox(e); }
   timeline = new Timeline($("#gantt"), select);

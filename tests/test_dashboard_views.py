@@ -1,0 +1,119 @@
+"""Dashboard views of issue 17 in headless Chromium, over a stack in this process (scheduler, projector, API,
+one worker on the embedded log): a rejected job drawn from its spec with the cycle in red, task groups
+collapsed and expanded on the 1,738-task Montage, and the dead-letter page showing hostile records as text.
+
+Records an upstream producer writes (a SubmitJob the API would refuse, undecodable bytes) go straight to the
+commands topic, as they do in production. Browser and page fixtures are test_dashboard_browser's (Debian's
+Chromium, `make browser`; Playwright only drives it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import tests.test_dashboard_browser as base
+from dagfold.codec import default_codec
+from dagfold.commands import submit_job
+from dagfold.config import COMMANDS, Config
+from services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
+from services.stack import Stack, StackOptions
+from tests.cli_support import free_port
+from tests.test_dashboard_browser import ROOT, shot
+
+browser = base.browser
+page = base.page
+
+MONTAGE_05D = ROOT.parent / "shared" / "data" / "wfcommons" / "montage-chameleon-2mass-05d-001.json.gz"
+# counts red-ish pixels of a canvas: the marked edges' colour (#dc2626) and its anti-aliased edges
+RED_PIXELS = """(sel) => {
+  const c = document.querySelector(sel), d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+  let n = 0;
+  for (let i = 0; i < d.length; i += 4) if (d[i] > 180 && d[i + 1] < 70 && d[i + 2] < 70 && d[i + 3] > 200) n++;
+  return n;
+}"""
+
+
+class Local:
+    def __init__(self, st: Stack, url: str) -> None:
+        self.st, self.url = st, url
+
+    def produce(self, key: bytes, value: bytes) -> None:
+        """As an upstream producer: straight to the commands topic, past the API's own checks."""
+        assert self.st.log is not None
+        prod = self.st.log.producer("upstream")
+        prod.send(COMMANDS, key, value)
+        prod.flush()
+        prod.close()
+
+    def wait_job(self, job_id: str, states: set[str], timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        job = None
+        while time.monotonic() < deadline:
+            r = httpx.get(f"{self.url}/v1/jobs/{job_id}", timeout=10)
+            job = r.json() if r.status_code == 200 else None
+            if job and job["state"] in states:
+                return job
+            time.sleep(0.1)
+        raise AssertionError(f"{job_id} not in {states}: {job}")
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
+    port = free_port()
+    cfg = Config.from_env(log_url="embedded", data_dir=tmp_path_factory.mktemp("views") / "data", api_port=port)
+    with Stack(cfg, StackOptions(workers=1, callbacks=False)) as st:
+        yield Local(st, f"http://127.0.0.1:{port}")
+
+
+def _wait_js(page: Any, expr: str, timeout: float = 30) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = page.evaluate(expr)
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"{expr} stayed falsy")
+
+
+def test_the_cycle_example_shows_its_graph_with_the_cycle_in_red(local: Local, page: Any) -> None:
+    spec = to_job_spec(load_spec_text((ROOT / "examples" / "cycle.yaml").read_text()))
+    job_id = spec["job_id"]
+    local.produce(job_id.encode(), default_codec().encode(submit_job(spec, source="upstream")))
+    job = local.wait_job(job_id, {"rejected"})
+    assert job["code"] == "cycle"
+    page.goto(f"{local.url}/ui/#/jobs/{job_id}")
+    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 4")
+    g = page.evaluate("(() => { const g = window.__dagfold.graph; g.fit(); g.draw();"
+                      " return {ids: g.data.ids, marked: g.rejected.marked_edges, drawn: g.drawnMarked}; })()")
+    ids, m = g["ids"], g["marked"]
+    assert sorted(ids) == ["a", "b", "c", "d"]
+    assert {(ids[m[k]], ids[m[k + 1]]) for k in range(0, len(m), 2)} == {("a", "b"), ("b", "c"), ("c", "a")}
+    assert g["drawn"] == 3
+    assert page.evaluate(RED_PIXELS, "#dag") > 200  # the three edges are on the canvas, in red
+    assert "red edges" in page.inner_text("#rejected-note")
+    assert "dependency cycle" in page.inner_text("#job-reason")
+    shot(page, "dashboard-rejected.png")
+
+
+def test_dead_letters_show_hostile_records_as_text(local: Local, page: Any) -> None:
+    hostile_key = b'<img src=x onerror="window.__pwned=1">'
+    spec = to_job_spec(parse_spec({"id": "dl-1", "tasks": [{"id": "a", "handler": "noop"}]}))
+    spec["job_id"] = "dl-<b id=pwn>x</b>"  # an upstream producer writes what it likes; the spec model would refuse it
+    # a SubmitJob keyed by something else than its job ID, and bytes that are not Avro at all
+    local.produce(hostile_key, default_codec().encode(submit_job(spec, source="upstream")))
+    local.produce(b"raw", b"<script>window.__pwned=2</script>" + b"\x00" * 300)
+    page.goto(f"{local.url}/ui/#/deadletters")
+    _wait_js(page, "document.querySelectorAll('#deadletters tbody tr').length >= 2")
+    table = page.locator("#deadletters")
+    text = table.inner_text()
+    assert "<img src=x onerror=" in text  # the key, in the reason, as text
+    assert "dl-<b id=pwn>x</b>" in text  # the job ID as text
+    assert table.locator("img, script, b#pwn").count() == 0
+    page.locator("#deadletters summary").first.click()
+    assert page.evaluate("window.__pwned") is None
+    shot(page, "dashboard-deadletters.png")
