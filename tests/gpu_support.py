@@ -46,11 +46,15 @@ def of(records: list[Record], name: str, **match: object) -> list[Record]:
 
 
 def gpu_job(job_id: str, *, gpus: int = 2, hosts: int = 1, tier: str = "standard", tenant: str = "acme",
-            checkpoint: bool = True, gpu_type: str | list[str] = "H100", **task: Any) -> Record:
+            checkpoint: bool = True, gpu_type: str | list[str] = "H100", max_runtime_s: float | None = None,
+            **task: Any) -> Record:
     """The JobSpec of a one-task GPU job on ``POOL``."""
+    resources: dict[str, Any] = {"gpus": gpus, "hosts": hosts, "gpu_type": gpu_type, "checkpoint": checkpoint}
+    if max_runtime_s is not None:
+        resources["max_runtime_s"] = max_runtime_s
     doc = {"id": job_id, "tenant": tenant, "tier": tier,
            "tasks": [{"id": "train", "handler": "gpu", "queue": POOL,
-                      "resources": {"gpus": gpus, "hosts": hosts, "gpu_type": gpu_type, "checkpoint": checkpoint},
+                      "resources": resources,
                       **task}]}
     return to_job_spec(parse_spec(doc))
 

@@ -25,7 +25,7 @@ def test_nvml_reports_each_gpu_and_a_bad_gpu_leaves_the_host_serving() -> None:
     g0 = h.gpus[0]
     assert (g0.utilization, g0.memory_used_mib, g0.memory_total_mib, g0.temperature_c) == (0.87, 40 * 1024,
                                                                                           141 * 1024, 61.0)
-    assert h.perf == round(1800 / 1980, 4) and h.utilization == pytest.approx(0.87 / 4)
+    assert h.perf is None and h.utilization == pytest.approx(0.87 / 4)  # clocks are not a job's throughput
 
     fake.gpus[1].reasons = 0x40  # hardware thermal slowdown on GPU 1 only
     fake.gpus[2].reasons = 0x1  # idle: not a fault
@@ -82,5 +82,32 @@ def test_one_bad_gpu_is_cordoned_and_its_job_moves_to_the_hosts_other_gpus(tmp_p
         assert len(done) == 1 and '"resumed_from": 0' not in done[0]["stdout_tail"]
         util = [e["utilization"] for e in of(ev, "NodeHeartbeatRecorded") if e["utilization"] is not None]
         assert util  # the heartbeats carried the GPUs' utilisation
+    finally:
+        c.close()
+
+
+def test_a_host_whose_jobs_progress_slowly_is_drained_as_slow(tmp_path: Path) -> None:
+    """Throughput comes from the jobs' progress lines, not from clocks: both hosts' GPUs (fake NVML) run at
+    full SM clock, but on n1 the job progresses at a quarter of n0's pace; the allocator drains n1 as slow."""
+    c = GpuCluster(tmp_path, nodes=2, steps=400, step_s=0.05, gpus=2)
+    for a in c.agents:
+        a.devices = NvmlDevices(FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3") for _ in range(2)]).module())
+        a.perf_window_s = 2.0
+    try:
+        c.submit(gpu_job("fast", gpus=2, max_runtime_s=40))  # 400 x 0.05 s = 20 s: twice the pace it needs
+        ev = c.until(lambda ev: any(e["perf"] is not None for e in of(ev, "NodeHeartbeatRecorded")))
+        fast = of(ev, "AllocationGranted", job_id="fast")[0]["hosts"][0]["node_id"]
+        perf = [e["perf"] for e in of(ev, "NodeHeartbeatRecorded", node_id=fast) if e["perf"] is not None][0]
+        assert perf == pytest.approx(2.0, rel=0.2)  # progress/s x max_runtime_s, capped at 2
+        slow = "n1" if fast == "n0" else "n0"
+        c.agents[int(slow[1:])].launcher.speed = 0.25  # its jobs go at a quarter of the pace, clocks unchanged
+        c.submit(gpu_job("slow", gpus=2, max_runtime_s=40))
+        ev = c.until(lambda ev: bool(of(ev, "NodeDrained", node_id=slow)), timeout_s=60)
+        drained = of(ev, "NodeDrained", node_id=slow)[0]
+        assert drained["reason"].startswith("slow") and not drained["lost"]
+        beats = [e["perf"] for e in of(ev, "NodeHeartbeatRecorded", node_id=slow) if e["perf"] is not None]
+        assert beats and beats[-1] == pytest.approx(0.5, rel=0.3)  # 1/80 per s x 40 s
+        assert of(ev, "PreemptionRequested", job_id="slow")  # its job checkpoints and moves
+        assert not of(ev, "NodeDrained", node_id=fast)
     finally:
         c.close()

@@ -13,6 +13,17 @@ with progress and the latest checkpoint), TaskSucceeded/TaskFailed. A
 checkpointed stop is not a failure: the allocator requeues the request and
 tells the scheduler.
 
+Throughput (the heartbeat's ``perf``) comes from the jobs themselves: for each running process
+whose allocation declares ``max_runtime_s`` (read from its AllocationGranted event), its progress
+per second over the last ``perf_window_s`` (the ``{"progress": f}`` lines it prints) times that
+runtime: how fast the job goes against the pace its declared runtime allows (1.0: it would end
+exactly at its limit), capped at ``PERF_CAP``; the host reports the median over its processes. The
+allocator compares it with its GPU type's average and drains a host far below it as ``slow``.
+Because a job that keeps within its declared runtime scores at least 1.0 and the cap bounds the
+average at 2.0, such a job's host is never found slow at the default ratio (0.5); a host whose jobs
+go at under half the fleet's pace is. With no such process the device model's figure is sent
+(``SimulatedDevices``: its speed; NVML: none, since clocks say nothing about a job's progress).
+
 Fencing: every process carries its allocation's epoch, and its reports carry
 its allocation ID, which the scheduler accepts only from the attempt's current
 grant. A process whose allocation was released, expired or is unknown to the
@@ -40,6 +51,7 @@ from services.allocator import commands as cmds
 
 log = logging.getLogger("dagfold.agent")
 A = "dagfold.allocator."
+PERF_CAP = 2.0  # the most a job's throughput counts (module docstring): loose runtimes cannot lift the average
 
 
 class NodeAgent:
@@ -47,7 +59,8 @@ class NodeAgent:
 
     def __init__(self, log_: Log, pool: str, node_id: str, devices: Devices, launcher: Launcher, *,
                  hb_interval_s: float = 1.0, grace_s: float = 30.0, report_to_scheduler: bool = True,
-                 keep_checkpoints: bool = False, clock: Callable[[], float] = time.time) -> None:
+                 keep_checkpoints: bool = False, clock: Callable[[], float] = time.time,
+                 perf_window_s: float = 60.0) -> None:
         self.log = log_
         self.pool = pool
         self.node_id = node_id
@@ -60,6 +73,8 @@ class NodeAgent:
         # unless kept (a failed or cancelled task keeps them: a redrive resumes from them)
         self.keep_checkpoints = keep_checkpoints
         self.clock = clock
+        self.perf_window_s = perf_window_s
+        self.runtime_s: dict[str, float] = {}  # allocation on this host -> its declared max_runtime_s
         self.codec = default_codec()
         self.incarnation = int(clock() * 1000)
         self.procs: dict[str, JobProcess] = {}
@@ -107,12 +122,15 @@ class NodeAgent:
     def heartbeat(self) -> None:
         busy = frozenset(g for jp in self.procs.values() if jp.exited() is None for g in jp.gpus)
         h = self.last_health = self.devices.health(busy)
+        perf = self.progress_perf()
+        if perf is None:
+            perf = h.perf
         statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress,
                                       last_checkpoint_ms=jp.last_checkpoint_ms, checkpoint_uri=jp.checkpoint_uri)
                     for jp in self.procs.values() if jp.active]
         self._alloc_cmd(cmds.node_heartbeat(
             self.pool, self.node_id, incarnation=self.incarnation, ts_ms=self._now_ms(), health=h.health,
-            detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
+            detail=h.detail, perf=perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
             xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses,
             gpus=[g.record() for g in h.gpus]))
         metrics.observe_agent(self.node_id, h.gpus, len(statuses))
@@ -121,6 +139,23 @@ class NodeAgent:
             if jp.active and jp.stop_reason is None and now >= self._next_report.get(aid, 0.0):
                 self._next_report[aid] = now + self.report_every_s.get(aid, self.hb_interval_s)
                 self._sched("Heartbeat", jp, progress=jp.progress, message=jp.checkpoint_uri)
+
+    def progress_perf(self) -> float | None:
+        """The host's throughput from its jobs' progress (module docstring); None if no job tells it."""
+        now = time.monotonic()
+        perfs = []
+        for aid, jp in self.procs.items():
+            runtime = self.runtime_s.get(aid)
+            if runtime is None or jp.exited() is not None or jp.stop_reason is not None:
+                continue
+            rate = jp.progress_rate(self.perf_window_s, now)
+            if rate is not None:
+                perfs.append(min(PERF_CAP, rate * runtime))
+        if not perfs:
+            return None
+        perfs.sort()
+        mid = len(perfs) // 2
+        return round(perfs[mid] if len(perfs) % 2 else (perfs[mid - 1] + perfs[mid]) / 2, 4)
 
     # -- faults (tests and demos) ----------------------------------------------------------------
     def crash(self) -> None:
@@ -138,6 +173,7 @@ class NodeAgent:
     # -- input ------------------------------------------------------------------------------------
     def _ended(self, alloc_id: str) -> None:
         self.ended[alloc_id] = None
+        self.runtime_s.pop(alloc_id, None)
         if len(self.ended) > 10_000:
             del self.ended[next(iter(self.ended))]
 
@@ -157,6 +193,9 @@ class NodeAgent:
 
     def on_event(self, e: Record) -> None:
         t = e["type"][len(A):] if e["type"].startswith(A) else ""
+        if t == "AllocationGranted" and e.get("max_runtime_s") and e["alloc_id"] not in self.ended \
+                and any(h.get("node_id") == self.node_id for h in e.get("hosts") or ()):
+            self.runtime_s[e["alloc_id"]] = float(e["max_runtime_s"])  # the pace its throughput is held to
         if t in ("AllocationReleased", "AllocationExpired"):
             self._ended(e["alloc_id"])
         if t == "PreemptionRequested" and e["alloc_id"] in self.procs:

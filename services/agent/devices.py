@@ -3,8 +3,9 @@
 ``NvmlDevices`` reads real GPUs through NVML (``nvidia-ml-py``, the ``gpu``
 extra, imported only here): per GPU utilisation, memory, temperature, clock
 (throttle) event reasons, uncorrectable ECC errors and critical Xid events
-(an NVML event set, drained at every heartbeat), and the SM clock over its
-maximum as the GPU's relative throughput. ``SimulatedDevices`` is a device
+(an NVML event set, drained at every heartbeat). Throughput is not read here:
+clocks say how fast a GPU may run, not how fast its job goes; the agent
+measures it from the jobs' progress (``services.agent.agent``). ``SimulatedDevices`` is a device
 model with injectable faults for tests and demos, for the whole host or one
 GPU: ``crash`` (the agent goes silent), ``throttle`` (thermal throttling,
 jobs at half speed), ``ecc``/``xid`` (error counters), ``slow`` (throughput
@@ -236,7 +237,7 @@ class NvmlDevices:
             nv.nvmlDeviceGetCurrentClocksThrottleReasons
         return int(fn(h))
 
-    def _gpu(self, i: int, h: Any) -> tuple[GpuHealth, float | None]:
+    def _gpu(self, i: int, h: Any) -> GpuHealth:
         nv = self._nvml
         g: dict[str, Any] = {}
         with contextlib.suppress(nv.NVMLError):
@@ -256,27 +257,18 @@ class NvmlDevices:
         g["ecc_errors"] = ecc
         xids = self.xids.get(i, [])
         g["xid_errors"], g["last_xid"] = len(xids), (xids[-1] if xids else None)
-        perf = None
-        with contextlib.suppress(nv.NVMLError, ZeroDivisionError):
-            perf = nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM) / nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM)
         if ecc:
             self.sticky.setdefault(i, ("ecc_errors", f"{ecc} uncorrectable ECC errors"))
         if i in self.sticky:
             state, detail = self.sticky[i]
-            return GpuHealth(i, state, detail, **g), perf
+            return GpuHealth(i, state, detail, **g)
         if reasons & self._bad_reasons:
-            return GpuHealth(i, "throttled", f"clocks slowed (reasons 0x{reasons:x})", **g), perf
-        return GpuHealth(i, **g), perf
+            return GpuHealth(i, "throttled", f"clocks slowed (reasons 0x{reasons:x})", **g)
+        return GpuHealth(i, **g)
 
     def health(self, busy: frozenset[int] = frozenset()) -> Health:
         self._drain_xids()
-        gpus, perfs = [], []
-        for i, h in enumerate(self._handles):
-            g, perf = self._gpu(i, h)
-            gpus.append(g)
-            if perf is not None and i in busy:  # an idle GPU's clocks are low by design: not a slow GPU
-                perfs.append(perf)
-        return host_health(gpus, round(sum(perfs) / len(perfs), 4) if perfs else None)
+        return host_health([self._gpu(i, h) for i, h in enumerate(self._handles)], None)
 
 
 def _short_name(name: str) -> str:

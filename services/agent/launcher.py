@@ -34,6 +34,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ from dagfold.clock import now_ms
 log = logging.getLogger("dagfold.agent")
 MAX_RESULT_BYTES = 64 * 1024
 MAX_OUTPUT_LINES = 1000
+PROGRESS_SAMPLES = 256  # progress lines kept per process (the throughput window reads them)
 
 
 @dataclass
@@ -67,7 +69,21 @@ class JobProcess:
     results: list[Any] = field(default_factory=list)  # {"output": ...} values
     result_bytes: int = 0
     upload: Future[list[Artifact]] | None = None  # the outputs' upload, once the process exited 0
+    # (monotonic time read, progress) of the latest progress lines: the job's throughput
+    progress_seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=PROGRESS_SAMPLES))
     _reader: threading.Thread | None = None
+
+    def progress_rate(self, window_s: float, now: float | None = None) -> float | None:
+        """Progress per second over the last ``window_s`` seconds of progress lines; None until two
+        lines at least a quarter of the window apart (or when progress went back: a restart)."""
+        now = time.monotonic() if now is None else now
+        seen = [s for s in list(self.progress_seen) if s[0] >= now - window_s]
+        if len(seen) < 2:
+            return None
+        (t0, p0), (t1, p1) = seen[0], seen[-1]
+        if t1 - t0 < window_s / 4 or p1 < p0:
+            return None
+        return (p1 - p0) / (t1 - t0)
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -199,7 +215,9 @@ class Launcher:
             if isinstance(msg, dict) and "progress" in msg:
                 with contextlib.suppress(TypeError, ValueError):
                     p = float(msg["progress"])
-                    jp.progress = min(1.0, max(0.0, p)) if p == p else jp.progress
+                    if p == p:
+                        jp.progress = min(1.0, max(0.0, p))
+                        jp.progress_seen.append((time.monotonic(), jp.progress))
             elif isinstance(msg, dict) and "checkpoint" in msg:
                 self._store_checkpoint(jp, str(msg["checkpoint"]))
             elif isinstance(msg, dict) and "output" in msg and len(jp.results) < MAX_OUTPUT_LINES:
