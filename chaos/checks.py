@@ -126,7 +126,7 @@ class EventModel:
                 state={t["task_id"]: "pending" for t in spec["tasks"]},
                 attempt={t["task_id"]: 0 for t in spec["tasks"]}, worker={})
             return
-        if name in ("JobRejected", "SubmissionDeduplicated", "ReportIgnored", "LeaseRejected"):
+        if name in ("JobRejected", "SubmissionDeduplicated", "ReportIgnored", "LeaseRejected", "TaskActionRejected"):
             return  # recorded for the audit; they change nothing
         j = self.jobs.get(job_id)
         if j is None:
@@ -142,10 +142,16 @@ class EventModel:
             j.final = ("succeeded_partial" if e.get("partial") else "succeeded") if name == "JobSucceeded" \
                 else name.removeprefix("Job").lower()
             return
-        if name == "JobRedriven":
+        if name in ("JobRedriven", "TaskReopened"):
             for tid in e["task_ids"]:
-                j.state[tid] = "pending"
+                if tid in j.state and (name == "JobRedriven" or j.state[tid] in ("failed", "skipped", "cancelled")):
+                    j.state[tid] = "pending"
             j.final = None
+            return
+        if name == "TaskMarkedSucceeded":
+            if j.state.get(e["task_id"]) != "pending":
+                self._bad(ILLEGAL_TRANSITION, e, f"marked succeeded while {j.state.get(e['task_id'])}")
+            j.state[e["task_id"]] = "succeeded"
             return
         task = e.get("task_id")
         if task not in j.state:

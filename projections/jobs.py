@@ -617,6 +617,47 @@ def _job_redriven(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
     ctx.save(ts)
 
 
+def _task_reopened(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """An operator's retry or mark-succeeded re-opened tasks: pending again, the job running again.
+    O(listed tasks), like the scheduler's applier."""
+    ctx = _Ctx(txn, ev["job_id"], None)
+    job = ctx.job
+    if job is None:
+        return
+    ts = ev["ts_ms"]
+    for tid in ev["task_ids"]:
+        tkey = task_key(ev["job_id"], tid)
+        task = txn.get(tkey)
+        if task is None or task["state"] not in ("failed", "skipped", "cancelled"):
+            continue
+        _set_task_state(job, task, "pending")
+        task.update(reason=None, exit_code=None, error_type=None, ended_ms=None, worker_id=None,
+                    lease_deadline_ms=None, retry_at_ms=None, progress=None, updated_ms=ts)
+        if tid == ev["task_id"] and ev["action"] == "retry":
+            task["retried_by"] = ev.get("requested_by") or None
+        _gpu(task, "QUEUED")
+        ops.sync_task(txn, job, task)
+        txn.put(tkey, task)
+    if job["state"] != "running":
+        _set_job_state(txn, job, "running")
+        job.update(ended_ms=None, duration_ms=None, reason=None)
+    job["operator_actions"] = job.get("operator_actions", 0) + 1
+    ctx.save(ts)
+
+
+def _task_marked_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """Succeeded by an operator's word, not by a run: the task says who marked it (no attempt record)."""
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    ts = ev["ts_ms"]
+    _set_task_state(ctx.job, ctx.task, "succeeded")
+    ctx.task.update(ended_ms=ts, reason=None, exit_code=None, error_type=None, lease_deadline_ms=None,
+                    marked_by=ev.get("requested_by") or "", marked_reason=ev.get("reason") or "", marked_ms=ts)
+    _gpu(ctx.task, "COMPLETED")
+    ctx.save(ts)
+
+
 def _history_only(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     return None
 
@@ -653,6 +694,9 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobFailed": _job_failed,
     "dagfold.event.JobCancelled": _job_cancelled,
     "dagfold.event.JobRedriven": _job_redriven,
+    "dagfold.event.TaskReopened": _task_reopened,
+    "dagfold.event.TaskMarkedSucceeded": _task_marked_succeeded,
+    "dagfold.event.TaskActionRejected": _history_only,
     "dagfold.event.TenantEntitlementsSet": _tenant_entitlements_set,
 }
 
@@ -714,6 +758,18 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "JobRedriven":
         ids = g("task_ids") or []
         return f"{len(ids)} tasks re-opened: " + ", ".join(ids[:20]) + (", \u2026" if len(ids) > 20 else "")
+    if kind == "TaskReopened":
+        ids = g("task_ids") or []
+        what = "retry" if g("action") == "retry" else "mark succeeded"
+        why = f" ({g('reason')})" if g("reason") else ""
+        return (f"{what} by {g('requested_by') or 'an operator'}: {len(ids)} task(s) re-opened: "
+                + ", ".join(ids[:20]) + (", \u2026" if len(ids) > 20 else "") + why)
+    if kind == "TaskMarkedSucceeded":
+        return (f"marked succeeded by {g('requested_by') or 'an operator'}, not run"
+                + (f": {g('reason')}" if g("reason") else ""))
+    if kind == "TaskActionRejected":
+        what = "retry" if g("action") == "retry" else "mark succeeded"
+        return f"{what} refused ({g('code')}): {g('reason')}"
     reason = g("reason")
     return reason if isinstance(reason, str) else ""
 

@@ -757,8 +757,12 @@ def tasks(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_
         return
     t = _id_table("task", "state", "attempt", "worker", "reason")
     for x in items:
-        t.add_row(x["task_id"], x["state"], str(x.get("attempt", "")), x.get("worker_id") or "",
-                  (x.get("reason") or "")[:80])
+        state = x["state"] + (" (marked)" if x["state"] == "succeeded" and x.get("marked_by") is not None else "")
+        reason = x.get("reason") or ""
+        if state.endswith("(marked)"):  # an operator's word, not a run: say whose
+            reason = f"marked succeeded by {x['marked_by'] or 'an operator'}" + (
+                f": {x['marked_reason']}" if x.get("marked_reason") else "")
+        t.add_row(x["task_id"], state, str(x.get("attempt", "")), x.get("worker_id") or "", reason[:80])
     out.print(t)
 
 
@@ -904,6 +908,37 @@ def redrive(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, a
     job_id = resolve_job(api, api_key, job_id)["job_id"]
     res = _request("POST", api, f"/v1/jobs/{seg(job_id)}/redrive", api_key)
     _print_json(res) if as_json else out.print(f"redrive requested for {job_id}")
+
+
+def _task_action(action: str, job_ref: str, task_id: str, reason: str, api: str, api_key: str | None,
+                 as_json: bool) -> None:
+    job_id = resolve_job(api, api_key, job_ref)["job_id"]
+    path = f"/v1/jobs/{seg(job_id)}/tasks/{seg(task_id)}/{action}"
+    res = _request("POST", api, path, api_key, json={"reason": reason})
+    what = "retry" if action == "retry" else "mark succeeded"
+    _print_json(res) if as_json else out.print(f"{what} requested for {job_id} {task_id} "
+                                               f"(follow with `dagfold watch {job_id}`)")
+
+
+TaskArg = Annotated[str, typer.Argument(help="task ID within the job", show_default=False)]
+ReasonOpt = Annotated[str, typer.Option("--reason", help="why, for the job's history (at most 2,000 "
+                                                                  "characters)")]
+
+
+@app.command()
+def retry(job_id: JobArg, task_id: TaskArg, reason: ReasonOpt = "", api: ApiOpt = DEFAULT_API,
+          api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Run a failed (or skipped, cancelled) task again with a fresh retry budget; the tasks it skipped
+    downstream run again too, and the job runs again (a failed job included)."""
+    _task_action("retry", job_id, task_id, reason, api, api_key, as_json)
+
+
+@app.command("mark-succeeded")
+def mark_succeeded(job_id: JobArg, task_id: TaskArg, reason: ReasonOpt = "", api: ApiOpt = DEFAULT_API,
+                   api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Record a failed, skipped or cancelled task as succeeded without running it (the history says who
+    marked it); its downstream tasks then run."""
+    _task_action("mark-succeeded", job_id, task_id, reason, api, api_key, as_json)
 
 
 # --type choices: every event type of a job history (the jobs read model folds each of them)

@@ -32,7 +32,7 @@ GPU = "GPU"
 PANELS: dict[str, str] = {
     "run": RUN_LOCALLY, "up": RUN_LOCALLY, "serve": RUN_LOCALLY, "config": RUN_LOCALLY,
     "submit": CLIENT, "jobs": CLIENT, "status": CLIENT, "watch": CLIENT, "tasks": CLIENT, "attempts": CLIENT,
-    "history": CLIENT, "cancel": CLIENT, "redrive": CLIENT,
+    "history": CLIENT, "cancel": CLIENT, "redrive": CLIENT, "retry": CLIENT, "mark-succeeded": CLIENT,
     "stuck": OPERATE, "queues": OPERATE, "tenants": OPERATE, "failures": OPERATE, "replay": OPERATE,
     "audit": OPERATE, "deadletters": OPERATE,
     "scheduler": KAFKA, "worker": KAFKA, "callbacks": KAFKA,
@@ -53,6 +53,8 @@ EXAMPLES: dict[str, str] = {
     "history": "dagfold history failing-demo --type TaskFailed",
     "cancel": "dagfold cancel long-running",
     "redrive": "dagfold redrive failing-demo",
+    "retry": "dagfold retry failing-demo bad --reason 'input fixed'",
+    "mark-succeeded": "dagfold mark-succeeded failing-demo bad --reason 'loaded by hand'",
     "stuck": "dagfold stuck --queued-longer-than 300",
     "queues": "dagfold queues --json",
     "tenants": "dagfold tenants",

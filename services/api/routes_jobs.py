@@ -1,4 +1,4 @@
-"""Routes of jobs: submit, list, read, follow (SSE), cancel, redrive.
+"""Routes of jobs: submit, list, read, follow (SSE), cancel, redrive, retry or mark succeeded a task.
 
 Writes are commands on the log (the scheduler decides); reads come from the
 read model. Every job-scoped route answers a job of another tenant exactly as
@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from dagfold.clock import now_ms
 from dagfold.codec import make
-from dagfold.lifecycle import REDRIVABLE
+from dagfold.lifecycle import REDRIVABLE, task_action_refusal
 from dagfold.parsing import ParseError, load_json, load_yaml
 from projections.jobs import TERMINAL_JOB_STATES, Page
 from services.api.auth import Principal
@@ -27,7 +27,7 @@ from services.api.context import ApiContext, parse_time_ms
 from services.api.errors import ApiError
 from services.api.graph import graph_json, layout, rejected_graph_json
 from services.api.sse import stream_response
-from services.scheduler.processors import spec_hash
+from services.scheduler.processors import spec_hash, still_skipped
 from services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
 from services.scheduler.validation import validate_job_spec
 
@@ -42,6 +42,14 @@ YAML_TYPES = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yam
 class CancelIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reason: str = Field("cancelled by user", max_length=2000)
+
+
+class TaskActionIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field("", max_length=2000, description="why, for the audit log (the job's history shows it)")
+
+
+TASK_ACTION_COMMANDS = {"retry": "dagfold.command.RetryTask", "mark_succeeded": "dagfold.command.MarkTaskSucceeded"}
 
 
 def _media_type(request: Request) -> str:
@@ -210,6 +218,35 @@ def request_cancel(ctx: ApiContext, job_id: str, principal: Principal, reason: s
     return {"job_id": job_id, "state": "cancel_requested"}
 
 
+def _upstream_counts(ctx: ApiContext, job_id: str, task: dict[str, Any]) -> dict[str, Any]:
+    """The task's trigger-rule inputs from the read model (O(in-degree) reads), as the fold counts them."""
+    ups = list(dict.fromkeys(task.get("depends_on") or []))
+    c: dict[str, Any] = {"rule": task.get("trigger_rule") or "all_success", "n_up": len(ups), "rem": 0, "ok": 0,
+                         "bad": 0, "skip": 0}
+    for u in ups:
+        state = (ctx.rm.get_task(job_id, u) or {}).get("state")
+        c[{"succeeded": "ok", "failed": "bad", "skipped": "skip", "cancelled": "skip"}.get(state or "", "rem")] += 1
+    return c
+
+
+def request_task_action(ctx: ApiContext, job_id: str, task_id: str, principal: Principal, action: str,
+                        reason: str) -> dict[str, Any]:
+    """Send RetryTask or MarkTaskSucceeded for a task of a job the caller may see (404 otherwise), after the
+    scheduler's own rules (409 with their code; the scheduler applies them again when it folds the command)."""
+    job = ctx.job_for(job_id, principal)
+    task = ctx.rm.get_task(job_id, task_id)
+    if task is None:
+        raise ApiError(404, "not_found", f"job {job_id!r} has no task {task_id!r}")
+    why = task_action_refusal(action, job_id, job["state"], task_id, task["state"], task.get("attempt") or 0)
+    if why is None and action == "retry":
+        why = still_skipped(task_id, _upstream_counts(ctx, job_id, task))
+    if why is not None:
+        raise ApiError(409, *why)
+    ctx.sender.send(make(TASK_ACTION_COMMANDS[action], job_id=job_id, task_id=task_id, requested_by=principal.name,
+                         reason=reason, requested_at_ms=now_ms()), job_id)
+    return {"job_id": job_id, "task_id": task_id, "state": f"{action}_requested"}
+
+
 def router(ctx: ApiContext, auth: Any) -> APIRouter:
     r = APIRouter(tags=["jobs"])
     Caller = Annotated[Principal, Depends(auth)]
@@ -367,5 +404,22 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                            f"{', '.join(sorted(REDRIVABLE))} jobs can be redriven")
         ctx.sender.send(make("dagfold.command.RedriveJob", job_id=job_id, requested_at_ms=now_ms()), job_id)
         return {"job_id": job_id, "state": "redrive_requested"}
+
+    action_responses: dict[int | str, dict[str, Any]] = {
+        404: {"description": "No such job or task (or another tenant's job)"},
+        409: {"description": "The job or task is not in a state for this (code: job_succeeded, job_cancelled, "
+                             "task_succeeded, task_not_finished, still_skipped)"}}
+
+    @r.post("/v1/jobs/{job_id}/tasks/{task_id}/retry", status_code=202, responses=action_responses,
+            summary="Run a failed, skipped or cancelled task again (fresh retry budget); its skipped downstream too")
+    def retry_task(job_id: str, task_id: str, principal: Caller,
+                   body: Annotated[TaskActionIn | None, Body()] = None) -> dict[str, Any]:
+        return request_task_action(ctx, job_id, task_id, principal, "retry", body.reason if body else "")
+
+    @r.post("/v1/jobs/{job_id}/tasks/{task_id}/mark-succeeded", status_code=202, responses=action_responses,
+            summary="Record a failed, skipped or cancelled task as succeeded without running it")
+    def mark_task_succeeded(job_id: str, task_id: str, principal: Caller,
+                            body: Annotated[TaskActionIn | None, Body()] = None) -> dict[str, Any]:
+        return request_task_action(ctx, job_id, task_id, principal, "mark_succeeded", body.reason if body else "")
 
     return r

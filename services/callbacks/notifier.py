@@ -5,7 +5,7 @@ Data flow (one ``CallbackNotifier``: its own consumer, its ledger, a pool of HTT
     events (group dagfold-callbacks) --> ingest: ledger write batch, then commit the offsets
         JobAccepted with spec.callback_url   -> remember the URL (ledger ``j``)
         JobSucceeded | JobFailed | JobCancelled of a remembered job -> delivery ``pending``, due now
-        JobRedriven                          -> the next end is a new delivery (``round`` + 1)
+        JobRedriven, TaskReopened            -> the next end is a new delivery (``round`` + 1)
     ledger due index (due <= now) --> HTTP pool: POST url --> outcome --> ledger write batch
         2xx -> delivered;  408, 429, other non-2xx, connection error, timeout -> pending, due after a backoff;
         other 4xx, unusable URL, or max_attempts reached -> gave_up (with the reason)
@@ -75,13 +75,14 @@ LEDGER_DIR = "callbacks"
 USER_AGENT = "dagfold-callbacks/0.1"
 ACCEPTED = "dagfold.event.JobAccepted"
 REDRIVEN = "dagfold.event.JobRedriven"
+REOPENED = "dagfold.event.TaskReopened"  # an operator's task retry or mark-succeeded: an ended job runs again
 TERMINAL = {
     "dagfold.event.JobSucceeded": "succeeded",
     "dagfold.event.JobFailed": "failed",
     "dagfold.event.JobCancelled": "cancelled",
 }
 SUCCEEDED = "dagfold.event.TaskSucceeded"  # its outputs go into the job's callback
-RELEVANT = frozenset({ACCEPTED, REDRIVEN, SUCCEEDED, *TERMINAL})
+RELEVANT = frozenset({ACCEPTED, REDRIVEN, REOPENED, SUCCEEDED, *TERMINAL})
 MAX_CALLBACK_OUTPUTS = 100
 RETRYABLE_4XX = frozenset({408, 429})
 MAX_ERROR_CHARS = 500
@@ -237,7 +238,7 @@ class CallbackNotifier:
         job["last_offset"] = offset
         rnd = job["round"]
         dk = delivery_key(job_id, rnd)
-        if kind == REDRIVEN:
+        if kind in (REDRIVEN, REOPENED):
             if txn.get(dk) is not None:
                 job["round"] = rnd + 1  # the job runs again: its next end is a new delivery
                 job["outputs"] = []

@@ -278,6 +278,41 @@ def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
     txn.put(keys.job(job_id), j)
 
 
+def _task_reopened(txn: PartitionTransaction, e: Record) -> None:
+    """An operator re-opened tasks (RetryTask, MarkTaskSucceeded): each listed task that ended without
+    succeeding is pending again as a new run (fresh retry budget, attempt numbers go on), its
+    dependents count it open again, and the job runs again.
+
+    O(listed tasks + their out-degree): the dependents' counts change by the listed tasks' old
+    outcomes only (unlike a redrive, upstreams outside the list need not have succeeded).
+    """
+    job_id = e["job_id"]
+    j = get_job(txn, job_id)
+    if j is None:
+        return
+    old: dict[str, str] = {}
+    for tid in e["task_ids"]:
+        t = get_task(txn, job_id, tid)
+        if t is None or t["state"] not in ("failed", "skipped", "cancelled") or tid in old:
+            continue
+        old[tid] = t["state"]
+        j[t["state"]] -= 1
+        if t["state"] == "failed" and str(j.get("first_failure") or "").startswith(f"{tid}: "):
+            j["first_failure"] = None
+        t.update(state="pending", worker=None, alloc=None, lease_ms=None, ended_ms=None, base=t["attempt"], lost=0)
+        txn.put(keys.task(job_id, tid), t)
+    for tid, state in old.items():
+        outcome = "bad" if state == "failed" else "skip"
+        for d in get_dependents(txn, job_id, tid):
+            dt = get_task(txn, job_id, d)
+            if dt is not None:
+                dt["rem"] += 1
+                dt[outcome] -= 1
+                txn.put(keys.task(job_id, d), dt)
+    j.update(state="running", open=j["open"] + len(old), ended_ms=None)
+    txn.put(keys.job(job_id), j)
+
+
 def _no_state(txn: PartitionTransaction, e: Record) -> None:
     """Recorded for the audit only."""
 
@@ -317,6 +352,9 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobFailed": _job_ended("failed"),
     "dagfold.event.JobCancelled": _job_ended("cancelled"),
     "dagfold.event.JobRedriven": _job_redriven,
+    "dagfold.event.TaskReopened": _task_reopened,
+    "dagfold.event.TaskMarkedSucceeded": lambda txn, e: _finish_task(txn, e, "succeeded", "ok"),
+    "dagfold.event.TaskActionRejected": _no_state,
 }
 
 

@@ -19,7 +19,7 @@ import fastavro
 
 from dagfold.codec import Record, default_codec
 from dagfold.config import ALLOCATOR_COMMANDS, CONTROL, EVENTS, SchedulerOptions, dispatch_topic
-from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE
+from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.outputs import Output
 from dagfold.processor.fold import FoldContext
@@ -109,6 +109,17 @@ def evaluate_rule(t: Mapping[str, Any]) -> str:
     raise ValueError(f"unknown trigger rule {rule!r}")
 
 
+def still_skipped(task_id: str, t: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Why retrying the task would only skip it again (its trigger rule, on the upstream outcomes as they
+    stand), as ``(code, reason)``; None if it can run. ``t`` needs rule, n_up, rem, ok, bad and skip: the
+    fold's task record, or the API's counts from the read model."""
+    if not t["n_up"] or t["rule"] == "always" or evaluate_rule(t) != "skip":
+        return None
+    return "still_skipped", (f"task {task_id!r} would be skipped again: trigger rule {t['rule']} is not met "
+                             f"({t['bad']} upstream failed, {t['skip']} skipped or cancelled); retry the failed "
+                             f"upstream task instead, or mark this one succeeded")
+
+
 def is_gpu(t: Mapping[str, Any]) -> bool:
     """A task that asks for GPUs goes to its pool's allocator, not to a worker queue."""
     return bool(t["resources"] and t["resources"]["gpus"] > 0)
@@ -173,7 +184,8 @@ def finish_job_if_done(ctx: Ctx, job_id: str) -> None:
     elif j["policy"] == "allow_partial" and j["leaf_ok"] > 0:
         ctx.event("JobSucceeded", job_id, partial=True)
     else:
-        ctx.event("JobFailed", job_id, reason=f"{j['failed']} task(s) failed; first: {j.get('first_failure')}")
+        first = j.get("first_failure")
+        ctx.event("JobFailed", job_id, reason=f"{j['failed']} task(s) failed" + (f"; first: {first}" if first else ""))
 
 
 def cancel_open_tasks(ctx: Ctx, job_id: str, reason: str) -> None:
@@ -280,21 +292,115 @@ def redrive_job(ctx: Ctx, cmd: Record) -> None:
     if not reopen:
         return
     ctx.event("JobRedriven", job_id, task_ids=reopen)
-    for tid in reopen:
+    rerun(ctx, job_id, reopen, j["tenant"], "after redrive")
+    finish_job_if_done(ctx, job_id)
+
+
+def rerun(ctx: Ctx, job_id: str, task_ids: list[str], tenant: str, after: str) -> None:
+    """Decide again for re-opened tasks: each still pending runs or is skipped by its trigger rule, on
+    the upstream outcomes that stay (a re-opened upstream is open again, so its dependents wait)."""
+    for tid in task_ids:
         t = read_task(ctx.txn, job_id, tid)
-        assert t is not None
-        if t["state"] != "pending":
-            continue  # skipped meanwhile, downstream of a task skipped again below
-        # the trigger rule decides again, on the upstream outcomes that stay (all succeeded)
+        if t is None or t["state"] != "pending":
+            continue  # decided meanwhile, downstream of a task skipped again here
         decision = "run" if t["n_up"] == 0 or t["rule"] == "always" else evaluate_rule(t)
         if decision == "run":
-            dispatch(ctx, job_id, tid, t, t["attempt"] + 1, j["tenant"])
+            dispatch(ctx, job_id, tid, t, t["attempt"] + 1, tenant)
         elif decision == "skip":
             ctx.event("TaskSkipped", job_id, task_id=tid,
-                      reason=f"trigger rule {t['rule']}: cannot be met after redrive "
-                             f"({t['ok']} upstream succeeded, none failed)")
+                      reason=f"trigger rule {t['rule']}: cannot be met {after} "
+                             f"({t['ok']} upstream succeeded, {t['bad']} failed, {t['skip']} skipped)")
             propagate(ctx, job_id, tid, "skipped")
+
+
+# -- operator decisions on one task --------------------------------------------------
+
+def _refuse(ctx: Ctx, cmd: Record, action: str, code: str, reason: str) -> None:
+    ctx.event("TaskActionRejected", cmd["job_id"], task_id=cmd["task_id"], action=action, code=code,
+              reason=reason, requested_by=cmd.get("requested_by") or "")
+
+
+def _action_target(ctx: Ctx, cmd: Record, action: str) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
+    """The job and task an operator's command acts on, or None after a TaskActionRejected saying why
+    (the rules of ``lifecycle.task_action_refusal``, the API's too)."""
+    job_id, task_id = cmd["job_id"], cmd["task_id"]
+    j = read_job(ctx.txn, job_id)
+    t = read_task(ctx.txn, job_id, task_id) if j is not None else None
+    why = task_action_refusal(action, job_id, j["state"] if j is not None else None, task_id,
+                              t["state"] if t is not None else None, t["attempt"] if t is not None else 0)
+    if why is not None or j is None or t is None:
+        code, reason = why or ("unknown_task", "unknown job or task")
+        _refuse(ctx, cmd, action, code, reason)
+        return None
+    return j, t
+
+
+def reopen_set(ctx: Ctx, job_id: str, task_id: str, j: Mapping[str, Any]) -> list[str]:
+    """The task, then every task downstream of it that is skipped or cancelled (through such tasks only:
+    what its outcome skipped), in the order found. O(out-degree) of the task and of each task found.
+
+    In a job that fail_fast ended, the other tasks fail_fast cancelled when a task failed run again
+    too: one pass over the job's task list, as fail_fast's own cancel was, and only when cancelled tasks
+    remain outside the downstream set (the job record counts them).
+    """
+    found, seen, work = [task_id], {task_id}, [task_id]
+    cancelled = 0
+    while work:
+        for d in get_dependents(ctx.txn, job_id, work.pop()):
+            if d in seen:
+                continue
+            dt = read_task(ctx.txn, job_id, d)
+            if dt is not None and dt["state"] in ("skipped", "cancelled"):
+                cancelled += dt["state"] == "cancelled"
+                seen.add(d)
+                found.append(d)
+                work.append(d)
+    t = read_task(ctx.txn, job_id, task_id)
+    cancelled += t is not None and t["state"] == "cancelled"
+    if j["policy"] == "fail_fast" and j["state"] != "running" and j["cancelled"] > cancelled:
+        for tid in ctx.txn.get(keys.task_list(job_id)) or []:
+            if tid not in seen:
+                ot = read_task(ctx.txn, job_id, tid)
+                if ot is not None and ot["state"] == "cancelled":
+                    found.append(tid)
+    return found
+
+
+def retry_task(ctx: Ctx, cmd: Record) -> None:
+    """Run a failed (or skipped, cancelled) task again with a fresh retry budget, re-opening what its
+    outcome skipped downstream; the job runs again. Attempt numbers keep counting (fencing)."""
+    target = _action_target(ctx, cmd, "retry")
+    if target is None:
+        return
+    j, t = target
+    job_id, task_id = cmd["job_id"], cmd["task_id"]
+    why = still_skipped(task_id, t)
+    if why is not None:
+        _refuse(ctx, cmd, "retry", *why)
+        return
+    reopened = reopen_set(ctx, job_id, task_id, j)
+    ctx.event("TaskReopened", job_id, task_id=task_id, task_ids=reopened, action="retry",
+              requested_by=cmd.get("requested_by") or "", reason=cmd.get("reason") or "")
+    rerun(ctx, job_id, reopened, j["tenant"], f"after the retry of {task_id}")
     finish_job_if_done(ctx, job_id)
+
+
+def mark_task_succeeded(ctx: Ctx, cmd: Record) -> None:
+    """Record a failed, skipped or cancelled task as succeeded without running it (an operator's word,
+    said so in the event); what its outcome skipped downstream is re-opened, its dependents decide again."""
+    target = _action_target(ctx, cmd, "mark_succeeded")
+    if target is None:
+        return
+    j, t = target
+    job_id, task_id = cmd["job_id"], cmd["task_id"]
+    by, reason = cmd.get("requested_by") or "", cmd.get("reason") or ""
+    reopened = reopen_set(ctx, job_id, task_id, j)
+    ctx.event("TaskReopened", job_id, task_id=task_id, task_ids=reopened, action="mark_succeeded",
+              requested_by=by, reason=reason)
+    ctx.event("TaskMarkedSucceeded", job_id, task_id=task_id, attempt=t["attempt"], requested_by=by,
+              reason=reason)
+    rerun(ctx, job_id, reopened[1:], j["tenant"], f"after {task_id} was marked succeeded")
+    propagate(ctx, job_id, task_id, "succeeded")
 
 
 def not_current(t: Mapping[str, Any] | None, j: Mapping[str, Any] | None, attempt: int) -> str | None:
@@ -539,6 +645,8 @@ PROCESSORS: dict[str, Callable[[Ctx, Record], None]] = {
     "dagfold.command.SubmitJob": submit_job,
     "dagfold.command.CancelJob": cancel_job,
     "dagfold.command.RedriveJob": redrive_job,
+    "dagfold.command.RetryTask": retry_task,
+    "dagfold.command.MarkTaskSucceeded": mark_task_succeeded,
     "dagfold.command.TaskStarted": task_started,
     "dagfold.command.TaskHeartbeat": task_heartbeat,
     "dagfold.command.TaskSucceeded": task_succeeded,
