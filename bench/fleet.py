@@ -54,7 +54,7 @@ def fleet_main(url: str, hosts: int, gpus: int, hb_s: float, out_path: str) -> N
     from dagfold.codec import default_codec, make
     from dagfold.config import ALLOCATOR_COMMANDS, COMMANDS, CONTROL
     from dagfold.log import TopicPartition, open_log
-    from services.allocator import commands as cmds
+    from dagfold.services.allocator import commands as cmds
 
     lg = open_log(url, Path(tempfile.mkdtemp()))
     codec = default_codec()
@@ -185,11 +185,11 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
     from dagfold.log import TopicPartition, open_log
     from dagfold.log.reader import read_to_end
     from dagfold.processor import PartitionProcessor
-    from services.allocator.fold import AllocatorFold
-    from services.allocator.options import AllocatorOptions
-    from services.allocator.runner import GROUP, allocator_spec
-    from services.scheduler.runner import SchedulerRunner
-    from services.scheduler.spec import parse_spec, to_job_spec
+    from dagfold.services.allocator.fold import AllocatorFold
+    from dagfold.services.allocator.options import AllocatorOptions
+    from dagfold.services.allocator.runner import GROUP, allocator_spec
+    from dagfold.services.scheduler.runner import SchedulerRunner
+    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 
     work = Path(tempfile.mkdtemp(prefix="fleet-"))
     port = int(os.environ.get("BENCH_KAFKA_PORT", "0")) or free_base_port(range(20150, 29150, 100))

@@ -45,10 +45,10 @@ import msgspec
 from bench.peers import report
 from bench.peers.workloads import layered_sparse, load
 from dagfold.codec import default_codec
+from dagfold.services.scheduler.fold import SchedulerFold
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import MemoryStore, PartitionTransaction
-from services.scheduler.fold import SchedulerFold
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import parse_spec, to_job_spec
 
 ROUNDS = 3
 

@@ -2,7 +2,7 @@
 
 History: layered DAG jobs (10 x 10 noop tasks, full fan-in between layers), all
 keyed to partition 0, folded command by command through the production fold
-(``services.scheduler.harness.FoldHarness``: start, one heartbeat, success per
+(``dagfold.services.scheduler.harness.FoldHarness``: start, one heartbeat, success per
 task), so every event is one the appliers accept; the events are produced to
 ``events`` partition 0 in transactions of 2,000 (the runner's batch size), as
 the live runner writes them. Then a ``tail`` of further events (a scheduler
@@ -17,7 +17,7 @@ Measured, with the real runner (``SchedulerRunner``, in this process, on the log
 * restart with empty local state (full rebuild): the same with no store at all;
   catch-up applies the whole history;
 * catch-up throughput (events/s applied by ``processor.catch_up``) for both;
-* replay throughput: ``services.scheduler.replay.replay`` of the events topic
+* replay throughput: ``dagfold.services.scheduler.replay.replay`` of the events topic
   into fresh stores (scheduler state only, and with the read model), events/s;
   the state rebuilt from the log equals the fold's own state (digest).
 
@@ -47,12 +47,12 @@ from dagfold.config import COMMANDS, EVENTS, Config
 from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log import Log, TopicPartition, open_log, partition_for
 from dagfold.processor import processor as processor_mod
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.replay import replay
+from dagfold.services.scheduler.runner import SchedulerRunner
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import PartitionStore
 from dagfold.state.store import applied_events_offset, state_digest
-from services.scheduler.harness import FoldHarness
-from services.scheduler.replay import replay
-from services.scheduler.runner import SchedulerRunner
-from services.scheduler.spec import parse_spec, to_job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -254,7 +254,7 @@ def write_docs(results: dict[str, Any]) -> None:
         "committed (a SubmitJob on partition 0): group join, catch-up of the tail, fold, transaction;",
         "* **restart, empty state**: the same without any store (full rebuild from the events topic);",
         "* **catch-up**: events/s applied by `processor.catch_up` during the full rebuild;",
-        "* **replay**: `services.scheduler.replay.replay` of the whole events topic into fresh stores, "
+        "* **replay**: `dagfold.services.scheduler.replay.replay` of the whole events topic into fresh stores, "
         "scheduler state alone and with the read model (what `dagfold replay` does), events/s.",
         "",
         f"Measured {results['when']} on {m['cpus']} CPUs (shared with other work), Python {m['python']}; "

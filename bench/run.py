@@ -26,10 +26,10 @@ from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
 from dagfold.localkafka import LocalKafka
 from dagfold.log import TopicPartition
 from dagfold.log.reader import read_to_end
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import PartitionStore
 from dagfold.wfcommons import workflow_spec
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import parse_spec, to_job_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 WF = ROOT.parent / "shared" / "data" / "wfcommons"
@@ -67,8 +67,8 @@ def fold_rate_batched(spec: dict[str, Any], batch: int = 2000) -> dict[str, Any]
     """The fold as the runner drives it: one state transaction per batch of commands (in memory)."""
     from collections import deque
 
+    from dagfold.services.scheduler.fold import SchedulerFold
     from dagfold.state import MemoryStore, PartitionTransaction
-    from services.scheduler.fold import SchedulerFold
 
     fold, store, queue = SchedulerFold(), MemoryStore(), deque()
     txn = PartitionTransaction(store)
@@ -131,7 +131,7 @@ def dependency_latencies(log: Any, spec: dict[str, Any], config: Config) -> list
 
 
 def end_to_end(log_url: str, workers: int) -> dict[str, Any]:
-    from services.stack import Stack, StackOptions
+    from dagfold.services.stack import Stack, StackOptions
 
     doc = workflow_spec(MONTAGE, 0.0, job_id=f"montage-bench-{int(time.time())}")
     spec = to_job_spec(parse_spec(doc))

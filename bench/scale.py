@@ -49,10 +49,10 @@ def one(n: int, limit: float, fold_only: bool) -> dict[str, Any]:
     from dagfold.codec import default_codec
     from dagfold.commands import submit_job
     from dagfold.config import Config
-    from services.scheduler.processors import spec_hash
-    from services.scheduler.spec import parse_spec, to_job_spec
-    from services.scheduler.validation import validate_job_spec
-    from services.stack import Stack, StackOptions
+    from dagfold.services.scheduler.processors import spec_hash
+    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+    from dagfold.services.scheduler.validation import validate_job_spec
+    from dagfold.services.stack import Stack, StackOptions
 
     dag = layered_sparse(WIDTH, n // WIDTH, FAN_IN)
     out: dict[str, Any] = {"tasks": len(dag), "edges": sum(len(p) for _, p in dag), "width": WIDTH,

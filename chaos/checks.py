@@ -40,8 +40,8 @@ from dagfold.config import DEADLETTER, EVENTS
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition
 from dagfold.log.reader import read_to_end
+from dagfold.services.scheduler import keys
 from dagfold.state import PartitionStore, PartitionTransaction
-from services.scheduler import keys
 
 LOST_JOB = "lost job"
 TASK_NEVER_FINISHED = "task never finished"

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.worker import NonRetryableError, SideEffectLedger, TaskCancelled, TaskContext, TaskError
-from services.worker.handlers import register_handler
+from dagfold.services.worker import NonRetryableError, SideEffectLedger, TaskCancelled, TaskContext, TaskError
+from dagfold.services.worker.handlers import register_handler
 
 LEDGER_ENV = "DAGFOLD_CHAOS_LEDGER"
 EFFECTS_ENV = "DAGFOLD_CHAOS_EFFECTS"

@@ -49,11 +49,11 @@ from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, SCHEDULER_GROUP
 from dagfold.log import Log, TopicPartition, open_log
 from dagfold.log.reader import read_to_end
 from dagfold.processor import catch_up
+from dagfold.services.allocator.fold import AllocatorFold
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.scheduler.replay import job_digest, job_ids
 from dagfold.state import MemoryStore, PartitionStore
 from dagfold.state.store import applied_events_offset, state_digest
-from services.allocator.fold import AllocatorFold
-from services.allocator.options import AllocatorOptions
-from services.scheduler.replay import job_digest, job_ids
 
 PY = sys.executable
 PARTITIONS = 8

@@ -37,7 +37,10 @@ MAGIC = b"\xc3\x01"
 HEADER_LEN = 10
 Record = dict[str, Any]
 
-SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+# schemas/ at the project's root; an installed wheel carries it as dagfold/schemas (pyproject's package-dir)
+SCHEMA_DIR = next((d for d in (Path(__file__).resolve().parent / "schemas",
+                               Path(__file__).resolve().parent.parent / "schemas") if d.is_dir()),
+                  Path(__file__).resolve().parent.parent / "schemas")
 
 
 @dataclass(frozen=True)

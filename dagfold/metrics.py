@@ -9,7 +9,7 @@ uses exactly these names.
 
 Gauges that describe the read model (tasks by state, queue depths, GPU
 occupancy) are not kept here: they are computed from the projections at scrape
-time (``services.api.metrics_collector``), so they are right after a restart
+time (``dagfold.services.api.metrics_collector``), so they are right after a restart
 and never drift from what the API shows.
 
 Naming: ``dagfold_<component>_<what>_<unit>``; counters end in ``_total``;
@@ -223,7 +223,7 @@ def record_scheduler_events(events: Iterable[Mapping[str, Any]]) -> None:
 
 
 def observe_agent(node: str, gpus: Iterable[Any], jobs: int) -> None:
-    """A node agent's heartbeat: its GPUs' snapshot (``services.agent.devices.GpuHealth``) and job count."""
+    """A node agent's heartbeat: its GPUs' snapshot (``dagfold.services.agent.devices.GpuHealth``) and job count."""
     for g in gpus:
         i = str(g.index)
         if g.utilization is not None:

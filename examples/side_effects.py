@@ -47,7 +47,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.worker import SideEffectLedger, TaskContext, register_handler  # noqa: E402
+from dagfold.services.worker import SideEffectLedger, TaskContext, register_handler  # noqa: E402
 
 DEFAULT_LEDGER = Path(os.environ.get("DAGFOLD_SIDE_EFFECTS_DB", ".dagfold/side-effects.sqlite"))
 
@@ -101,8 +101,8 @@ def demo(data: Path) -> dict[str, Any]:
     """Run a two-task job on an embedded stack; the charge task fails once after charging."""
     from dagfold.commands import submit_job
     from dagfold.config import Config
-    from services.scheduler.spec import parse_spec, to_job_spec
-    from services.stack import Stack, StackOptions
+    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+    from dagfold.services.stack import Stack, StackOptions
 
     book = data / "charges.txt"
     spec = to_job_spec(parse_spec({

@@ -11,12 +11,12 @@ history), ``OperatorModel`` (tenant usage, queue depths, stuck tasks, failure
 reasons) and ``ClusterModel`` (GPU nodes, allocations, tenant GPU shares).
 """
 
-from projections.cluster import ClusterModel
-from projections.exceptions import InvalidCursor, ProjectionError, StoreError
-from projections.jobs import JOB_STATES, TASK_STATES, TERMINAL_JOB_STATES, Page, ReadModel, apply
-from projections.operator import OperatorModel
-from projections.projector import Projector
-from projections.store import ReadModelStore, ReadModelTxn
+from dagfold.projections.cluster import ClusterModel
+from dagfold.projections.exceptions import InvalidCursor, ProjectionError, StoreError
+from dagfold.projections.jobs import JOB_STATES, TASK_STATES, TERMINAL_JOB_STATES, Page, ReadModel, apply
+from dagfold.projections.operator import OperatorModel
+from dagfold.projections.projector import Projector
+from dagfold.projections.store import ReadModelStore, ReadModelTxn
 
 __all__ = [
     "JOB_STATES",

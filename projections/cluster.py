@@ -25,7 +25,7 @@ the allocator's schemas can grow without breaking the read model; a node's
 ``health`` is ``healthy``, the reported problem (``throttled``, ...), or its
 state (``drained``, ``lost``). Only healthy nodes count as capacity.
 
-Key space (``c`` prefixes, see ``projections.keys``)::
+Key space (``c`` prefixes, see ``dagfold.projections.keys``)::
 
     cn node     -> node (capacity, health, allocated GPUs, GPUs per tenant, its allocations, utilisation)
     ca alloc    -> allocation (job, task, tenant, tier, [node, gpus] placements, preemption)
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from projections.keys import SEP, Page, Record, clamp_limit, decode_cursor, key, paginate, part
-from projections.store import ReadModelStore, ReadModelTxn, decode_value
+from dagfold.projections.keys import SEP, Page, Record, clamp_limit, decode_cursor, key, paginate, part
+from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 PREFIX = "dagfold.allocator."
 NODE = b"cn"

@@ -24,8 +24,8 @@ never contain ``\\x00``, which keeps every prefix unambiguous)::
     m  name                        -> counters (skipped records, applier errors)
 
 The operator models (tenant usage, queue depths, stuck-task deadlines, failure
-reasons; ``projections.operator``) are secondary indexes kept by the same
-appliers in the same write batch; the GPU cluster model (``projections.cluster``)
+reasons; ``dagfold.projections.operator``) are secondary indexes kept by the same
+appliers in the same write batch; the GPU cluster model (``dagfold.projections.cluster``)
 folds the allocator's events.
 
 ``ReadModel`` answers queries from a ``ReadModelStore``; listings are paginated with an
@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from dagfold.lifecycle import JOB_FINAL, TASK_TERMINAL
-from projections import operator as ops
-from projections.keys import (
+from dagfold.projections import operator as ops
+from dagfold.projections.keys import (
     MAX_LIMIT,
     SEP,
     U32,
@@ -59,7 +59,7 @@ from projections.keys import (
     tasks_prefix,
     unpart,
 )
-from projections.store import ReadModelStore, ReadModelTxn, decode_value
+from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 
 class _JobTenant(msgspec.Struct):

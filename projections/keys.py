@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from projections.exceptions import InvalidCursor
+from dagfold.projections.exceptions import InvalidCursor
 
 Record = dict[str, Any]
 

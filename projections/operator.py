@@ -1,7 +1,7 @@
 """Operator read models: tenant usage, queue depths, stuck-task deadlines, failure reasons.
 
 They are secondary indexes of the jobs model, maintained by the jobs appliers
-(``projections.jobs``) through the hooks below, in the same write batch as the
+(``dagfold.projections.jobs``) through the hooks below, in the same write batch as the
 job and task records, so they are exactly as current as the jobs model and a
 replay of the events topic rebuilds them identically. Every hook is O(1) per
 event: counts move with each task state transition, never recounted.
@@ -15,7 +15,7 @@ reads only the keys due before *now* (cost: the stuck tasks, not all tasks).
 Each task record carries ``_ix``, the index entries it currently holds, so a
 transition removes exactly what was written before (private: the API strips it).
 
-Key spaces (``\\x00``-separated, see ``projections.keys``)::
+Key spaces (``\\x00``-separated, see ``dagfold.projections.keys``)::
 
     ut tenant                           -> tenant usage (jobs and tasks by state, retries, failures)
     q  queue                            -> {"runnable", "running", "retrying"} task counts
@@ -34,8 +34,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from projections.keys import SEP, U32, Record, clamp_limit, job_key, key, ms, part, public, task_key, unpart
-from projections.store import ReadModelStore, ReadModelTxn, decode_value
+from dagfold.projections.keys import SEP, U32, Record, clamp_limit, job_key, key, ms, part, public, task_key, unpart
+from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 QUEUE_STATES = ("runnable", "running", "retrying")
 TASK_STATES = ("pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled")

@@ -34,9 +34,9 @@ from dagfold.config import ALLOCATOR_EVENTS, EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
 from dagfold.processor.polling import Backoff, LagGauge
-from projections import cluster
-from projections.jobs import ReadModel, apply, meta_key, position_key
-from projections.store import ReadModelStore
+from dagfold.projections import cluster
+from dagfold.projections.jobs import ReadModel, apply, meta_key, position_key
+from dagfold.projections.store import ReadModelStore
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from rocksdict import Options, Rdict, ReadOptions, WriteBatch
 
-from projections.exceptions import StoreError
+from dagfold.projections.exceptions import StoreError
 
 _DELETED: Any = object()
 _encode = msgspec.msgpack.encode

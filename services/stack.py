@@ -23,12 +23,12 @@ from dagfold.commands import CommandSender
 from dagfold.config import Config
 from dagfold.exceptions import disk_full
 from dagfold.log import Log, open_log
-from projections.jobs import TERMINAL_JOB_STATES
-from projections.projector import Projector
-from services.callbacks import CallbackNotifier
-from services.scheduler.runner import SchedulerRunner
-from services.worker.handlers import HandlerRegistry, TaskRuntime, default_registry
-from services.worker.worker import Worker
+from dagfold.projections.jobs import TERMINAL_JOB_STATES
+from dagfold.projections.projector import Projector
+from dagfold.services.callbacks import CallbackNotifier
+from dagfold.services.scheduler.runner import SchedulerRunner
+from dagfold.services.worker.handlers import HandlerRegistry, TaskRuntime, default_registry
+from dagfold.services.worker.worker import Worker
 
 log = logging.getLogger("dagfold.stack")
 CLOSE_TIMEOUT_S = 15.0  # each group of clients closing at stop, in parallel
@@ -119,17 +119,17 @@ class Stack:
 
     def _start_gpu_pool(self) -> None:
         """The pool's allocator and its simulated hosts (demo job processes on simulated GPUs)."""
-        from services.agent.agent import simulated
-        from services.allocator.options import options_for_pool
-        from services.allocator.runner import AllocatorRunner
-        from services.api.auth import AuthConfig
+        from dagfold.services.agent.agent import simulated
+        from dagfold.services.allocator.options import options_for_pool
+        from dagfold.services.allocator.runner import AllocatorRunner
+        from dagfold.services.api.auth import AuthConfig
 
         assert self.log is not None
         o = self.options
         tenants = AuthConfig.from_env().limits  # the auth file's weights and quotas (DAGFOLD_AUTH_FILE)
         allocator = AllocatorRunner(self.log, options_for_pool(o.gpu_pool, tenants), self.config.data_dir)
         self._spawn("allocator", lambda: allocator.run(self.stop_event))
-        command = [sys.executable, "-m", "services.agent.demo_job"]
+        command = [sys.executable, "-m", "dagfold.services.agent.demo_job"]
         store = self.artifacts
         self.agents = []
         for i in range(o.gpu_nodes):
@@ -141,7 +141,7 @@ class Stack:
     def _start_api(self) -> None:
         import uvicorn
 
-        from services.api.app import create_app
+        from dagfold.services.api.app import create_app
 
         assert self.log is not None
         app = create_app(self.log, self.read_model, self.config,

@@ -16,14 +16,14 @@ from dagfold.codec import default_codec, make
 from dagfold.config import COMMANDS, EVENTS, Config
 from dagfold.log.base import TopicPartition
 from dagfold.log.embedded import EmbeddedLog
-from projections import Projector, ReadModel
-from projections import cluster as cluster_model
-from services.api import create_app
-from services.api.admission import AdmissionConfig
-from services.api.auth import AuthConfig
-from services.api.guard import GuardConfig
-from services.scheduler.processors import spec_hash
-from services.worker.handlers import HandlerRegistry
+from dagfold.projections import Projector, ReadModel
+from dagfold.projections import cluster as cluster_model
+from dagfold.services.api import create_app
+from dagfold.services.api.admission import AdmissionConfig
+from dagfold.services.api.auth import AuthConfig
+from dagfold.services.api.guard import GuardConfig
+from dagfold.services.scheduler.processors import spec_hash
+from dagfold.services.worker.handlers import HandlerRegistry
 
 T0 = 1_700_000_000_000
 

@@ -1,6 +1,6 @@
 """A fake ``pynvml`` (nvidia-ml-py) for tests: the same names, signatures and error type as the real
 module, over a GPU model the test sets (utilisation, memory, temperature, clocks, throttle reasons,
-ECC counts, pending Xid events). Only what ``services.agent.devices.NvmlDevices`` calls is here."""
+ECC counts, pending Xid events). Only what ``dagfold.services.agent.devices.NvmlDevices`` calls is here."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The scheduler runs its own loop in a thread (as in ``dagfold up``); the test
 drives the allocator and the agents round by round (``until``), so it can cut,
 crash or throttle a node between two rounds. Agents run real job processes
-(``services.agent.demo_job``) on simulated GPUs.
+(``dagfold.services.agent.demo_job``) on simulated GPUs.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from dagfold.codec import Record, default_codec
 from dagfold.commands import CommandSender, submit_job
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, Config
 from dagfold.log import Log, TopicPartition, open_log
-from services.agent.agent import NodeAgent, simulated
-from services.agent.devices import SimulatedDevices
-from services.allocator.options import AllocatorOptions
-from services.allocator.runner import AllocatorRunner
-from services.scheduler.runner import SchedulerRunner
-from services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.agent.agent import NodeAgent, simulated
+from dagfold.services.agent.devices import SimulatedDevices
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.runner import AllocatorRunner
+from dagfold.services.scheduler.runner import SchedulerRunner
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 
 POOL = "gpu"
 A = "dagfold.allocator."
@@ -72,7 +72,7 @@ class GpuCluster:
         self.alloc_opts = alloc_opts or AllocatorOptions(pool=POOL, lease_s=1.5, grace_s=5.0,
                                                          undrain_ok_heartbeats=1000)
         self.allocator = AllocatorRunner(self.log, self.alloc_opts, tmp / "data")
-        cmd = [sys.executable, "-m", "services.agent.demo_job", str(steps), str(step_s)]
+        cmd = [sys.executable, "-m", "dagfold.services.agent.demo_job", str(steps), str(step_s)]
         self.agents: list[NodeAgent] = []
         self.devs: list[SimulatedDevices] = []
         for i in range(nodes):

@@ -8,7 +8,7 @@ from typing import Any
 
 from dagfold.config import Config
 from dagfold.log import Log
-from services.scheduler.runner import SchedulerRunner
+from dagfold.services.scheduler.runner import SchedulerRunner
 
 
 class Running:

@@ -13,8 +13,8 @@ import pytest
 
 from dagfold.commands import cancel_job
 from dagfold.config import ALLOCATOR_COMMANDS
-from services.agent.devices import SimulatedDevices, detect
-from services.allocator.options import AllocatorOptions
+from dagfold.services.agent.devices import SimulatedDevices, detect
+from dagfold.services.allocator.options import AllocatorOptions
 from tests.gpu_support import POOL, GpuCluster, gpu_job, of, read_all
 
 

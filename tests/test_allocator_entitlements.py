@@ -19,9 +19,9 @@ import pytest
 from dagfold.codec import Record, default_codec
 from dagfold.commands import set_allocator_entitlements
 from dagfold.config import ALLOCATOR_EVENTS, Config
+from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.options import options_for_pool
 from dagfold.tenants import Entitlements
-from services.allocator.harness import AllocatorHarness
-from services.allocator.options import options_for_pool
 from tests.cli_support import free_port
 from tests.gpu_support import read_all
 
@@ -106,7 +106,7 @@ def test_auth_file_settings_resent_at_start_do_not_undo_an_admin_change() -> Non
 
 
 def test_malformed_settings_from_the_log_are_refused() -> None:
-    from services.allocator.exceptions import InvalidCommandError
+    from dagfold.services.allocator.exceptions import InvalidCommandError
 
     h = harness()
     [cmd] = set_allocator_entitlements("acme", Entitlements().to_record(), 1)
@@ -134,7 +134,7 @@ def _wait(what: str, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
 
 def test_a_quota_changed_through_the_admin_api_reaches_the_running_allocator(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.stack import Stack, StackOptions
+    from dagfold.services.stack import Stack, StackOptions
 
     auth = tmp_path / "auth.yaml"
     auth.write_text(f"keys: {{{ADMIN}: admin, {BETA}: beta}}\ntenants: {{beta: {{gpu_quota: {{default: 1}}}}}}\n")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
-from services.allocator.options import AllocatorOptions
-from services.allocator.sim_core import Job, World, pct
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.sim_core import Job, World, pct
 
 H = 3_600_000
 

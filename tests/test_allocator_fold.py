@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 
 from dagfold.codec import default_codec
+from dagfold.services.allocator import commands as cmds
+from dagfold.services.allocator.fold import AllocatorFold
+from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.state import MemoryStore, PartitionTransaction
 from dagfold.state.store import state_digest
-from services.allocator import commands as cmds
-from services.allocator.fold import AllocatorFold
-from services.allocator.harness import AllocatorHarness
-from services.allocator.options import AllocatorOptions
 
 A = "dagfold.allocator."
 

@@ -16,16 +16,16 @@ from typing import Any
 
 import pytest
 
-from services.allocator import passes
-from services.allocator.capacity import signature
-from services.allocator.fold import AllocatorFold
-from services.allocator.harness import AllocatorHarness
-from services.allocator.model import AllocView, RequestView
-from services.allocator.options import AllocatorOptions
-from services.allocator.placement import feasible_shapes
-from services.allocator.preemption import find_victims, lost_work_gpu_min, share_excess
-from services.allocator.reservations import Exclusions, excluded_for, part_fits
-from services.allocator.state import PoolState
+from dagfold.services.allocator import passes
+from dagfold.services.allocator.capacity import signature
+from dagfold.services.allocator.fold import AllocatorFold
+from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.model import AllocView, RequestView
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.placement import feasible_shapes
+from dagfold.services.allocator.preemption import find_victims, lost_work_gpu_min, share_excess
+from dagfold.services.allocator.reservations import Exclusions, excluded_for, part_fits
+from dagfold.services.allocator.state import PoolState
 
 
 def reference_find_victims(st: PoolState, r: RequestView, now_ms: int,

@@ -18,9 +18,9 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.allocator.harness import AllocatorHarness
-from services.allocator.model import FULL
-from services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.model import FULL
+from dagfold.services.allocator.options import AllocatorOptions
 
 TIERS = ("enterprise", "standard", "free")
 

@@ -14,9 +14,9 @@ from dagfold.codec import default_codec, make
 from dagfold.config import COMMANDS, EVENTS, Config
 from dagfold.log.base import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog
-from projections import Projector, ReadModel
-from services.api import create_app
-from services.scheduler.spec import job_id_for
+from dagfold.projections import Projector, ReadModel
+from dagfold.services.api import create_app
+from dagfold.services.scheduler.spec import job_id_for
 
 T0 = 1_700_000_000_000
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from services.api.admission import Admission, AdmissionConfig, TokenBucket
-from services.api.auth import AuthConfig, TenantLimits
+from dagfold.services.api.admission import Admission, AdmissionConfig, TokenBucket
+from dagfold.services.api.auth import AuthConfig, TenantLimits
 from tests.api_support import ApiHarness, LiveServer, accepted
 
 

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dagfold.cli import app
-from services.api.auth import AuthConfig
+from dagfold.services.api.auth import AuthConfig
 from tests.api_support import T0, ApiHarness, LiveServer, accepted, ev, free_port, now_ms
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.api.auth import AuthConfig, AuthConfigError, Principal
+from dagfold.services.api.auth import AuthConfig, AuthConfigError, Principal
 from tests.api_support import T0, ApiHarness, accepted, ev, now_ms
 
 ACME, BETA, ADMIN = "k-acme-0123456789", "k-beta-0123456789", "k-admin-0123456789"

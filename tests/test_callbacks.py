@@ -23,7 +23,7 @@ from dagfold.commands import submit_job
 from dagfold.config import EVENTS, Config
 from dagfold.log.base import TopicPartition
 from dagfold.log.embedded import EmbeddedLog
-from services.callbacks import (
+from dagfold.services.callbacks import (
     DELIVERED,
     GAVE_UP,
     GROUP,
@@ -34,9 +34,9 @@ from services.callbacks import (
     sign,
     verify,
 )
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.stack import Stack, StackOptions
-from services.worker.handlers import HandlerRegistry
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.stack import Stack, StackOptions
+from dagfold.services.worker.handlers import HandlerRegistry
 from tests.callback_support import Receiver
 
 SHELL_STACK = StackOptions(workers=1, api=False, registry=HandlerRegistry.with_builtins(shell=True))

@@ -35,9 +35,9 @@ from chaos.report import format_report
 from chaos.workload import JobPlan, generated_job, plan_workload, with_expectation
 from dagfold.exceptions import LogError
 from dagfold.log import TopicPartition, open_log
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.worker.sideeffects import SideEffectLedger
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.worker.sideeffects import SideEffectLedger
 
 SEED = int(os.environ.get("DAGFOLD_CHAOS_SEED", "20251130"))
 
@@ -131,7 +131,7 @@ def test_event_model_flags_a_second_success_and_a_lease_on_a_finished_task() -> 
 
 def test_side_effect_check_flags_duplicates_and_missing_effects(tmp_path: Path) -> None:
     from chaos.handlers import ExternalSystem
-    from services.worker import TaskContext
+    from dagfold.services.worker import TaskContext
 
     ext = ExternalSystem(tmp_path / "effects.sqlite")
     ledger = SideEffectLedger(tmp_path / "ledger.sqlite")
@@ -269,7 +269,7 @@ def test_worker_waits_for_the_control_offsets_instead_of_dying(tmp_path: Path) -
     """A worker starting during a broker outage died (and `dagfold worker` exited 0)."""
     from dagfold.config import Config
     from dagfold.log.embedded import EmbeddedLog
-    from services.worker.worker import Worker
+    from dagfold.services.worker.worker import Worker
 
     log = EmbeddedLog(tmp_path / "log")
     cfg = Config(data_dir=tmp_path)

@@ -258,8 +258,8 @@ def test_every_variable_read_is_a_declared_setting_and_none_is_dead() -> None:
             and n not in ("log_format", "api")}  # read by the CLI: logging set-up, typer's envvar
     assert not dead, f"declared but never read: {sorted(dead)}"
     # defaults kept in one place: the services' own option classes agree with the table
-    from services.api.admission import AdmissionConfig
-    from services.callbacks.options import CallbackOptions
+    from dagfold.services.api.admission import AdmissionConfig
+    from dagfold.services.callbacks.options import CallbackOptions
 
     s = Settings()
     assert (s.submit_rate, s.submit_burst, s.max_open_jobs) == (AdmissionConfig.rate_per_s, AdmissionConfig.burst,

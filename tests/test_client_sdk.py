@@ -11,8 +11,8 @@ import pytest
 
 from dagfold.client import ClientError, Job, JobNotFound, KafkaClient, RestClient, Retry
 from dagfold.config import Config
-from services.stack import Stack, StackOptions
-from services.worker.handlers import HandlerRegistry
+from dagfold.services.stack import Stack, StackOptions
+from dagfold.services.worker.handlers import HandlerRegistry
 from tests.cli_support import ROOT, free_port
 
 

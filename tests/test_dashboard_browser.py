@@ -206,8 +206,8 @@ def test_dashboard_end_to_end(stack: Stack, page: Any) -> None:
 
 def test_cluster_page_with_allocator_events(page: Any, tmp_path: Path) -> None:
     """The cluster page over the allocator's real events (its virtual-time harness, not a live pool)."""
-    from projections import cluster as cluster_model
-    from services.allocator.harness import AllocatorHarness
+    from dagfold.projections import cluster as cluster_model
+    from dagfold.services.allocator.harness import AllocatorHarness
     from tests.api_support import ApiHarness, LiveServer
 
     h = AllocatorHarness()

@@ -20,8 +20,8 @@ import tests.test_dashboard_browser as base
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, Config
-from services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
-from services.stack import Stack, StackOptions
+from dagfold.services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
+from dagfold.services.stack import Stack, StackOptions
 from tests.cli_support import free_port
 from tests.test_dashboard_browser import ROOT, shot
 

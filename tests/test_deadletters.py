@@ -20,9 +20,9 @@ from dagfold.codec import default_codec
 from dagfold.commands import cancel_job, submit_job
 from dagfold.config import COMMANDS, Config
 from dagfold.deadletters import PREVIEW_CHARS
-from services.api.app import create_app
-from services.api.auth import AuthConfig
-from services.stack import Stack, StackOptions
+from dagfold.services.api.app import create_app
+from dagfold.services.api.auth import AuthConfig
+from dagfold.services.stack import Stack, StackOptions
 from tests.cli_support import free_port
 
 HOSTILE = b"<script>alert(1)</script>[red]boom[/red]" + b"\x00" * 5000
@@ -35,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str
     with Stack(cfg, StackOptions(workers=1, callbacks=False)) as st:
         codec = default_codec()
         spec = {"job_id": "dl-job-1", "tenant": "acme", "tasks": [{"id": "a", "handler": "noop"}]}
-        from services.scheduler.spec import parse_spec, to_job_spec
+        from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 
         job_spec = to_job_spec(parse_spec({"id": "dl-job-1", "tenant": "acme", "tasks": spec["tasks"]}))
         prod = st.log.producer("upstream")  # type: ignore[union-attr]

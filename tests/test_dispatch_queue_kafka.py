@@ -17,8 +17,8 @@ from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, Config, dispatch_topic
 from dagfold.log.base import Log, TopicPartition
 from dagfold.log.factory import open_log
-from services.worker.handlers import HandlerRegistry
-from services.worker.worker import Worker
+from dagfold.services.worker.handlers import HandlerRegistry
+from dagfold.services.worker.worker import Worker
 
 pytestmark = pytest.mark.kafka
 

@@ -10,7 +10,7 @@ One stack per backend for the module (started once, shared by the scenarios):
   partitions move within seconds.
 
 Both run with a fault-injection handler ``crash_once`` registered (see ``BOOT``):
-its first run raises ``services.worker.worker.WorkerCrashed``, which makes the
+its first run raises ``dagfold.services.worker.worker.WorkerCrashed``, which makes the
 worker thread act like a killed process (no report, no heartbeats, leaves its
 consumer group). Job IDs and idempotency keys carry a random suffix: the Kafka
 broker is shared by the whole test session.
@@ -39,15 +39,15 @@ from dagfold import codec
 from dagfold.codec import default_codec
 from dagfold.config import Config, dispatch_topic
 from dagfold.log.embedded import EmbeddedLog
-from services.worker import HandlerRegistry, Worker
+from dagfold.services.worker import HandlerRegistry, Worker
 from tests import cli_support
 from tests.cli_support import ROOT, UpProcess, dagfold
 
 # `dagfold` with a fault-injection handler registered first (the CLI has no option for it in `up`).
 BOOT = """
 import os, sys
-from services.worker import register_handler
-from services.worker.worker import WorkerCrashed
+from dagfold.services.worker import register_handler
+from dagfold.services.worker.worker import WorkerCrashed
 
 def crash_once(ctx):
     try:

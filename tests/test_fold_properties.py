@@ -54,12 +54,12 @@ from dagfold.codec import Record, default_codec
 from dagfold.config import SchedulerOptions
 from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
+from dagfold.services.scheduler import keys
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.retry import NO_RETRY, backoff_ms, jitter_fraction
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.scheduler.timers import due_timers
 from dagfold.state.store import META_PREFIX
-from services.scheduler import keys
-from services.scheduler.harness import FoldHarness
-from services.scheduler.retry import NO_RETRY, backoff_ms, jitter_fraction
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.scheduler.timers import due_timers
 
 RULES = ["all_success", "all_done", "one_success", "one_failed", "none_failed", "always"]
 POLICIES = ["fail_fast", "skip_downstream", "allow_partial"]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dagfold.codec import default_codec
-from services.agent.devices import NvmlDevices
-from services.agent.exceptions import NvmlUnavailable
-from services.allocator import commands as cmds
+from dagfold.services.agent.devices import NvmlDevices
+from dagfold.services.agent.exceptions import NvmlUnavailable
+from dagfold.services.allocator import commands as cmds
 from tests.fake_nvml import FakeGpu, FakeNvml
 from tests.gpu_support import GpuCluster, gpu_job, of
 

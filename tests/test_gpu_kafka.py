@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.callbacks.signing import verify
+from dagfold.services.callbacks.signing import verify
 from tests.api_support import free_port
 from tests.callback_support import Receiver
 from tests.cli_support import DAGFOLD, ROOT, UpProcess

@@ -13,7 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from dagfold.config import Config
-from services.stack import Stack, StackOptions
+from dagfold.services.stack import Stack, StackOptions
 from tests.api_support import free_port
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dagfold.json"

@@ -18,8 +18,8 @@ import pytest
 
 from dagfold.artifacts import LocalArtifactStore, output_files, output_prefix, valid_name
 from dagfold.config import Config
-from services.stack import Stack, StackOptions
-from services.worker.handlers import HandlerRegistry
+from dagfold.services.stack import Stack, StackOptions
+from dagfold.services.worker.handlers import HandlerRegistry
 from tests.api_support import free_port
 from tests.callback_support import Receiver
 from tests.s3_support import S3Server

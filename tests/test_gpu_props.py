@@ -36,14 +36,14 @@ from hypothesis import strategies as st
 from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_COMMANDS, COMMANDS, CONTROL, EVENTS
 from dagfold.outputs import Output
-from services.allocator import commands as acmds
-from services.allocator.harness import AllocatorHarness
-from services.allocator.model import FULL
-from services.allocator.options import AllocatorOptions
-from services.allocator.timers import due_timers as alloc_due
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.scheduler.timers import due_timers as sched_due
+from dagfold.services.allocator import commands as acmds
+from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.model import FULL
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.timers import due_timers as alloc_due
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.scheduler.timers import due_timers as sched_due
 
 POOL = "p"
 TICK_MS = 250

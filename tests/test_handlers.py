@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.exceptions import (
+from dagfold.services.worker.exceptions import (
     NonRetryableError,
     ProcessFailed,
     TaskCancelled,
     TaskTimeout,
     UnknownHandlerError,
 )
-from services.worker.handlers import (
+from dagfold.services.worker.handlers import (
     TAIL_BYTES,
     HandlerRegistry,
     TaskContext,
@@ -24,7 +24,7 @@ from services.worker.handlers import (
     shell,
     sleep,
 )
-from services.worker.sideeffects import SideEffectLedger
+from dagfold.services.worker.sideeffects import SideEffectLedger
 
 
 def ctx(**args: object) -> TaskContext:

@@ -11,7 +11,7 @@ import pytest
 from dagfold import metrics
 from dagfold.config import DEADLETTER, Config
 from dagfold.log import TopicPartition, partition_for
-from services.stack import Stack, StackOptions
+from dagfold.services.stack import Stack, StackOptions
 from tests.cli_support import ROOT
 
 pytestmark = pytest.mark.kafka

@@ -18,11 +18,11 @@ import pytest
 
 from dagfold.config import Config
 from dagfold.log.kafka import KafkaLog
+from dagfold.projections.jobs import ReadModel
+from dagfold.projections.store import ReadModelStore
+from dagfold.services.scheduler.replay import job_ids
+from dagfold.services.stack import Stack, StackOptions
 from dagfold.state import PartitionStore
-from projections.jobs import ReadModel
-from projections.store import ReadModelStore
-from services.scheduler.replay import job_ids
-from services.stack import Stack, StackOptions
 from tests.cli_support import dagfold
 
 pytestmark = pytest.mark.kafka

@@ -25,8 +25,8 @@ from dagfold.config import Config
 from dagfold.localkafka import SecureLocalKafka, free_base_port
 from dagfold.log import open_log
 from dagfold.log.factory import kafka_security_settings
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.stack import Stack, StackOptions
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.stack import Stack, StackOptions
 
 pytestmark = pytest.mark.kafka
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,9 +20,12 @@ PACKAGES = ("dagfold", "services", "projections")
 
 
 def module_name(path: Path) -> str:
+    """The import name: ``services/`` and ``projections/`` are mapped into the ``dagfold`` namespace."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts[0] in ("services", "projections"):
+        parts.insert(0, "dagfold")
     return ".".join(parts)
 
 
@@ -68,7 +72,8 @@ TOP = ("dagfold.cli", "dagfold.client", "dagfold.__main__")
 def layer(mod: str) -> str:
     if any(mod == t or mod.startswith(t + ".") for t in TOP):
         return "top"
-    return mod.split(".")[0]
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ("services", "projections") else parts[0]
 
 
 def test_layers_point_one_way() -> None:
@@ -92,5 +97,22 @@ def test_no_import_cycles() -> None:
 def test_the_graph_sees_imports_inside_functions() -> None:
     """The checks would pass vacuously if the graph missed function-level imports."""
     graph = import_graph()
-    assert "services.scheduler.runner" in graph["dagfold.cli.admin"]  # imported inside a command
+    assert "dagfold.services.scheduler.runner" in graph["dagfold.cli.admin"]  # imported inside a command
     assert "dagfold.processor.processor" in graph["dagfold.processor"]
+    assert layer("dagfold.services.scheduler.runner") == "services"
+    assert layer("dagfold.projections.jobs") == "projections"
+
+
+OLD_NAMES = re.compile(r"^\s*(?:from|import)\s+(?:services|projections)\b", re.M)
+
+
+def test_nothing_imports_the_old_top_level_names() -> None:
+    """``services`` and ``projections`` are installed as ``dagfold.services`` and ``dagfold.projections``.
+
+    From a source checkout the old names would still import, as a second copy of each module (two
+    registries of metrics, two handler tables), so every import must use the installed names.
+    """
+    folders = (*PACKAGES, "tests", "bench", "chaos", "examples")
+    old = [f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}" for folder in folders
+           for p in (ROOT / folder).rglob("*.py") for text in [p.read_text()] for m in OLD_NAMES.finditer(text)]
+    assert old == []

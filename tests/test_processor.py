@@ -21,15 +21,15 @@ from dagfold.exceptions import CommitUnknownError, FencedError, LogError, Transa
 from dagfold.log import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog, EmbeddedTransactionalProducer
 from dagfold.processor import catch_up
+from dagfold.services.allocator import commands as alloc_cmds
+from dagfold.services.allocator.fold import AllocatorFold
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.runner import AllocatorRunner
+from dagfold.services.scheduler.replay import replay, verify
+from dagfold.services.scheduler.runner import SchedulerRunner
+from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import MemoryStore, PartitionStore
 from dagfold.state.store import state_digest
-from services.allocator import commands as alloc_cmds
-from services.allocator.fold import AllocatorFold
-from services.allocator.options import AllocatorOptions
-from services.allocator.runner import AllocatorRunner
-from services.scheduler.replay import replay, verify
-from services.scheduler.runner import SchedulerRunner
-from services.scheduler.spec import load_spec_text, to_job_spec
 from tests.runner_support import Running, wait_for
 
 codec = default_codec()

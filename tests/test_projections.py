@@ -14,8 +14,8 @@ from dagfold.codec import default_codec, make
 from dagfold.config import EVENTS, Config
 from dagfold.log.base import Log, TopicPartition, TopicSpec
 from dagfold.log.embedded import EmbeddedLog
-from projections import Projector, ReadModel, ReadModelStore
-from projections.jobs import TASK_STATES
+from dagfold.projections import Projector, ReadModel, ReadModelStore
+from dagfold.projections.jobs import TASK_STATES
 
 T0 = 1_700_000_000_000
 

@@ -11,8 +11,8 @@ import pytest
 from dagfold.config import ALLOCATOR_EVENTS, Config
 from dagfold.log.base import LogRecord, TopicSpec
 from dagfold.log.embedded import EmbeddedLog
-from projections import ClusterModel, Projector, ReadModelStore
-from projections import cluster as cluster_model
+from dagfold.projections import ClusterModel, Projector, ReadModelStore
+from dagfold.projections import cluster as cluster_model
 
 T0 = 1_700_000_000_000
 A = "dagfold.allocator."
@@ -152,7 +152,7 @@ def test_projector_reads_the_allocator_topic_once_it_exists(tmp_path: Path) -> N
 
 def test_follows_the_real_allocator(store: ReadModelStore) -> None:
     """Events of the allocator's own fold (virtual time): the model agrees with the allocator's state."""
-    from services.allocator.harness import AllocatorHarness
+    from dagfold.services.allocator.harness import AllocatorHarness
 
     h = AllocatorHarness()
     for i in range(3):

@@ -16,10 +16,10 @@ from fastavro.schema import load_schema
 
 from dagfold.codec import MAGIC, default_codec, make, schema_fingerprint
 from dagfold.config import Limits
-from services.api.graph import layout
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import load_spec_text, to_job_spec
-from services.scheduler.validation import (
+from dagfold.services.api.graph import layout
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+from dagfold.services.scheduler.validation import (
     REJECTED_GRAPH_BYTES,
     REJECTED_GRAPH_EDGES,
     REJECTED_GRAPH_TASKS,

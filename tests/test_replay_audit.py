@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from dagfold.services.scheduler import keys
 from dagfold.state import PartitionStore, PartitionTransaction
-from services.scheduler import keys
 from tests.cli_support import ROOT, UpProcess, dagfold
 
 

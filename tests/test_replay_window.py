@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from dagfold.services.scheduler.replay import job_ids
 from dagfold.state import PartitionStore
-from services.scheduler.replay import job_ids
 from tests.cli_support import DAGFOLD, ROOT, UpProcess, dagfold, free_port
 
 

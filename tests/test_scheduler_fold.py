@@ -9,9 +9,9 @@ import pytest
 
 from dagfold.codec import default_codec
 from dagfold.config import Limits, SchedulerOptions
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
 from dagfold.wfcommons import workflow_spec
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
 
 WF = Path(__file__).resolve().parents[2] / "shared" / "data" / "wfcommons"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

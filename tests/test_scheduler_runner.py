@@ -14,11 +14,11 @@ from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, DEADLETTER, EVENTS, Config
 from dagfold.log import LogRecord, TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog
+from dagfold.services.scheduler.replay import replay
+from dagfold.services.scheduler.runner import SchedulerRunner
+from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import PartitionStore, PartitionTransaction
 from dagfold.state.store import applied_events_offset, state_digest
-from services.scheduler.replay import replay
-from services.scheduler.runner import SchedulerRunner
-from services.scheduler.spec import load_spec_text, to_job_spec
 from tests.runner_support import Running, wait_for
 
 codec = default_codec()
@@ -173,7 +173,7 @@ def test_timer_scans_start_at_a_floor_and_still_fire_every_due_timer(env: Any, t
     index's start (which walks over every deleted lease timer of the job); new timers are always
     found, and a full scan each minute finds anything below the floor."""
     from dagfold.processor.timers import SCAN_MARGIN_MS as TIMER_SCAN_MARGIN_MS
-    from services.scheduler import keys
+    from dagfold.services.scheduler import keys
 
     log, cfg = env
     runner = SchedulerRunner(log, cfg, "floor")

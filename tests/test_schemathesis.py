@@ -21,8 +21,8 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from services.api.admission import AdmissionConfig
-from services.api.guard import GuardConfig
+from dagfold.services.api.admission import AdmissionConfig
+from dagfold.services.api.guard import GuardConfig
 from tests.api_support import T0, ApiHarness, accepted, ev
 
 EXAMPLES = int(os.environ.get("DAGFOLD_FUZZ_EXAMPLES", "25"))

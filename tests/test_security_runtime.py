@@ -23,12 +23,12 @@ from dagfold.codec import default_codec
 from dagfold.commands import set_tenant_entitlements, settings_keys
 from dagfold.config import COMMANDS
 from dagfold.log.base import TopicPartition, partition_for
+from dagfold.services.api.admission import AdmissionConfig
+from dagfold.services.api.auth import AuthConfig
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.worker.handlers import HandlerRegistry, default_registry
 from dagfold.tenants import Entitlements
-from services.api.admission import AdmissionConfig
-from services.api.auth import AuthConfig
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.worker.handlers import HandlerRegistry, default_registry
 from tests.api_support import ApiHarness
 from tests.cli_support import DAGFOLD, ROOT, free_port
 
@@ -221,7 +221,7 @@ def test_open_api_rate_limit_is_not_bypassed_by_new_tenant_names(tmp_path: Path)
 
 
 def test_allocator_options_take_weights_and_quotas_from_the_auth_file(tmp_path: Path) -> None:
-    from services.allocator.options import options_for_pool
+    from dagfold.services.allocator.options import options_for_pool
 
     opts = options_for_pool("default", AuthConfig.from_env(auth_file(tmp_path), env={}).limits)
     assert opts.weight("beta") == 0.5 and opts.quota_milli("beta") == 2000 and opts.quota_milli("alpha") is None
@@ -244,7 +244,7 @@ BAD_AUTH_ENTRIES = [
 
 @pytest.mark.parametrize(("text", "message"), BAD_AUTH_ENTRIES)
 def test_auth_file_identifiers_are_checked_by_the_rules_table(tmp_path: Path, text: str, message: str) -> None:
-    from services.api.auth import AuthConfigError
+    from dagfold.services.api.auth import AuthConfigError
 
     f = tmp_path / "auth.yaml"
     f.write_text(text + "\n")
@@ -363,7 +363,7 @@ def test_a_shell_task_cannot_reach_the_services_secrets(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_allocator_rejects_non_finite_runtime_and_ignores_non_finite_perf(bad: float) -> None:
-    from services.allocator.harness import AllocatorHarness
+    from dagfold.services.allocator.harness import AllocatorHarness
 
     h = AllocatorHarness()
     h.register("n0")

@@ -13,8 +13,8 @@ from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, Config, dispatch_topic
 from dagfold.log.base import TopicPartition
 from dagfold.log.embedded import EmbeddedLog
+from dagfold.services.worker import HandlerRegistry, TaskContext, Worker
 from examples.side_effects import charge_customer, demo
-from services.worker import HandlerRegistry, TaskContext, Worker
 
 CFG = Config(partitions=2, dispatch_partitions=2)
 

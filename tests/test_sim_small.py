@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dagfold.cli.sim import parse_seeds, sim_app
-from services.allocator.traces import DEFAULT_DATA
+from dagfold.services.allocator.traces import DEFAULT_DATA
 
 needs_data = pytest.mark.skipif(not (DEFAULT_DATA / "openb").is_dir(), reason="shared/data/openb not present")
 runner = CliRunner()
@@ -64,7 +64,7 @@ def test_sim_day_small(tmp_path: Path) -> None:
 
 
 def test_sim_day_sweep_small(tmp_path: Path) -> None:
-    from services.allocator.sim_day import MEAN_JOB_GPU_S, jobs_for_load
+    from dagfold.services.allocator.sim_day import MEAN_JOB_GPU_S, jobs_for_load
 
     # the 100k-job day on 10,000 GPUs is the ~102% day of docs/gpu-scheduling.md 7.3
     assert 1.0 < 100000 * MEAN_JOB_GPU_S / (10000 * 86400) < 1.05

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from dagfold.codec import Record, default_codec
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import PartitionTransaction
-from services.scheduler.harness import FoldHarness
-from services.scheduler.spec import parse_spec, to_job_spec
 
 
 def spec(doc: dict[str, Any]) -> Record:

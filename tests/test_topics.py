@@ -16,8 +16,8 @@ from dagfold.log import TopicPartition, open_log
 from dagfold.log.base import crc32_partition, murmur2, murmur2_partition, partition_for
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.log.namespace import Namespace, NamespacedLog
-from services.scheduler.spec import load_spec_text, to_job_spec
-from services.stack import Stack, StackOptions
+from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+from dagfold.services.stack import Stack, StackOptions
 
 # org.apache.kafka.common.utils.UtilsTest#testMurmur2: the Java client's own vectors.
 JAVA_MURMUR2 = {

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from dagfold.cli import app
 from dagfold.config import Config
+from dagfold.services.stack import Stack, StackOptions
 from dagfold.wfcommons import WorkflowError, read_workflow, workflow_spec
-from services.stack import Stack, StackOptions
 from tests.cli_support import free_port
 
 DATA = Path(__file__).resolve().parent / "data" / "wfcommons"

@@ -17,9 +17,9 @@ from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic
 from dagfold.exceptions import LogError
 from dagfold.log.base import Ack, Log, QueuedRecord, TopicPartition
 from dagfold.log.embedded import EmbeddedLog
-from services.worker.exceptions import NonRetryableError
-from services.worker.handlers import HandlerRegistry, TaskContext
-from services.worker.worker import Worker
+from dagfold.services.worker.exceptions import NonRetryableError
+from dagfold.services.worker.handlers import HandlerRegistry, TaskContext
+from dagfold.services.worker.worker import Worker
 
 CFG = Config(partitions=2, dispatch_partitions=2)
 QUEUE = "q"

@@ -1,6 +1,6 @@
 """One dagfold run of one workload (main venv): ``python -m bench.peers.run_dagfold``.
 
-The stack is ``services.stack.Stack`` (scheduler, projector, workers; no API), on
+The stack is ``dagfold.services.stack.Stack`` (scheduler, projector, workers; no API), on
 the embedded log or on Kafka (the exactly-once path: one Kafka transaction per
 batch of commands). The clock runs from sending the SubmitJob (its Avro encoding
 and schema validation included) to the job being terminal in the read model
@@ -36,8 +36,8 @@ from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
 from dagfold.exceptions import LogError
 from dagfold.log import TopicPartition
 from dagfold.log.kafka import KafkaLog
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.stack import Stack, StackOptions
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.stack import Stack, StackOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 

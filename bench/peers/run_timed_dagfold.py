@@ -21,8 +21,8 @@ from bench.peers import probe, timed
 from bench.peers.run_dagfold import read_reports
 from dagfold.commands import submit_job
 from dagfold.config import Config
-from services.scheduler.spec import parse_spec, to_job_spec
-from services.stack import Stack, StackOptions
+from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.stack import Stack, StackOptions
 
 
 def main() -> None:

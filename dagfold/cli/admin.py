@@ -39,7 +39,7 @@ def scheduler(log: LogOpt = None, data: DataOpt = None,
               verbose: VerboseOpt = False) -> None:
     """Run one scheduler instance; several instances in one Kafka cluster share the partitions."""
     from dagfold.log import open_log
-    from services.scheduler.runner import SchedulerRunner
+    from dagfold.services.scheduler.runner import SchedulerRunner
 
     _logging(verbose)
     cfg = _config(log, data)
@@ -69,8 +69,8 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
     from dagfold.config import EVENTS
     from dagfold.exceptions import DagfoldError
     from dagfold.log import LogRecord, TopicPartition, open_log
-    from services.scheduler.replay import ReplayFilter, verify
-    from services.scheduler.replay import replay as do_replay
+    from dagfold.services.scheduler.replay import ReplayFilter, verify
+    from dagfold.services.scheduler.replay import replay as do_replay
 
     cfg = _config(log, data)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -192,10 +192,10 @@ def serve(folder: Path = typer.Argument(..., help="a folder written by `dagfold 
     """
     import uvicorn
 
-    from projections.jobs import ReadModel
-    from projections.store import ReadModelStore
-    from services.api.app import create_app
-    from services.api.auth import AuthConfig, AuthConfigError
+    from dagfold.projections.jobs import ReadModel
+    from dagfold.projections.store import ReadModelStore
+    from dagfold.services.api.app import create_app
+    from dagfold.services.api.auth import AuthConfig, AuthConfigError
 
     _logging(verbose)
     proj = folder / "projections"

@@ -48,9 +48,9 @@ def allocator(pool: str = PoolOpt, log: LogOpt = None, data: DataOpt = None,
               verbose: VerboseOpt = False) -> None:
     """Run the GPU allocator of one pool (one writer per pool; a newer instance fences an older one)."""
     from dagfold.log import open_log
-    from services.allocator.options import options_for_pool
-    from services.allocator.runner import AllocatorRunner
-    from services.api.auth import AuthConfig, AuthConfigError
+    from dagfold.services.allocator.options import options_for_pool
+    from dagfold.services.allocator.runner import AllocatorRunner
+    from dagfold.services.api.auth import AuthConfig, AuthConfigError
 
     _logging(verbose)
     try:
@@ -68,7 +68,7 @@ def allocator(pool: str = PoolOpt, log: LogOpt = None, data: DataOpt = None,
 
 def _sync_faults(devices: object, faults_file: Path) -> None:
     """Make the simulated device's faults those listed in ``faults_file`` (one name a line)."""
-    from services.agent.devices import FAULTS, SimulatedDevices
+    from dagfold.services.agent.devices import FAULTS, SimulatedDevices
 
     if not isinstance(devices, SimulatedDevices):
         return
@@ -85,7 +85,7 @@ def _sync_faults(devices: object, faults_file: Path) -> None:
 @app.command()
 def agent(pool: str = PoolOpt, log: LogOpt = None,
           node: str = typer.Option(socket.gethostname(), "--node", help="node ID, unique in the pool"),
-          command: str = typer.Option(f"{shlex.quote(sys.executable)} -m services.agent.demo_job", "--command",
+          command: str = typer.Option(f"{shlex.quote(sys.executable)} -m dagfold.services.agent.demo_job", "--command",
                                       help="the job process a grant runs (DAGFOLD_* environment, see docs)"),
           artifacts: str = typer.Option("", "--artifacts", envvar="DAGFOLD_ARTIFACTS",
                                         help="artifact storage of outputs and checkpoints: a folder every host "
@@ -107,10 +107,10 @@ def agent(pool: str = PoolOpt, log: LogOpt = None,
     """Run the node agent of one GPU host: register, heartbeat health, run granted jobs."""
     from dagfold.artifacts import ArtifactError, LocalArtifactStore, open_store
     from dagfold.log import open_log
-    from services.agent.agent import NodeAgent
-    from services.agent.devices import Devices, NvmlDevices, SimulatedDevices
-    from services.agent.exceptions import NvmlUnavailable
-    from services.agent.launcher import Launcher
+    from dagfold.services.agent.agent import NodeAgent
+    from dagfold.services.agent.devices import Devices, NvmlDevices, SimulatedDevices
+    from dagfold.services.agent.exceptions import NvmlUnavailable
+    from dagfold.services.agent.launcher import Launcher
 
     _logging(verbose)
     cfg = _config(log, None)

@@ -59,13 +59,13 @@ from dagfold.cli.common import (
     serve_metrics,
 )
 from dagfold.clock import now_ms
-from projections.jobs import APPLIERS as _JOB_APPLIERS
+from dagfold.projections.jobs import APPLIERS as _JOB_APPLIERS
 
 JobArg = Annotated[str, typer.Argument(help="job ID, a unique prefix of it, or the job's name", show_default=False)]
 
 
 def _load_spec_doc(file: Path) -> dict[str, Any]:
-    from services.scheduler.spec import SpecError, load_spec_text
+    from dagfold.services.scheduler.spec import SpecError, load_spec_text
 
     try:
         return load_spec_text(file.read_text()).model_dump(exclude_none=True)
@@ -88,8 +88,8 @@ def _wfcommons_doc(path: Path, time_scale: float) -> dict[str, Any]:
 
 def _to_job_spec(doc: dict[str, Any]) -> dict[str, Any]:
     from dagfold.config import Limits
-    from services.scheduler.spec import SpecError, parse_spec, to_job_spec
-    from services.scheduler.validation import validate_job_spec
+    from dagfold.services.scheduler.spec import SpecError, parse_spec, to_job_spec
+    from dagfold.services.scheduler.validation import validate_job_spec
 
     try:
         spec = to_job_spec(parse_spec(doc))
@@ -206,7 +206,7 @@ def up(log: LogOpt = None, data: DataOpt = None,
        task_env: list[str] = typer.Option([], "--task-env", help=TASK_ENV_HELP),
        verbose: VerboseOpt = False) -> None:
     """Run the whole local stack: scheduler, projector, workers and the API."""
-    from services.stack import Stack, StackOptions
+    from dagfold.services.stack import Stack, StackOptions
 
     _logging(verbose)
     _use_auth_file(auth_file)
@@ -276,8 +276,8 @@ def _task_capabilities(handlers: str | None, modules: list[str], task_user: str 
     import importlib
     import os
 
-    from services.worker.capabilities import parse_handler_list
-    from services.worker.handlers import PASS_ENV_DEFAULT, TaskRuntime, default_registry
+    from dagfold.services.worker.capabilities import parse_handler_list
+    from dagfold.services.worker.handlers import PASS_ENV_DEFAULT, TaskRuntime, default_registry
 
     for module in modules:
         try:
@@ -313,7 +313,7 @@ def _use_auth_file(auth_file: Path | None) -> None:
     """Check the auth file now (a bad one must stop start-up) and hand it to the API through the environment."""
     import os
 
-    from services.api.auth import AuthConfig, AuthConfigError
+    from dagfold.services.api.auth import AuthConfig, AuthConfigError
 
     if auth_file is None:
         return
@@ -327,8 +327,8 @@ def _use_auth_file(auth_file: Path | None) -> None:
 
 def submit_examples(stack: Any) -> None:
     from dagfold.commands import submit_job
+    from dagfold.services.scheduler.spec import SpecError, load_spec_text, parse_spec, to_job_spec
     from dagfold.wfcommons import workflow_spec
-    from services.scheduler.spec import SpecError, load_spec_text, parse_spec, to_job_spec
 
     root = Path(__file__).resolve().parents[2]  # the repository: dagfold/cli/main.py
     docs: list[tuple[str, dict[str, Any]]] = []
@@ -382,7 +382,7 @@ def _run_stack(spec: dict[str, Any], log: str | None, data: Path | None, workers
                as_json: bool, keep: bool = False, registry: Any = None) -> int:
     from dagfold.cli.follow import JobView, follow, local_events
     from dagfold.commands import submit_job
-    from services.stack import Stack, StackOptions
+    from dagfold.services.stack import Stack, StackOptions
 
     tmp = None
     if data is None:
@@ -445,7 +445,7 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
             "in Python (your own file, in a private stack without an API)"),
         verbose: VerboseOpt = False) -> None:
     """Run one job to its end in a temporary stack; exit 0 succeeded, 1 failed/cancelled, 2 rejected."""
-    from services.worker.handlers import default_registry
+    from dagfold.services.worker.handlers import default_registry
 
     _logging(verbose)
     registry, _ = _task_capabilities(handlers or ",".join([*default_registry().names(), "shell"]), [], None,
@@ -479,7 +479,7 @@ def worker(queue: str = typer.Option("default", "--queue", help="the queue whose
     import socket
 
     from dagfold.log import open_log
-    from services.worker.worker import Worker
+    from dagfold.services.worker.worker import Worker
 
     _logging(verbose)
     registry, runtime = _task_capabilities(handlers, handler_module, task_user, task_dir, task_env)
@@ -525,7 +525,7 @@ def callbacks(log: LogOpt = None, data: DataOpt = None,
     _MAX_ATTEMPTS, _BASE_BACKOFF_S, _MAX_BACKOFF_S, _CONCURRENCY.
     """
     from dagfold.log import open_log
-    from services.callbacks import CallbackNotifier
+    from dagfold.services.callbacks import CallbackNotifier
 
     _logging(verbose)
     serve_metrics(metrics_port, metrics_addr)

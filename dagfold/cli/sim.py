@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from services.allocator.exceptions import AllocatorError
+from dagfold.services.allocator.exceptions import AllocatorError
 
 sim_app = typer.Typer(add_completion=False, no_args_is_help=True,
                       help="Run the GPU allocator's fold in virtual time: FGD protocol, openb replay, synthetic day.")
@@ -55,8 +55,8 @@ def fgd(out: OutOpt,
         = "frag,bestfit,firstfit",
         data: DataOpt = None, img: ImgOpt = None) -> None:
     """The FGD paper's protocol: resample to 130% of capacity, place one by one, never release."""
-    from services.allocator import report, sim_fgd
-    from services.allocator.traces import TRACES, data_dir
+    from dagfold.services.allocator import report, sim_fgd
+    from dagfold.services.allocator.traces import TRACES, data_dir
 
     traces = list(TRACES) if "all" in trace else trace
     for t in traces:
@@ -84,9 +84,9 @@ def openb(out: OutOpt, data: DataOpt = None, img: ImgOpt = None,
           time_scale: Annotated[float, typer.Option("--time-scale", help="compress arrival times by this factor")]
           = 1.0) -> None:
     """Time-ordered replay of the openb trace: utilization over time, queueing delay, completion times."""
-    from services.allocator import report
-    from services.allocator.sim_openb import run_openb
-    from services.allocator.traces import data_dir
+    from dagfold.services.allocator import report
+    from dagfold.services.allocator.sim_openb import run_openb
+    from dagfold.services.allocator.traces import data_dir
 
     try:
         d = data_dir(data)
@@ -116,8 +116,8 @@ def day(out: OutOpt,
             "--sweep", help="offered loads as fractions of capacity, e.g. 0.7,0.85,0.95,1.1 (job count follows "
                             "from --gpus; --jobs is ignored): every policy at each load, one table")] = None) -> None:
     """A synthetic day: tiers, tenants (one floods), gangs, runtimes 2-45 min, node faults."""
-    from services.allocator import report
-    from services.allocator.sim_day import run_day, run_sweep
+    from dagfold.services.allocator import report
+    from dagfold.services.allocator.sim_day import run_day, run_sweep
 
     if gpus < 8 or jobs < 100:
         raise typer.BadParameter("need at least 8 GPUs and 100 jobs")

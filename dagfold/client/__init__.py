@@ -13,7 +13,7 @@
 topic instead. docs/client.md has the whole guide; examples/client_sdk.py runs it.
 
 Layering: like ``dagfold.cli``, this package is a top layer (it uses the spec models of
-``services.scheduler.spec`` and the read model's states); nothing in dagfold imports it.
+``dagfold.services.scheduler.spec`` and the read model's states); nothing in dagfold imports it.
 """
 
 from dagfold.client.clients import (

@@ -22,10 +22,10 @@ from dagfold.commands import CommandSender, now_ms
 from dagfold.config import EVENTS, Config
 from dagfold.exceptions import CodecError, DagfoldError
 from dagfold.log import TopicPartition, open_log
+from dagfold.projections.jobs import TERMINAL_JOB_STATES
 from dagfold.rules import path_segment
-from projections.jobs import TERMINAL_JOB_STATES
-from services.scheduler.spec import SpecError
-from services.scheduler.validation import validate_job_spec
+from dagfold.services.scheduler.spec import SpecError
+from dagfold.services.scheduler.validation import validate_job_spec
 
 
 class ClientError(DagfoldError):

@@ -1,6 +1,6 @@
 """A typed builder for job specs: what upstream Python code writes instead of YAML.
 
-The builder produces the same spec the API and the CLI take (``services.scheduler.spec.JobSpecIn``,
+The builder produces the same spec the API and the CLI take (``dagfold.services.scheduler.spec.JobSpecIn``,
 pydantic-checked, field paths in errors) and reuses its types for policies (``Retry``,
 ``Timeouts``, ``Resources``), so there is one definition of a spec, not a mirror of it.
 
@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.scheduler.spec import (
+from dagfold.services.scheduler.spec import (
     FailurePolicy,
     JobSpecIn,
     ResourcesIn,

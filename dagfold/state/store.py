@@ -27,7 +27,7 @@ APPLIED_EVENTS = b"applied_events"
 
 class Store(Protocol):
     """Backing storage of one partition's fold state (a read model has its own,
-    ``projections.store.ReadModelStore``). Values are replaced, never mutated."""
+    ``dagfold.projections.store.ReadModelStore``). Values are replaced, never mutated."""
 
     def raw_get(self, key: bytes) -> bytes | None: ...
 

@@ -45,9 +45,9 @@ from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition
-from services.agent.devices import Devices, Health, SimulatedDevices
-from services.agent.launcher import MAX_RESULT_BYTES, JobProcess, Launcher
-from services.allocator import commands as cmds
+from dagfold.services.agent.devices import Devices, Health, SimulatedDevices
+from dagfold.services.agent.launcher import MAX_RESULT_BYTES, JobProcess, Launcher
+from dagfold.services.allocator import commands as cmds
 
 log = logging.getLogger("dagfold.agent")
 A = "dagfold.allocator."

@@ -1,4 +1,4 @@
-"""A checkpointing demo job for node agents: ``python -m services.agent.demo_job [STEPS [STEP_S]]``.
+"""A checkpointing demo job for node agents: ``python -m dagfold.services.agent.demo_job [STEPS [STEP_S]]``.
 
 STEPS and STEP_S default to the task's arguments ``steps`` and ``step_s``
 (``DAGFOLD_ARGS_JSON``), else 20 and 0.05. It runs STEPS steps, prints ``{"progress": f}`` after each, writes a

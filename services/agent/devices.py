@@ -5,7 +5,7 @@ extra, imported only here): per GPU utilisation, memory, temperature, clock
 (throttle) event reasons, uncorrectable ECC errors and critical Xid events
 (an NVML event set, drained at every heartbeat). Throughput is not read here:
 clocks say how fast a GPU may run, not how fast its job goes; the agent
-measures it from the jobs' progress (``services.agent.agent``). ``SimulatedDevices`` is a device
+measures it from the jobs' progress (``dagfold.services.agent.agent``). ``SimulatedDevices`` is a device
 model with injectable faults for tests and demos, for the whole host or one
 GPU: ``crash`` (the agent goes silent), ``throttle`` (thermal throttling,
 jobs at half speed), ``ecc``/``xid`` (error counters), ``slow`` (throughput
@@ -26,7 +26,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from services.agent.exceptions import NvmlUnavailable
+from dagfold.services.agent.exceptions import NvmlUnavailable
 
 FAULTS = ("crash", "throttle", "ecc", "xid", "slow")
 GPU_FAULTS = ("throttle", "ecc", "xid")

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dagfold.codec import Record
+from dagfold.services.allocator import keys
+from dagfold.services.allocator.model import FULL, AllocView, NodeView, Part, RequestView
+from dagfold.services.allocator.profile import active_classes, shape_key, should_refresh
+from dagfold.services.allocator.state import PoolState
 from dagfold.tenants import stored_settings
-from services.allocator import keys
-from services.allocator.model import FULL, AllocView, NodeView, Part, RequestView
-from services.allocator.profile import active_classes, shape_key, should_refresh
-from services.allocator.state import PoolState
 
 A = "dagfold.allocator."
 Applier = Callable[[PoolState, Record], None]

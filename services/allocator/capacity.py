@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from sortedcontainers import SortedList
 
-from services.allocator.model import FULL, NodeView
+from dagfold.services.allocator.model import FULL, NodeView
 
 Sig = tuple[int, int, tuple[int, ...]]
 L1 = tuple[int, int]

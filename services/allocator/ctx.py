@@ -9,10 +9,10 @@ from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.outputs import Output
 from dagfold.processor.fold import FoldContext
-from services.allocator.appliers import A, apply_event
-from services.allocator.model import AllocView
-from services.allocator.options import AllocatorOptions
-from services.allocator.state import PoolState
+from dagfold.services.allocator.appliers import A, apply_event
+from dagfold.services.allocator.model import AllocView
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.state import PoolState
 
 
 @dataclass(slots=True)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dagfold.codec import Record
 from dagfold.outputs import Output
+from dagfold.services.allocator.appliers import apply_event
+from dagfold.services.allocator.ctx import Ctx
+from dagfold.services.allocator.exceptions import UnknownCommandError
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.processors import PROCESSORS
+from dagfold.services.allocator.state import PoolState
 from dagfold.state import PartitionTransaction, Store
-from services.allocator.appliers import apply_event
-from services.allocator.ctx import Ctx
-from services.allocator.exceptions import UnknownCommandError
-from services.allocator.options import AllocatorOptions
-from services.allocator.processors import PROCESSORS
-from services.allocator.state import PoolState
 
 
 class AllocatorFold:

@@ -13,12 +13,12 @@ from typing import Any
 from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS
 from dagfold.outputs import Output
+from dagfold.services.allocator import commands as cmds
+from dagfold.services.allocator.fold import AllocatorFold
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.timers import due_timers
 from dagfold.state import MemoryStore, PartitionTransaction
 from dagfold.state.store import state_digest
-from services.allocator import commands as cmds
-from services.allocator.fold import AllocatorFold
-from services.allocator.options import AllocatorOptions
-from services.allocator.timers import due_timers
 
 
 @dataclass
@@ -114,7 +114,7 @@ class AllocatorHarness:
         return [e for e in self.events if e["type"].endswith("." + name)]
 
     def alloc_of(self, job_id: str, task_id: str = "gpu", attempt: int = 1) -> str | None:
-        from services.allocator.keys import request_key
+        from dagfold.services.allocator.keys import request_key
 
         return self.fold.state.alloc_of_req.get(request_key(job_id, task_id, attempt))
 

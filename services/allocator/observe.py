@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dagfold import metrics
 from dagfold.codec import Record
 from dagfold.outputs import Output
+from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.state import PartitionTransaction
-from services.allocator.fold import AllocatorFold
 
 A = "dagfold.allocator."
 DECISIONS = {A + "AllocationGranted": "grant", A + "RequestRejected": "reject",

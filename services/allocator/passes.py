@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import heapq
 
-from services.allocator.ctx import Ctx
-from services.allocator.model import FULL, RequestView
-from services.allocator.placement import feasible_shapes, place
-from services.allocator.preemption import find_victims
-from services.allocator.reservations import Exclusions, earliest_start, excluded_for, is_stale
+from dagfold.services.allocator.ctx import Ctx
+from dagfold.services.allocator.model import FULL, RequestView
+from dagfold.services.allocator.placement import feasible_shapes, place
+from dagfold.services.allocator.preemption import find_victims
+from dagfold.services.allocator.reservations import Exclusions, earliest_start, excluded_for, is_stale
 
 MAX_PREEMPTIONS_PER_PASS = 2
 

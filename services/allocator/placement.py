@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from services.allocator.capacity import Sig
-from services.allocator.model import FULL, NodeView, Part, RequestView
-from services.allocator.profile import usable
-from services.allocator.state import PoolState
+from dagfold.services.allocator.capacity import Sig
+from dagfold.services.allocator.model import FULL, NodeView, Part, RequestView
+from dagfold.services.allocator.profile import usable
+from dagfold.services.allocator.state import PoolState
 
 
 def after_sig(sig: Sig, gpus: int, milli: int, cpu: int, mem: int) -> Sig:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import heapq
 
-from services.allocator.model import FULL, AllocView, RequestView
-from services.allocator.state import PoolState
+from dagfold.services.allocator.model import FULL, AllocView, RequestView
+from dagfold.services.allocator.state import PoolState
 
 
 def lost_work_gpu_min(a: AllocView, now_ms: int) -> float:

@@ -11,14 +11,14 @@ import math
 from collections.abc import Callable
 
 from dagfold.codec import Record
+from dagfold.services.allocator import keys
+from dagfold.services.allocator.ctx import Ctx
+from dagfold.services.allocator.exceptions import InvalidCommandError
+from dagfold.services.allocator.model import FULL, AllocView, NodeView, RequestView
+from dagfold.services.allocator.options import DRAIN_HEALTH, STICKY_HEALTH
+from dagfold.services.allocator.passes import schedule
+from dagfold.services.allocator.placement import could_ever_fit
 from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
-from services.allocator import keys
-from services.allocator.ctx import Ctx
-from services.allocator.exceptions import InvalidCommandError
-from services.allocator.model import FULL, AllocView, NodeView, RequestView
-from services.allocator.options import DRAIN_HEALTH, STICKY_HEALTH
-from services.allocator.passes import schedule
-from services.allocator.placement import could_ever_fit
 
 C = "dagfold.allocator."
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.allocator.model import FULL
+from dagfold.services.allocator.model import FULL
 
 Class = tuple[int, int, int, int, tuple[str, ...], float]  # gpus, per-GPU milli, cpu, mem, types, weight
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any
 
-from services.allocator.model import FULL, NodeView, RequestView
-from services.allocator.state import NEVER, PoolState
+from dagfold.services.allocator.model import FULL, NodeView, RequestView
+from dagfold.services.allocator.state import NEVER, PoolState
 
 
 def part_fits(free: list[int], cpu_free: int, mem_free: int, gpus: int, milli: int, cpu: int, mem: int) -> bool:

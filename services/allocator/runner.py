@@ -22,10 +22,10 @@ from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS
 from dagfold.log import Log, LogRecord
 from dagfold.outputs import Output
 from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
-from services.allocator import observe
-from services.allocator.observe import ObservedAllocatorFold
-from services.allocator.options import AllocatorOptions
-from services.allocator.timers import due_timers_in_store
+from dagfold.services.allocator import observe
+from dagfold.services.allocator.observe import ObservedAllocatorFold
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.timers import due_timers_in_store
 
 GROUP = "dagfold-allocator"
 SETTINGS = "dagfold.allocator.SetTenantEntitlements"

@@ -21,10 +21,10 @@ from typing import Any
 from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_EVENTS
 from dagfold.outputs import Output
-from services.allocator import commands as cmds
-from services.allocator.harness import AllocatorHarness
-from services.allocator.options import AllocatorOptions
-from services.allocator.timers import fired
+from dagfold.services.allocator import commands as cmds
+from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.timers import fired
 
 A = "dagfold.allocator."
 INF = float("inf")

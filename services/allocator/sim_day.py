@@ -23,8 +23,8 @@ import random
 import time
 from typing import Any
 
-from services.allocator.options import AllocatorOptions
-from services.allocator.sim_core import Job, World, pct, with_policy
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.sim_core import Job, World, pct, with_policy
 
 H = 3_600_000
 GANGS = ((1, 1, 0.25), (2, 1, 0.15), (4, 1, 0.15), (8, 1, 0.32), (8, 2, 0.10), (8, 4, 0.03))

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.allocator import commands as cmds
-from services.allocator.harness import AllocatorHarness
-from services.allocator.options import AllocatorOptions
-from services.allocator.traces import load_nodes, load_pods, resample
+from dagfold.services.allocator import commands as cmds
+from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.traces import load_nodes, load_pods, resample
 
 A = "dagfold.allocator."
 PAPER_POLICIES = ("01-Random", "02-DotProd", "03-GpuClustering", "04-GpuPacking", "05-BestFit", "06-FGD")

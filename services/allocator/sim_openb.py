@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.allocator.options import AllocatorOptions
-from services.allocator.sim_core import Job, World, pct, with_policy
-from services.allocator.traces import load_nodes, load_pods
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.sim_core import Job, World, pct, with_policy
+from dagfold.services.allocator.traces import load_nodes, load_pods
 
 QOS_TIER = {"Guaranteed": "enterprise", "LS": "standard", "Burstable": "standard", "BE": "free"}
 

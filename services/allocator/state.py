@@ -23,13 +23,13 @@ from typing import Any
 
 from sortedcontainers import SortedList
 
+from dagfold.services.allocator import keys
+from dagfold.services.allocator.capacity import CapacityIndex
+from dagfold.services.allocator.model import AllocView, NodeView, RequestView
+from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.profile import Class, Groups, empty_profile, group_classes, to_classes
 from dagfold.state import PartitionTransaction, Store
 from dagfold.tenants import Entitlements, type_quotas
-from services.allocator import keys
-from services.allocator.capacity import CapacityIndex
-from services.allocator.model import AllocView, NodeView, RequestView
-from services.allocator.options import AllocatorOptions
-from services.allocator.profile import Class, Groups, empty_profile, group_classes, to_classes
 
 NEVER = 1 << 62
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from dagfold.codec import Record
+from dagfold.services.allocator import keys
+from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.state import Store
-from services.allocator import keys
-from services.allocator.fold import AllocatorFold
 
 
 def fired(pool: str, due: int, kind: str, target: str, now_ms: int) -> Record:

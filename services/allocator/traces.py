@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.allocator.exceptions import TraceError
+from dagfold.services.allocator.exceptions import TraceError
 
 DEFAULT_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 TRACES = ("default", "multigpu50", "gpuspec33")

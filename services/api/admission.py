@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dagfold import metrics
+from dagfold.services.api.errors import ApiError
 from dagfold.tenants import Entitlements
-from services.api.errors import ApiError
 
 MAX_BUCKETS = 10_000
 CALLER_PREFIX = "\0caller:"  # bucket keys of callers; a tenant name cannot contain NUL

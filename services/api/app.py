@@ -41,20 +41,28 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from dagfold import metrics
 from dagfold.config import Config
 from dagfold.log.base import Log
-from projections.cluster import ClusterModel
-from projections.jobs import ReadModel
-from projections.operator import OperatorModel
-from services.api import auth as auth_mod
-from services.api import errors, routes_deadletters, routes_gpu, routes_jobs, routes_ops, routes_outputs, routes_tenants
-from services.api.admission import Admission, AdmissionConfig
-from services.api.auth import AuthConfig, Principal
-from services.api.context import ApiContext, ApiSender, LiveEntitlements
-from services.api.errors import ApiError
-from services.api.guard import BrowserGuard, GuardConfig
-from services.api.metrics_collector import ReadModelCollector
-from services.callbacks.ledger import CallbackLedger
-from services.scheduler.spec import JobSpecIn
-from services.worker.handlers import HandlerRegistry
+from dagfold.projections.cluster import ClusterModel
+from dagfold.projections.jobs import ReadModel
+from dagfold.projections.operator import OperatorModel
+from dagfold.services.api import auth as auth_mod
+from dagfold.services.api import (
+    errors,
+    routes_deadletters,
+    routes_gpu,
+    routes_jobs,
+    routes_ops,
+    routes_outputs,
+    routes_tenants,
+)
+from dagfold.services.api.admission import Admission, AdmissionConfig
+from dagfold.services.api.auth import AuthConfig, Principal
+from dagfold.services.api.context import ApiContext, ApiSender, LiveEntitlements
+from dagfold.services.api.errors import ApiError
+from dagfold.services.api.guard import BrowserGuard, GuardConfig
+from dagfold.services.api.metrics_collector import ReadModelCollector
+from dagfold.services.callbacks.ledger import CallbackLedger
+from dagfold.services.scheduler.spec import JobSpecIn
+from dagfold.services.worker.handlers import HandlerRegistry
 
 logger = logging.getLogger("dagfold.api")
 STATIC = Path(__file__).resolve().parent / "static"

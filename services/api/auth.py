@@ -39,8 +39,8 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 
 from dagfold.exceptions import DagfoldError
 from dagfold.rules import check_id
+from dagfold.services.api.errors import ApiError
 from dagfold.tenants import DEFAULT, Entitlements, EntitlementsError
-from services.api.errors import ApiError
 
 ADMIN = "admin"
 

@@ -18,16 +18,16 @@ from dagfold.commands import CommandSender
 from dagfold.config import COMMANDS, Config
 from dagfold.exceptions import CodecError, LogError, disk_full
 from dagfold.log.base import Log
+from dagfold.projections.cluster import ClusterModel
+from dagfold.projections.jobs import ReadModel
+from dagfold.projections.operator import OperatorModel
+from dagfold.services.api.admission import Admission
+from dagfold.services.api.auth import AuthConfig, Principal
+from dagfold.services.api.errors import ApiError, not_found
+from dagfold.services.api.graph import LayoutCache
+from dagfold.services.callbacks.ledger import CallbackLedger
+from dagfold.services.worker.handlers import HandlerRegistry
 from dagfold.tenants import DEFAULT, Entitlements
-from projections.cluster import ClusterModel
-from projections.jobs import ReadModel
-from projections.operator import OperatorModel
-from services.api.admission import Admission
-from services.api.auth import AuthConfig, Principal
-from services.api.errors import ApiError, not_found
-from services.api.graph import LayoutCache
-from services.callbacks.ledger import CallbackLedger
-from services.worker.handlers import HandlerRegistry
 
 logger = logging.getLogger("dagfold.api")
 

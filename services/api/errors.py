@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from dagfold.exceptions import LogError, disk_full
-from projections.exceptions import InvalidCursor, StoreError
+from dagfold.projections.exceptions import InvalidCursor, StoreError
 
 logger = logging.getLogger("dagfold.api")
 

@@ -15,8 +15,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dagfold.clock import now_ms
-from projections.cluster import ClusterModel
-from projections.operator import QUEUE_STATES, OperatorModel
+from dagfold.projections.cluster import ClusterModel
+from dagfold.projections.operator import QUEUE_STATES, OperatorModel
 
 STUCK_SCAN_LIMIT = 1000
 STUCK_GRACE_MS = 5000

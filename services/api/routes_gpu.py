@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, UrlConstraints, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
-from services.api.auth import Principal
-from services.api.context import ApiContext
-from services.api.errors import ApiError
-from services.api.routes_jobs import (
+from dagfold.services.api.auth import Principal
+from dagfold.services.api.context import ApiContext
+from dagfold.services.api.errors import ApiError
+from dagfold.services.api.routes_jobs import (
     CancelIn,
     _read_body,
     body_format,
@@ -38,10 +38,10 @@ from services.api.routes_jobs import (
     request_cancel,
     submit_spec,
 )
-from services.api.routes_outputs import output_links
-from services.api.sse import stream_response
-from services.scheduler.processors import is_gpu
-from services.scheduler.spec import (
+from dagfold.services.api.routes_outputs import output_links
+from dagfold.services.api.sse import stream_response
+from dagfold.services.scheduler.processors import is_gpu
+from dagfold.services.scheduler.spec import (
     GpuType,
     IdempotencyKey,
     JobId,
@@ -52,7 +52,7 @@ from services.scheduler.spec import (
     TenantName,
     parse_spec,
 )
-from services.scheduler.validation import MAX_GPU_TYPES, MAX_SECONDS
+from dagfold.services.scheduler.validation import MAX_GPU_TYPES, MAX_SECONDS
 
 TASK_ID = "run"
 GPU_LINKS = {**job_links("/v1/gpu-jobs", (("GetGpuJob", "", "get"), ("CancelGpuJob", "/cancel", "post"))),

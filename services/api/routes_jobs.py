@@ -21,15 +21,15 @@ from dagfold.clock import now_ms
 from dagfold.codec import make
 from dagfold.lifecycle import REDRIVABLE, task_action_refusal
 from dagfold.parsing import ParseError, load_json, load_yaml
-from projections.jobs import TERMINAL_JOB_STATES, Page
-from services.api.auth import Principal
-from services.api.context import ApiContext, parse_time_ms
-from services.api.errors import ApiError
-from services.api.graph import graph_json, layout, rejected_graph_json
-from services.api.sse import stream_response
-from services.scheduler.processors import spec_hash, still_skipped
-from services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
-from services.scheduler.validation import validate_job_spec
+from dagfold.projections.jobs import TERMINAL_JOB_STATES, Page
+from dagfold.services.api.auth import Principal
+from dagfold.services.api.context import ApiContext, parse_time_ms
+from dagfold.services.api.errors import ApiError
+from dagfold.services.api.graph import graph_json, layout, rejected_graph_json
+from dagfold.services.api.sse import stream_response
+from dagfold.services.scheduler.processors import spec_hash, still_skipped
+from dagfold.services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
+from dagfold.services.scheduler.validation import validate_job_spec
 
 JobState = Literal["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]
 TaskState = Literal["pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled"]

@@ -13,9 +13,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 
 from dagfold.clock import now_ms
-from projections.keys import Record
-from services.api.auth import Principal
-from services.api.context import ApiContext, parse_time_ms
+from dagfold.projections.keys import Record
+from dagfold.services.api.auth import Principal
+from dagfold.services.api.context import ApiContext, parse_time_ms
 
 NODE_SCAN_LIMIT = 20_000
 

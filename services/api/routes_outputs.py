@@ -21,9 +21,9 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 
 from dagfold.artifacts import ArtifactError, output_prefix
-from services.api.auth import Principal
-from services.api.context import ApiContext
-from services.api.errors import ApiError
+from dagfold.services.api.auth import Principal
+from dagfold.services.api.context import ApiContext
+from dagfold.services.api.errors import ApiError
 
 PRESIGN_S = 900
 

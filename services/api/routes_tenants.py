@@ -23,10 +23,10 @@ from dagfold.commands import set_allocator_entitlements, set_tenant_entitlements
 from dagfold.config import ALLOCATOR_COMMANDS, COMMANDS
 from dagfold.exceptions import LogError
 from dagfold.rules import RULES
+from dagfold.services.api.auth import Principal
+from dagfold.services.api.context import ApiContext
+from dagfold.services.api.errors import ApiError
 from dagfold.tenants import Entitlements, EntitlementsError
-from services.api.auth import Principal
-from services.api.context import ApiContext
-from services.api.errors import ApiError
 
 logger = logging.getLogger("dagfold.api")
 TenantName = Annotated[str, Path(min_length=1, max_length=RULES["tenant"].max_len, pattern=RULES["tenant"].pattern)]

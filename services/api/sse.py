@@ -26,8 +26,8 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from dagfold import metrics
-from projections.jobs import TERMINAL_JOB_STATES, ReadModel, history_prefix
-from projections.keys import decode_cursor
+from dagfold.projections.jobs import TERMINAL_JOB_STATES, ReadModel, history_prefix
+from dagfold.projections.keys import decode_cursor
 
 PAGE = 500
 

@@ -1,10 +1,10 @@
 """Job-end callbacks: a signed POST to a job's ``callback_url`` once it ends (see ``notifier``)."""
 
-from services.callbacks.exceptions import CallbackConfigError, CallbackError
-from services.callbacks.ledger import DELIVERED, GAVE_UP, PENDING, CallbackLedger
-from services.callbacks.notifier import GROUP, LEDGER_DIR, CallbackNotifier, Outcome, classify
-from services.callbacks.options import CallbackOptions
-from services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
+from dagfold.services.callbacks.exceptions import CallbackConfigError, CallbackError
+from dagfold.services.callbacks.ledger import DELIVERED, GAVE_UP, PENDING, CallbackLedger
+from dagfold.services.callbacks.notifier import GROUP, LEDGER_DIR, CallbackNotifier, Outcome, classify
+from dagfold.services.callbacks.options import CallbackOptions
+from dagfold.services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
 
 __all__ = [
     "DELIVERED",

@@ -1,8 +1,8 @@
 """The notifier's durable ledger: which jobs want a callback, and each delivery's state.
 
-A RocksDB store (``projections.store.ReadModelStore``: msgpack values, atomic write
+A RocksDB store (``dagfold.projections.store.ReadModelStore``: msgpack values, atomic write
 batches, reads safe from other threads) under ``<data>/callbacks``. Keys
-(string parts escaped by ``projections.keys.part``)::
+(string parts escaped by ``dagfold.projections.keys.part``)::
 
     j  job                    -> {url, tenant, tier, accepted_ms, round, last_offset}   (from JobAccepted)
     d  job round(>I)          -> delivery {state, url, delivery_id, payload, attempts, next_attempt_ms,
@@ -26,8 +26,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from projections.keys import SEP, U32, U64, part, unpart
-from projections.store import ReadModelStore, ReadModelTxn, decode_value
+from dagfold.projections.keys import SEP, U32, U64, part, unpart
+from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
 
 PENDING = "pending"
 DELIVERED = "delivered"

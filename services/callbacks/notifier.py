@@ -53,8 +53,8 @@ from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
 from dagfold.processor.polling import Backoff, LagGauge
-from projections.store import ReadModelTxn
-from services.callbacks.ledger import (
+from dagfold.projections.store import ReadModelTxn
+from dagfold.services.callbacks.ledger import (
     DELIVERED,
     GAVE_UP,
     PENDING,
@@ -65,8 +65,8 @@ from services.callbacks.ledger import (
     due_key,
     job_key,
 )
-from services.callbacks.options import CallbackOptions
-from services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
+from dagfold.services.callbacks.options import CallbackOptions
+from dagfold.services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
 
 log = logging.getLogger("dagfold.callbacks")
 

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.callbacks.exceptions import CallbackConfigError
-from services.callbacks.signing import SECRET_FILE, load_or_create_secret
+from dagfold.services.callbacks.exceptions import CallbackConfigError
+from dagfold.services.callbacks.signing import SECRET_FILE, load_or_create_secret
 
 log = logging.getLogger("dagfold.callbacks")
 

@@ -18,7 +18,7 @@ import os
 import secrets
 from pathlib import Path
 
-from services.callbacks.exceptions import CallbackConfigError
+from dagfold.services.callbacks.exceptions import CallbackConfigError
 
 SIGNATURE_HEADER = "X-Dagfold-Signature"
 DELIVERY_HEADER = "X-Dagfold-Delivery"

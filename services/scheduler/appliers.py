@@ -15,10 +15,10 @@ from typing import Any
 
 from dagfold.codec import Record
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
+from dagfold.services.scheduler import keys
+from dagfold.services.scheduler.retry import NO_RETRY
 from dagfold.state import PartitionTransaction
 from dagfold.tenants import stored_settings
-from services.scheduler import keys
-from services.scheduler.retry import NO_RETRY
 
 Applier = Callable[[PartitionTransaction, Record], None]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dagfold.codec import Record
 from dagfold.config import SchedulerOptions
+from dagfold.services.scheduler.appliers import apply_event
+from dagfold.services.scheduler.exceptions import UnknownCommandError
+from dagfold.services.scheduler.processors import PROCESSORS, Ctx, Output
 from dagfold.state import PartitionTransaction
-from services.scheduler.appliers import apply_event
-from services.scheduler.exceptions import UnknownCommandError
-from services.scheduler.processors import PROCESSORS, Ctx, Output
 
 
 class SchedulerFold:

@@ -23,20 +23,20 @@ from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.outputs import Output
 from dagfold.processor.fold import FoldContext
-from dagfold.state import PartitionTransaction
-from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
-from services.allocator import commands as alloc_cmds
-from services.scheduler import keys
-from services.scheduler.appliers import (
+from dagfold.services.allocator import commands as alloc_cmds
+from dagfold.services.scheduler import keys
+from dagfold.services.scheduler.appliers import (
     apply_event,
     get_dependents,
     read_job,
     read_task,
     read_tenant,
 )
-from services.scheduler.exceptions import InvalidSettingsError
-from services.scheduler.retry import backoff_ms, should_retry
-from services.scheduler.validation import Rejection, rejected_graph, validate_job_spec
+from dagfold.services.scheduler.exceptions import InvalidSettingsError
+from dagfold.services.scheduler.retry import backoff_ms, should_retry
+from dagfold.services.scheduler.validation import Rejection, rejected_graph, validate_job_spec
+from dagfold.state import PartitionTransaction
+from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
 
 E = "dagfold.event."
 

@@ -19,10 +19,10 @@ from dagfold.exceptions import CodecError
 from dagfold.log import Log, LogRecord, TopicPartition, partition_for
 from dagfold.log.base import Partitioner
 from dagfold.log.reader import read_to_end
+from dagfold.services.scheduler import keys
+from dagfold.services.scheduler.fold import SchedulerFold
 from dagfold.state import PartitionStore, PartitionTransaction, Store
 from dagfold.state.store import state_digest
-from services.scheduler import keys
-from services.scheduler.fold import SchedulerFold
 
 Progress = Callable[[int], None]
 
@@ -87,7 +87,7 @@ def replay(log: Log, out_dir: Path, partitions: int, filt: ReplayFilter = Replay
     result = ReplayResult()
     projector = None
     if with_read_model:
-        from projections.projector import Projector
+        from dagfold.projections.projector import Projector
 
         projector = Projector(log, out_dir / "projections")
     try:

@@ -18,9 +18,9 @@ from dagfold.config import COMMANDS, DISPATCH_PREFIX, EVENTS, SCHEDULER_GROUP, C
 from dagfold.log import Log, LogRecord, TopicSpec, partition_for
 from dagfold.outputs import Output, dead_letter, forward_misrouted
 from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
+from dagfold.services.scheduler.fold import SchedulerFold
+from dagfold.services.scheduler.timers import due_timers
 from dagfold.state import Store
-from services.scheduler.fold import SchedulerFold
-from services.scheduler.timers import due_timers
 
 
 def _same_partition(partition: int) -> int:

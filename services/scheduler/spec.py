@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dagfold import rules
 from dagfold.exceptions import DagfoldError
 from dagfold.parsing import ParseError, load_yaml
-from services.scheduler.validation import MAX_ATTEMPTS, MAX_SECONDS
+from dagfold.services.scheduler.validation import MAX_ATTEMPTS, MAX_SECONDS
 
 FailurePolicy = Literal["fail_fast", "skip_downstream", "allow_partial"]
 TriggerRule = Literal["all_success", "all_done", "one_success", "one_failed", "none_failed", "always"]

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import msgspec
 
 from dagfold.codec import Record
+from dagfold.services.scheduler import keys
 from dagfold.state import Store
-from services.scheduler import keys
 
 
 def due_timers(store: Store, now_ms: int, since_ms: int = 0) -> Iterator[tuple[bytes, Record]]:

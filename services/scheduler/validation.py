@@ -16,7 +16,7 @@ from typing import Any
 
 from dagfold import rules
 from dagfold.config import Limits
-from services.worker.capabilities import check_builtin_args
+from dagfold.services.worker.capabilities import check_builtin_args
 
 FAILURE_POLICIES = frozenset({"fail_fast", "skip_downstream", "allow_partial"})
 TRIGGER_RULES = frozenset({"all_success", "all_done", "one_success", "one_failed", "none_failed", "always"})

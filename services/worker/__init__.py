@@ -5,7 +5,7 @@ are what it runs; ``SideEffectLedger`` (sideeffects.py) deduplicates external
 side effects across attempts.
 """
 
-from services.worker.exceptions import (
+from dagfold.services.worker.exceptions import (
     NonRetryableError,
     ProcessFailed,
     TaskCancelled,
@@ -13,15 +13,15 @@ from services.worker.exceptions import (
     TaskTimeout,
     UnknownHandlerError,
 )
-from services.worker.handlers import (
+from dagfold.services.worker.handlers import (
     Handler,
     HandlerRegistry,
     TaskContext,
     default_registry,
     register_handler,
 )
-from services.worker.sideeffects import SideEffectLedger
-from services.worker.worker import Worker
+from dagfold.services.worker.sideeffects import SideEffectLedger
+from dagfold.services.worker.worker import Worker
 
 __all__ = [
     "Handler",

@@ -2,7 +2,7 @@
 
 A handler is a function ``fn(ctx: TaskContext) -> result``. It returns None or
 a JSON-serialisable result (sent as ``result_json``), or raises to fail the
-attempt (see ``services.worker.exceptions``: any exception fails it retryably,
+attempt (see ``dagfold.services.worker.exceptions``: any exception fails it retryably,
 ``NonRetryableError`` fails it for good). Long handlers call
 ``ctx.heartbeat(progress, message)`` when they have news (the worker also
 heartbeats on its own while a handler runs) and should give up soon after
@@ -10,7 +10,7 @@ heartbeats on its own while a handler runs) and should give up soon after
 
 Custom handlers, the small Python API::
 
-    from services.worker.handlers import register_handler
+    from dagfold.services.worker.handlers import register_handler
 
     def resize(ctx):
         ...  # ctx.args, ctx.idempotency_key, ctx.heartbeat(0.5), ctx.cancelled
@@ -24,7 +24,7 @@ Built-ins: ``noop``, ``sleep`` (``args.seconds``) and ``shell`` (``args.cmd``
 run by ``/bin/sh -c`` in its own process group; optional ``args.env`` (object),
 ``args.cwd``, ``args.kill_grace_s``). ``shell`` is a capability a worker must
 enable (``HandlerRegistry.with_builtins(shell=True)``, ``--handlers ...,shell``);
-see ``services.worker.capabilities`` and docs/security.md. A handler may carry
+see ``dagfold.services.worker.capabilities`` and docs/security.md. A handler may carry
 an argument check (``args_check``), run at submission where the API knows the
 registry, and by the worker before every attempt.
 
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
-from services.worker.capabilities import ArgsCheck, check_noop, check_shell, check_sleep
-from services.worker.exceptions import (
+from dagfold.services.worker.capabilities import ArgsCheck, check_noop, check_shell, check_sleep
+from dagfold.services.worker.exceptions import (
     NonRetryableError,
     ProcessFailed,
     TaskCancelled,
@@ -334,7 +334,7 @@ def register_handler(name: str, fn: HandlerFn, *, batched: bool = False, replace
     ``fn(ctx: TaskContext)`` returns None or a JSON-serialisable result, or
     raises (``NonRetryableError`` for failures that must not be retried). Use
     ``ctx.idempotency_key`` (stable across attempts) to deduplicate external
-    side effects, e.g. with ``services.worker.sideeffects.SideEffectLedger``.
+    side effects, e.g. with ``dagfold.services.worker.sideeffects.SideEffectLedger``.
     Set ``batched=True`` only for instant handlers (see ``Handler``). ``args_check(args)`` returns
     the reason arguments are wrong, or None.
     """

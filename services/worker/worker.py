@@ -57,8 +57,8 @@ from dagfold.config import COMMANDS, CONTROL, DEADLETTER, Config, dispatch_topic
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Ack, Consumer, Log, LogRecord, QueuedRecord, TopicPartition, TopicSpec
 from dagfold.logs import log_context
-from services.worker.exceptions import NonRetryableError, TaskError, TaskTimeout, UnknownHandlerError
-from services.worker.handlers import Handler, HandlerRegistry, TaskContext, TaskRuntime, default_registry
+from dagfold.services.worker.exceptions import NonRetryableError, TaskError, TaskTimeout, UnknownHandlerError
+from dagfold.services.worker.handlers import Handler, HandlerRegistry, TaskContext, TaskRuntime, default_registry
 
 log = logging.getLogger("dagfold.worker")
 
