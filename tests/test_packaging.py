@@ -35,7 +35,8 @@ def test_the_wheel_installs_one_top_level_name_with_its_data(wheel: Path) -> Non
     assert "dagfold/projections/jobs.py" in names
     assert "dagfold/services/api/static/app.js" in names
     assert "dagfold/schemas/dagfold.command.SubmitJob.avsc" in names
-    assert any(n.startswith("dagfold/schemas/history/") for n in names)
+    schemas = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "schemas").rglob("*.avsc"))
+    assert sorted(n.replace("dagfold/", "", 1) for n in names if n.endswith(".avsc")) == schemas
     assert "dagfold/py.typed" in names
 
 
