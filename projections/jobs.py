@@ -385,6 +385,20 @@ def _job_rejected(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
         txn.delete(rejected_graph_key(ev["job_id"]))
 
 
+def claim_key(tenant: str, job_id: str) -> bytes:
+    """A tenant's rejected submission of a job ID that another tenant's job holds (one per tenant and ID)."""
+    return b"jr" + _SEP + part(tenant) + _SEP + part(job_id)
+
+
+def _claim_rejected(txn: ReadModelTxn, ev: Record, partition: int) -> None:
+    """The loser of a race for a job ID (two submissions before either was projected) sees its own
+    submission rejected, in its tenant's view alone: nothing of the job that holds the ID is read or kept."""
+    ts = ev["ts_ms"]
+    job = _new_job(ev["job_id"], ev["tenant"], ts, partition)
+    job.update(state="rejected", code=ev["code"], reason=ev["reason"], ended_ms=ts, duration_ms=0)
+    txn.put(claim_key(ev["tenant"], ev["job_id"]), job)
+
+
 def _task_dispatched(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
@@ -796,7 +810,10 @@ def apply(txn: ReadModelTxn, event: Record, partition: int, offset: int) -> None
     if event.get("type") == "dagfold.event.JobRejected":
         job = txn.get(job_key(job_id))
         if job is not None and job["tenant"] != event.get("tenant", job["tenant"]):
-            return  # another tenant's submission under a taken job ID: never part of this job, nor its history
+            # another tenant's submission under a taken job ID: never part of this job, nor its history; the
+            # submitter's own view of it (its GET answers 'rejected, job_id_taken' instead of 404 forever)
+            _claim_rejected(txn, event, partition)
+            return
     applier = APPLIERS.get(event.get("type", ""))
     if applier is not None:
         applier(txn, event, partition, offset)
@@ -838,6 +855,12 @@ class ReadModel:
     def get_job(self, job_id: str) -> Record | None:
         """The job summary, or None if no event of it was projected."""
         job: Record | None = self.store.get(job_key(job_id))
+        return job
+
+    def rejected_claim(self, tenant: str, job_id: str) -> Record | None:
+        """``tenant``'s own submission of ``job_id`` that was rejected because another tenant's job holds the ID
+        (``job_id_taken``), as a rejected job summary; None if there was none."""
+        job: Record | None = self.store.get(claim_key(tenant, job_id))
         return job
 
     def tenant_settings(self, tenant: str) -> Record | None:

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -274,6 +275,76 @@ def test_a_racing_submission_of_another_tenant_never_enters_the_jobs_history(ten
     assert [e["type"] for e in hist] == ["JobAccepted", "TaskDispatched"]
     job = tenants.client.get("/v1/jobs/race", headers=H["acme"]).json()
     assert job["state"] == "running" and job["tenant"] == "acme" and job.get("code") is None
+
+
+def test_truly_concurrent_submissions_of_one_job_id_give_the_loser_a_clear_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tenants submit the same explicit job ID at the same instant to a running stack, so both pass the
+    API's check before either job is projected: the loser gets 409 job_id_taken, or 202 and then its GET (and
+    `dagfold watch`) shows its own submission rejected with job_id_taken, never the winner's job and never
+    404 (it was 202 and 404 forever). The winner's job and history stay its own."""
+    import threading
+
+    from dagfold.config import Config
+    from dagfold.services.stack import Stack, StackOptions
+
+    auth = tmp_path / "auth.yaml"
+    auth.write_text("keys: {" + ", ".join(f"{k}: {who}" for who, k in KEYS.items()) + "}\n")
+    monkeypatch.setenv("DAGFOLD_AUTH_FILE", str(auth))
+    cfg = Config(data_dir=tmp_path / "data", partitions=2, api_port=free_port())
+    raced = 0
+    with Stack(cfg, StackOptions(workers=0)) as stack, httpx.Client(base_url=f"http://127.0.0.1:{cfg.api_port}",
+                                                                     timeout=30) as c:
+        for n in range(12):  # until one round raced (under load the first often lands before the second)
+            if raced:
+                break
+            job_id = f"race-{n}"
+            gate = threading.Barrier(2)
+            answers: dict[str, httpx.Response] = {}
+
+            def submit(who: str, job_id: str = job_id, gate: threading.Barrier = gate,
+                       answers: dict[str, httpx.Response] = answers) -> None:
+                body = {"id": job_id, "name": f"{who}'s", "tasks": [{"id": f"{who}-task"}]}
+                gate.wait()
+                answers[who] = c.post("/v1/jobs", json=body, headers=H[who])
+
+            threads = [threading.Thread(target=submit, args=(who,)) for who in ("acme", "beta")]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            deadline = time.monotonic() + 20
+            while (owner := stack.read_model.job_tenant(job_id)) is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert owner in ("acme", "beta"), answers
+            loser = "beta" if owner == "acme" else "acme"
+            assert answers[owner].status_code == 202, answers[owner].text
+            if answers[loser].status_code == 409:
+                assert code(answers[loser]) == "job_id_taken"
+                continue
+            assert answers[loser].status_code == 202, answers[loser].text
+            raced += 1
+            while True:  # its own view of its submission: rejected, job_id_taken
+                mine = c.get(f"/v1/jobs/{job_id}", headers=H[loser])
+                if mine.status_code == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert mine.status_code == 200, mine.text
+            view = mine.json()
+            assert (view["state"], view["code"], view["tenant"]) == ("rejected", "job_id_taken", loser), view
+            assert view["name"] is None and view["total_tasks"] == 0  # nothing of the winner's job
+            theirs = c.get(f"/v1/jobs/{job_id}", headers=H[owner]).json()
+            assert (theirs["tenant"], theirs["name"], theirs["code"]) == (owner, f"{owner}'s", None)
+            hist = c.get(f"/v1/jobs/{job_id}/history", headers=H[owner]).json()["events"]
+            assert "JobRejected" not in [e["type"] for e in hist]
+            assert c.get(f"/v1/jobs/{job_id}/history", headers=H[loser]).status_code == 404
+            again = c.post("/v1/jobs", json={"id": job_id, **SPEC}, headers=H[loser])
+            assert again.status_code == 409 and code(again) == "job_id_taken"
+            w = CliRunner().invoke(cli_app, ["watch", job_id, "--api", str(c.base_url), "--api-key", KEYS[loser],
+                                             "--timeout", "20"])
+            assert w.exit_code == 2 and "rejected" in w.output and "already taken" in w.output, w.output
+        assert not stack.failed, stack.errors
+    assert raced >= 1, "no round raced: both submissions must pass the API's check before either is projected"
 
 
 def test_the_tenant_is_checked_before_the_job_record_is_decoded(tenants: ApiHarness,

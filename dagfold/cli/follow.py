@@ -196,6 +196,14 @@ def sse_events(api: str, job_id: str, headers: dict[str, str], timeout_s: float,
             params["after"] = last_id
         try:
             with httpx.stream("GET", url, params=params, headers=headers, timeout=httpx.Timeout(30, read=60)) as r:
+                if r.status_code == 404 and last_id is None:
+                    # The job's summary may still answer: a submission that lost the race for its job ID
+                    # to another tenant's job is rejected (job_id_taken) in this tenant's own view.
+                    own = httpx.get(url.rsplit("/", 1)[0], headers=headers, timeout=30)
+                    if own.status_code == 200 and own.json().get("state") in TERMINAL:
+                        yield "job", own.json()
+                        yield "end", {"job_id": job_id, "state": own.json()["state"]}
+                        return
                 if r.status_code == 404 and last_id is None and time.monotonic() < not_found_until:
                     # Just submitted: the API has accepted the command, but the projector has not
                     # folded its JobAccepted yet (on Kafka: after the scheduler's transaction).

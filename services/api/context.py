@@ -115,6 +115,17 @@ class ApiContext:
             raise not_found(job_id)
         return job
 
+    def job_summary_for(self, job_id: str, principal: Principal) -> dict[str, Any]:
+        """``job_for``, except that a tenant whose submission of ``job_id`` lost the race for the ID to another
+        tenant's job sees that submission as rejected (``job_id_taken``), never the other job and never 404."""
+        try:
+            return self.job_for(job_id, principal)
+        except ApiError:
+            claim = self.rm.rejected_claim(principal.tenant, job_id) if principal.tenant is not None else None
+            if claim is None:
+                raise
+            return claim
+
 
 
 

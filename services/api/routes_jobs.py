@@ -318,7 +318,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
 
     @r.get("/v1/jobs/{job_id}", summary="Job summary")
     def get_job(job_id: str, principal: Caller) -> dict[str, Any]:
-        return ctx.job_for(job_id, principal)
+        return ctx.job_summary_for(job_id, principal)
 
     @r.get("/v1/jobs/{job_id}/tasks", summary="Tasks of a job, by task ID")
     def get_tasks(job_id: str, principal: Caller, state: TaskState | None = None, limit: Limit = 100,

@@ -213,7 +213,10 @@ def submit_job(ctx: Ctx, cmd: Record) -> None:
     first = ctx.txn.get(keys.idempotency(spec["tenant"], key)) if key else None
     existing = read_job(ctx.txn, first or job_id)
     if existing is not None:
-        if existing["hash"] == h:
+        if existing["tenant"] != spec["tenant"]:  # another tenant's job: its ID is taken (the API's 409 too)
+            ctx.event("JobRejected", job_id, tenant=spec["tenant"], code="job_id_taken",
+                      reason=f"job ID {job_id!r} is already taken; choose another (or omit it)")
+        elif existing["hash"] == h:
             ctx.event("SubmissionDeduplicated", job_id, idempotency_key=key or "")
         elif first:
             ctx.event("JobRejected", job_id, tenant=spec["tenant"], code="idempotency_conflict",
