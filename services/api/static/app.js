@@ -691,19 +691,96 @@ function rejectedNote(g) {
   return `<div class="small" id="rejected-note">The graph as submitted${what ? `: ${what}` : ""}${shown}.</div>`;
 }
 
-async function showTask(jobId, taskId) {
+/* Operator decisions on one task (docs/semantics.md#retry-or-mark-succeeded-one-task): the rules the API and
+   the scheduler apply (dagfold.lifecycle), here only to offer the buttons; the API's 409 says why otherwise. */
+const TASK_ACTION_JOB_STATES = new Set(["running", "failed", "succeeded_partial"]);
+const TASK_ACTION_TASK_STATES = new Set(["failed", "skipped", "cancelled"]);
+const TASK_ACTIONS = {
+  retry: { label: "Retry task", path: "retry", done: "retry requested",
+    explain: (t) => `Run ${t} again with a fresh retry budget? The tasks it skipped downstream run again too, and the job runs again.` },
+  "mark-succeeded": { label: "Mark succeeded", path: "mark-succeeded", done: "mark succeeded requested",
+    explain: (t) => `Record ${t} as succeeded without running it? Its downstream tasks then run. The history says who marked it.` },
+};
+
+function taskActionsHtml(job, t) {
+  if (!TASK_ACTION_JOB_STATES.has(job.state) || !TASK_ACTION_TASK_STATES.has(t.state)) return "";
+  return `<div id="task-actions" class="row" style="gap:6px;margin:8px 0">
+      <button type="button" data-task-action="retry" id="btn-task-retry">${TASK_ACTIONS.retry.label}</button>
+      <button type="button" data-task-action="mark-succeeded" id="btn-task-mark">${TASK_ACTIONS["mark-succeeded"].label}</button>
+    </div><div id="task-action-box"></div>`;
+}
+
+/* The buttons of the task panel: a click asks to confirm (with an optional reason), the confirm sends the
+   command, then the panel follows the task until the scheduler has decided (or says where to look). */
+function bindTaskActions(box, jobId, t, onChange) {
+  const area = $("#task-action-box", box);
+  if (!area) return;
+  for (const b of box.querySelectorAll("[data-task-action]")) {
+    b.addEventListener("click", () => {
+      const act = TASK_ACTIONS[b.dataset.taskAction];
+      area.innerHTML = `<div class="panel" id="task-confirm" style="margin:6px 0">
+          <div class="small">${esc(act.explain(t.task_id))}</div>
+          <input id="task-action-reason" maxlength="2000" placeholder="reason (optional, kept in the history)" style="width:100%;margin:6px 0;padding:4px 6px">
+          <div class="row" style="gap:6px"><button type="button" id="task-confirm-yes">${esc(act.label)}</button>
+          <button type="button" class="link" id="task-confirm-no" style="color:inherit">back</button></div></div>`;
+      $("#task-confirm-no", area).addEventListener("click", () => { area.innerHTML = ""; });
+      $("#task-confirm-yes", area).addEventListener("click", async () => {
+        const reason = $("#task-action-reason", area).value;
+        for (const x of box.querySelectorAll("button")) x.disabled = true;
+        try {
+          await api(`/v1/jobs/${enc(jobId)}/tasks/${enc(t.task_id)}/${act.path}`, {
+            method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify({ reason }) });
+          area.innerHTML = `<div class="small muted" id="task-action-status">${esc(act.done)}; waiting for the scheduler…</div>`;
+          awaitTaskChange(box, jobId, t, onChange);
+        } catch (e) {
+          area.innerHTML = `<div class="error-box" id="task-action-error">${esc(e.message || e)}</div>`;
+          for (const x of box.querySelectorAll("button")) x.disabled = false;
+        }
+      });
+      $("#task-action-reason", area).focus();
+    });
+  }
+}
+
+async function awaitTaskChange(box, jobId, t, onChange) {
+  const deadline = Date.now() + 20000;
+  while (Date.now() < deadline && box.isConnected && box.dataset.task === t.task_id) {
+    await new Promise((r) => setTimeout(r, 400));
+    try {
+      const now = await api(`/v1/jobs/${enc(jobId)}/tasks/${enc(t.task_id)}`);
+      if (now.state !== t.state || now.attempt !== t.attempt) {  // decided: the job page follows the job again
+        if (onChange) onChange();
+        showTask(jobId, t.task_id, onChange);
+        return;
+      }
+    } catch (e) { /* try again */ }
+  }
+  const st = $("#task-action-status", box);
+  if (st) st.textContent = "no change yet: the job's history shows the scheduler's answer";
+}
+
+/* ``onChange``: what the job page does once an action here changed the task (follow the job's events again:
+   a finished job's stream had ended). */
+async function showTask(jobId, taskId, onChange = null) {
   const box = $("#task-panel");
   if (!box) return;
+  box.dataset.task = taskId;
   box.innerHTML = `<p class="muted">loading ${esc(taskId)}…</p>`;
   try {
-    const [t, a] = await Promise.all([
+    const [t, a, job] = await Promise.all([
       api(`/v1/jobs/${enc(jobId)}/tasks/${enc(taskId)}`),
       api(`/v1/jobs/${enc(jobId)}/tasks/${enc(taskId)}/attempts`),
+      api(`/v1/jobs/${enc(jobId)}`),
     ]);
+    if (box.dataset.task !== taskId) return;  // another task was clicked meanwhile
     const attempts = a.attempts.slice().reverse();
+    const marked = t.state === "succeeded" && t.marked_by != null;
     box.innerHTML = `<h2 style="margin-top:0" class="mono" id="task-title">${esc(t.task_id)}</h2>
+      ${taskActionsHtml(job, t)}
       <dl class="kv">
-        <dt>state</dt><dd id="task-state">${badge(t.state)}</dd>
+        <dt>state</dt><dd id="task-state">${badge(t.state)}${marked ? ` <span class="badge" id="task-marked" style="background:#4b5563" title="recorded as succeeded by an operator, not run">marked</span>` : ""}</dd>
+        ${marked ? `<dt>marked by</dt><dd id="task-marked-by">${esc(t.marked_by || "an operator")}${t.marked_reason ? `: ${esc(t.marked_reason)}` : ""} <span class="muted small">(not run)</span></dd>` : ""}
+        ${t.retried_by ? `<dt>retried by</dt><dd id="task-retried-by">${esc(t.retried_by)}</dd>` : ""}
         <dt>attempt</dt><dd>${t.attempt}${t.retries ? ` (${t.retries} retries)` : ""}</dd>
         <dt>handler</dt><dd class="mono">${esc(t.handler)}</dd>
         <dt>queue</dt><dd>${esc(t.queue)}</dd>
@@ -724,6 +801,7 @@ async function showTask(jobId, taskId) {
         ${x.stdout_tail ? `<div class="small muted">stdout</div><pre class="tail">${esc(x.stdout_tail)}</pre>` : ""}
         ${x.result_json ? `<div class="small muted">result</div><pre class="tail">${esc(x.result_json)}</pre>` : ""}
       </div>`).join("") : `<p class="muted">not started</p>`}`;
+    bindTaskActions(box, jobId, t, onChange);
   } catch (e) { box.innerHTML = errorBox(e); }
 }
 
@@ -752,7 +830,7 @@ async function pageJob(jobId, signal) {
       <div class="hint">scroll to zoom time · shift+scroll to zoom rows · drag to pan · click an attempt</div></div>
     <h2>History <span class="muted small" id="hist-count"></span></h2>
     <div class="panel" style="max-height:360px;overflow:auto;padding:0"><table id="history"><thead><tr><th>time</th><th>event</th><th>task</th><th class="num">attempt</th><th>detail</th></tr></thead><tbody></tbody></table></div>`;
-  const select = (tid) => { showTask(jobId, tid); const g = hooks.graph; if (g && g.index.has(tid)) { g.selected = g.index.get(tid); g.redraw(); } };
+  const select = (tid) => { showTask(jobId, tid, () => restart()); const g = hooks.graph; if (g && g.index.has(tid)) { g.selected = g.index.get(tid); g.redraw(); } };
   const bindButtons = () => {
     const c = $("#btn-cancel"), r = $("#btn-redrive");
     if (c) c.addEventListener("click", async () => { if (confirm(`Cancel job ${jobId}?`)) { try { await api(`/v1/jobs/${enc(jobId)}/cancel`, { method: "POST" }); } catch (e) { alert(e.message); } } });
@@ -809,7 +887,7 @@ async function pageJob(jobId, signal) {
     if (kind === "history") {
       histCount++;
       if (graph && data.task_id && data.task_state) graph.setState(data.task_id, data.task_state);
-      if (data.type === "JobRedriven" || data.type === "JobAccepted") restartGraph();
+      if (data.type === "JobRedriven" || data.type === "JobAccepted" || data.type === "TaskReopened") restartGraph();
       const tr = document.createElement("tr");
       tr.innerHTML = `<td class="small">${fmtTime(data.ts_ms)}</td><td>${esc(data.type)}</td>
         <td class="mono small">${data.task_id ? `<a href="javascript:void 0" data-task="${esc(data.task_id)}">${esc(data.task_id)}</a>` : ""}</td>
