@@ -72,7 +72,7 @@ bench-gpu-sweep: install
 bench-kafka-runs: install kafka-fetch
 	$(BIN)/python -m bench.kafka_runs --runs 50
 
-# The long chaos run: >= 1,000 faults on a 3-broker cluster; the short run is part of `make test`
+# The long chaos run: >= 3,000 faults on a 3-broker cluster; the short run is part of `make test`
 chaos: install kafka-fetch
 	$(BIN)/python -m chaos --profile long
 

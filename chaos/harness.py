@@ -100,16 +100,16 @@ PROFILES: dict[str, Profile] = {
                              plan=FaultPlan(scheduler_every_s=0, worker_every_s=0, broker_every_s=0,
                                             commit_every_s=3.0, sigstop_every_s=25.0,
                                             allocator_sigstop_every_s=25.0)),
-    # make chaos: at least 1,000 faults, under 30 minutes.
-    "long": Profile("long", generated_jobs=520,
+    # make chaos: at least 3,000 faults (about 1.3 a second: 40-55 minutes of faults), about an hour in all.
+    "long": Profile("long", generated_jobs=1200,
                     workflows=("montage-chameleon-2mass-01d-001.json.gz", "seismology-chameleon-1100p-001.json.gz",
                                "1000genome-chameleon-22ch-250k-001.json.gz", "cycles-chameleon-10l-1c-9p-001.json.gz",
                                "montage-chameleon-2mass-05d-001.json.gz",
                                "epigenomics-chameleon-ilmn-6seq-50k-001.json.gz"),
-                    inject_s=1020, min_faults=1000, max_inject_s=1260, submit_share=0.85, drain_s=300,
+                    inject_s=2400, min_faults=3000, max_inject_s=3300, submit_share=0.85, drain_s=300,
                     max_open_jobs=30, dup_rate=0.15, dup_max_per_s=0.7,
-                    plan=FaultPlan(scheduler_every_s=4.0, worker_every_s=2.5, broker_every_s=40.0,
-                                   commit_every_s=8.0, sigstop_every_s=60.0, allocator_sigstop_every_s=60.0)),
+                    plan=FaultPlan(scheduler_every_s=3.5, worker_every_s=2.0, broker_every_s=40.0,
+                                   commit_every_s=6.0, sigstop_every_s=60.0, allocator_sigstop_every_s=60.0)),
     # 3 schedulers on 3 brokers: kill -9 one instance and one broker mid-run, bring neither back until the end.
     "failover": Profile("failover", generated_jobs=40, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
                         inject_s=0, drain_s=240, dup_rate=0.0, scenario="failover"),
