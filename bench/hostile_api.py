@@ -4,9 +4,12 @@ Starts `dagfold up` (embedded log, two workers) on a free port, then sends every
 tests/test_security_api.py many times over: the 525-byte YAML alias bomb, 10,000-deep JSON and YAML on both
 submission routes, NaN/Infinity numbers, booleans as numbers, identifiers with NUL/ESC/'/'/'..'/1 MB, a
 9 MiB YAML body, text/plain and form bodies, a rebound Host, cross-origin Origins, unicode digits in query
-parameters, paths with encoded separators. Reports the answers by status class, whether the process is
-still alive and answering, its peak RSS growth (VmHWM after minus VmRSS before), and the CPU time per hostile
-request. Results: bench/results/hostile_api.json.
+parameters, paths with encoded separators, all with tenant beta's key (auth file: acme, beta, admin). Each
+round beta also probes tenant acme's job and settings (every job route, cancel/redrive/retry, its job ID,
+its tenant, a higher tier, shell, /metrics, every listing): an isolation breach is a 2xx to a job route,
+acme's marker in any answer, or acme's name in a listing. Reports the answers by status class, the
+breaches, whether the process is still alive and answering, its peak RSS growth (VmHWM after minus VmRSS
+before), and the CPU time per request. Results: bench/results/hostile_api.json.
 
     python -m bench.hostile_api [--rounds N]
 """
@@ -58,6 +61,50 @@ def _requests() -> list[tuple[str, str, dict[str, str], bytes | None]]:
     return reqs
 
 
+# Tenants of the run's auth file: the hostile requests come with beta's key (a rate high enough that its
+# bodies are parsed, not refused by the rate limit); acme owns a job that beta tries to reach.
+KEYS = {"admin": "hostile-admin-key-000001", "acme": "hostile-acme-key-0000001", "beta": "hostile-beta-key-0000001"}
+AUTH_FILE = f"""keys: {{{KEYS['admin']}: admin, {KEYS['acme']}: acme, {KEYS['beta']}: beta}}
+tenants:
+  beta: {{rate_per_s: 1000000, burst: 1000000, max_tier: free}}
+"""
+VICTIM = "acme-private-job"
+MARKER = "ACME-SECRET"  # in the victim job's name and labels: never in an answer to beta
+
+
+def _isolation_probes() -> list[tuple[str, str, bytes | None, bool]]:
+    """(method, path, JSON body, is a listing) that beta sends about acme's job and tenant. A job route must
+    answer 4xx; a listing may answer 2xx but must not show acme's job."""
+    j = f"/v1/jobs/{VICTIM}"
+    probes: list[tuple[str, str, bytes | None, bool]] = [
+        ("GET", j, None, False), ("GET", j + "/tasks", None, False), ("GET", j + "/tasks/a", None, False),
+        ("GET", j + "/tasks/a/attempts", None, False), ("GET", j + "/attempts", None, False),
+        ("GET", j + "/history", None, False), ("GET", j + "/graph", None, False),
+        ("GET", j + "/events?timeout_s=1", None, False), ("GET", j + "/tasks/a/outputs/result.json", None, False),
+        ("GET", f"/v1/gpu-jobs/{VICTIM}", None, False), ("POST", j + "/cancel", None, False),
+        ("POST", j + "/redrive", None, False), ("POST", j + "/tasks/a/retry", None, False),
+        ("POST", j + "/tasks/a/mark-succeeded", None, False), ("POST", f"/v1/gpu-jobs/{VICTIM}/cancel", None, False),
+        ("GET", "/v1/jobs?tenant=acme", None, False), ("GET", "/v1/tenants/acme/entitlements", None, False),
+        ("PUT", "/v1/tenants/beta/entitlements", b'{"max_tier": "enterprise"}', False),
+        ("GET", "/metrics", None, False),
+        ("POST", "/v1/jobs", json.dumps({"id": VICTIM, "tasks": [{"id": "b"}]}).encode(), False),
+        ("POST", "/v1/jobs", json.dumps({"tenant": "acme", "tasks": [{"id": "b"}]}).encode(), False),
+        ("POST", "/v1/jobs", json.dumps({"tier": "enterprise", "tasks": [{"id": "b"}]}).encode(), False),
+        ("POST", "/v1/jobs", json.dumps({"tasks": [{"id": "b", "handler": "shell", "args": {"cmd": "id"}}]}
+                                        ).encode(), False),
+    ]
+    for path in ("/v1/jobs", "/v1/failures", "/v1/queues", "/v1/stuck", "/v1/tenants", "/v1/cluster",
+                 "/v1/deadletters", f"/v1/jobs?id_prefix={VICTIM[:4]}", "/v1/jobs?name=ACME"):
+        probes.append(("GET", path, None, True))
+    return probes
+
+
+def _breach(r: httpx.Response, listing: bool) -> bool:
+    """An answer that gave beta something of acme's: a 2xx to a job route, acme's marker anywhere, or the
+    tenant's name in a listing (its jobs, usage or settings)."""
+    return (not listing and r.is_success) or MARKER in r.text or (listing and "acme" in r.text)
+
+
 def _status_kb(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -78,7 +125,11 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="dagfold-hostile-"))
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "dagfold", "up", "--data", str(tmp / "data"), "--port", str(port)],
+    auth = tmp / "auth.yaml"
+    auth.write_text(AUTH_FILE)
+    auth.chmod(0o600)
+    proc = subprocess.Popen([sys.executable, "-m", "dagfold", "up", "--data", str(tmp / "data"), "--port", str(port),
+                             "--auth-file", str(auth)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -89,21 +140,40 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.3)
+        victim = httpx.post(url + "/v1/jobs", headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=30,
+                            json={"id": VICTIM, "name": f"{MARKER}-name", "labels": {"s": f"{MARKER}-label"},
+                                  "tasks": [{"id": "a"}]})
+        assert victim.status_code == 202, victim.text
+        while time.monotonic() < deadline:  # acme's job has run (it has attempts, a history)
+            got = httpx.get(f"{url}/v1/jobs/{VICTIM}", headers={"Authorization": f"Bearer {KEYS['acme']}"})
+            if got.status_code == 200 and got.json()["state"] == "succeeded":
+                break
+            time.sleep(0.3)
         time.sleep(2)  # let start-up settle before the baseline
         reqs = _requests()
+        probes = _isolation_probes()
         rss0, cpu0 = _status_kb(proc.pid, "VmRSS"), _cpu_s(proc.pid)
         classes: Counter[str] = Counter()
+        breaches: Counter[str] = Counter()
+        beta = {"Authorization": f"Bearer {KEYS['beta']}"}
         with httpx.Client(base_url=url, timeout=60) as c:
             for _ in range(args.rounds):
                 for method, path, headers, body in reqs:
-                    r = c.request(method, path, headers=headers, content=body)
+                    r = c.request(method, path, headers={**beta, **headers}, content=body)
                     classes[f"{r.status_code // 100}xx"] += 1
+                for method, path, body, listing in probes:
+                    r = c.request(method, path, headers={**beta, "content-type": "application/json"}, content=body)
+                    classes[f"{r.status_code // 100}xx"] += 1
+                    if _breach(r, listing):
+                        breaches[f"{method} {path} -> {r.status_code}"] += 1
         cpu1, hwm = _cpu_s(proc.pid), _status_kb(proc.pid, "VmHWM")
         alive = proc.poll() is None and httpx.get(url + "/healthz", timeout=5).status_code == 200
         n = sum(classes.values())
         result: dict[str, Any] = {
-            "requests": n, "distinct_requests": len(reqs), "rounds": args.rounds,
+            "requests": n, "distinct_requests": len(reqs) + len(probes), "rounds": args.rounds,
             "answers": dict(sorted(classes.items())),
+            "isolation_probes": len(probes) * args.rounds, "isolation_breaches": sum(breaches.values()),
+            "breaches": dict(breaches),
             "process_alive_and_answering": alive, "rss_before_mb": round(rss0 / 1024, 1),
             "peak_rss_growth_mb": round((hwm - rss0) / 1024, 1),
             "cpu_ms_per_request": round((cpu1 - cpu0) * 1000 / n, 2), "load_average": os.getloadavg(),
