@@ -11,7 +11,8 @@ world around the fold:
 * a timer that fires late, twice, out of order or not at all (a dropped fire
   comes back at the next scan, as in the runner), plus injected stale and
   duplicate ``TimerFired`` commands, stale reports of old attempts, reports
-  from intruder workers, duplicate submissions, cancellations and redrives;
+  from intruder workers, duplicate submissions, cancellations, redrives and
+  operators' task retries and mark-succeeded (refused ones included);
 * then the drain: every worker behaves and time moves on until every job is
   terminal.
 
@@ -52,10 +53,11 @@ from hypothesis import strategies as st
 
 from dagfold.codec import Record, default_codec
 from dagfold.config import SchedulerOptions
-from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE
+from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.processors import still_skipped
 from dagfold.services.scheduler.retry import NO_RETRY, backoff_ms, jitter_fraction
 from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.scheduler.timers import due_timers
@@ -63,7 +65,7 @@ from dagfold.state.store import META_PREFIX
 
 RULES = ["all_success", "all_done", "one_success", "one_failed", "none_failed", "always"]
 POLICIES = ["fail_fast", "skip_downstream", "allow_partial"]
-NOOP_EVENTS = {"ReportIgnored", "LeaseRejected", "SubmissionDeduplicated"}
+NOOP_EVENTS = {"ReportIgnored", "LeaseRejected", "SubmissionDeduplicated", "TaskActionRejected"}
 TIMER_STATE = {"lease": "running", "start_to_close": "running", "schedule_to_start": "runnable",
                "backoff": "retrying"}
 
@@ -184,6 +186,11 @@ def report(kind: str, job_id: str, task_id: str, attempt: int, worker: str, now_
             "worker_id": worker, "ts_ms": now_ms, **REPORT_DEFAULTS[kind], **fields}
 
 
+def task_action(kind: str, job_id: str, task_id: str, now_ms: int) -> Record:
+    return {"type": f"dagfold.command.{kind}", "job_id": job_id, "task_id": task_id, "requested_by": "op",
+            "reason": "chaos", "requested_at_ms": now_ms}
+
+
 def timer_cmd(job_id: str, task_id: str, attempt: int, kind: str, due_ms: int, now_ms: int) -> Record:
     return {"type": "dagfold.command.TimerFired", "job_id": job_id, "task_id": task_id, "attempt": attempt,
             "timer": kind, "due_ms": due_ms, "fired_at_ms": now_ms}
@@ -283,6 +290,13 @@ class Sim:
             return j is not None and j["state"] == "running"
         if typ == "RedriveJob":
             return j is not None and j["state"] in REDRIVABLE
+        if typ in ("RetryTask", "MarkTaskSucceeded"):
+            t = h.task(cmd["job_id"], cmd["task_id"]) if j is not None else None
+            action = "retry" if typ == "RetryTask" else "mark_succeeded"
+            if j is None or t is None or task_action_refusal(action, cmd["job_id"], j["state"], cmd["task_id"],
+                                                              t["state"]) is not None:
+                return False
+            return typ == "MarkTaskSucceeded" or still_skipped(cmd["task_id"], t) is None
         t = h.task(cmd["job_id"], cmd["task_id"]) if cmd.get("task_id") is not None else None
         if t is None or j is None:
             return False
@@ -443,8 +457,11 @@ class Sim:
         elif x < 0.7 and self.world.cancels:
             self.deliver({"type": "dagfold.command.CancelJob", "job_id": job_id, "reason": "chaos",
                           "requested_at_ms": self.h.now_ms})
-        elif self.world.redrives:
+        elif self.world.redrives and x < 0.85:
             self.deliver({"type": "dagfold.command.RedriveJob", "job_id": job_id, "requested_at_ms": self.h.now_ms})
+        elif self.world.redrives:  # an operator's word on any task, in any state (most are refused)
+            job_id, task_id = rnd.choice(self.task_ids)
+            self.deliver(task_action(rnd.choice(["RetryTask", "MarkTaskSucceeded"]), job_id, task_id, self.h.now_ms))
 
     # -- drain ---------------------------------------------------------------------------
     def drain(self, max_rounds: int = 100_000) -> None:
@@ -655,6 +672,24 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
                 lost[tk] = 0
                 base[tk] = attempt.get(tk, 0)  # a redrive gives a fresh retry budget
                 retry_due.pop(tk, None)
+        elif typ == "TaskReopened":  # an operator's retry or mark succeeded: a new run of each listed task
+            assert job_state[job_id] in ("running", "JobFailed", "JobSucceeded"), job_state[job_id]
+            assert e["task_ids"][0] == e["task_id"] and len(set(e["task_ids"])) == len(e["task_ids"])
+            job_state[job_id] = "running"
+            for tid in e["task_ids"]:
+                tk = (job_id, tid)
+                assert outcome.pop(tk) in ("failed", "skipped", "cancelled"), tk
+                in_run.discard(tk)
+                run_dispatches[tk] = 0
+                lost[tk] = 0
+                base[tk] = attempt.get(tk, 0)  # a fresh retry budget
+                retry_due.pop(tk, None)
+            if e["action"] == "mark_succeeded":
+                nxt = events[i + 1]
+                assert short(nxt) == "TaskMarkedSucceeded" and nxt["task_id"] == e["task_id"]
+        elif typ == "TaskMarkedSucceeded":
+            assert short(events[i - 1]) == "TaskReopened" and k not in outcome and k not in in_run
+            outcome[k] = "succeeded"
         elif typ == "TaskRetryScheduled":
             assert short(events[i - 1]) == "TaskFailed" and not events[i - 1]["final"]
         else:
@@ -690,6 +725,20 @@ def run_scenario(docs: list[dict[str, Any]], world: World, seed: int) -> Sim:
     check_jobs_final(h, specs)
     check_event_stream(h.events, specs, opts)
     check_replay(h)
+
+    # An operator retries (or marks succeeded) every failed task of a failed job, upstream first; the
+    # invariants hold through the re-opened runs.
+    failed_jobs = [jid for jid, s in sim.job_states().items() if s == "failed"]
+    if failed_jobs and sim.rnd.random() < 0.5:
+        for jid in failed_jobs:
+            for t in sim.specs[jid]["tasks"]:
+                if (h.task(jid, t["task_id"]) or {}).get("state") == "failed":
+                    kind = "MarkTaskSucceeded" if sim.rnd.random() < 0.3 else "RetryTask"
+                    sim.deliver(task_action(kind, jid, t["task_id"], h.now_ms))
+        sim.drain()
+        check_jobs_final(h, specs)
+        check_event_stream(h.events, specs, opts)
+        check_replay(h)
 
     # Redrive what did not succeed; with behaving workers the rerun succeeds.
     redriven = [jid for jid, s in sim.job_states().items() if s in REDRIVABLE]
