@@ -96,6 +96,24 @@ def test_weights_and_quotas_set_through_the_log_apply_at_once_and_on_replay() ->
     assert h.fold.state.quota_milli("acme") == 2000 and h.fold.state.weight("acme") == 1.0
 
 
+def test_a_reservation_of_a_tenant_now_over_its_quota_is_cleared() -> None:
+    """A head-of-line request holds a reservation; its tenant's quota is lowered below what it would need: the
+    reservation goes (it would hold hosts back from everyone while the request may not run) and it waits."""
+    h = harness()
+    h.request("big0", tenant="beta", gpus=8, gpu_type=["H100"], max_runtime_s=600)
+    h.request("big1", tenant="acme", gpus=8, gpu_type=["H100"], max_runtime_s=600)
+    assert [e["job_id"] for e in h.of_type("ReservationMade")] == ["big1"]
+    set_ent(h, "acme", {"gpu_quota": {"default/H100": 4}})
+    assert h.of_type("ReservationCleared")[-1]["job_id"] == "big1"
+    assert "quota" in h.of_type("ReservationCleared")[-1]["reason"]
+    assert not h.fold.state.meta["reservations"] and granted_on(h, "big1") is None
+    h.release(h.alloc_of("big0"))
+    assert granted_on(h, "big1") is None  # still over its quota
+    set_ent(h, "acme", {"gpu_quota": {"default/H100": 8}})
+    assert granted_on(h, "big1") == "H100"
+    assert h.replayed_digest() == h.digest()
+
+
 def test_auth_file_settings_resent_at_start_do_not_undo_an_admin_change() -> None:
     h = harness()
     set_ent(h, "acme", {"weight": 2}, "auth_file")

@@ -189,8 +189,10 @@ def _owners_first(ctx: Ctx, rank: int) -> tuple[int, bool]:
                 continue
         if st.has_quotas:
             rq = within_quota(ctx, r)
-            if rq is None:
-                continue  # over a quota now (its tenant got GPUs since, or a quota was lowered): it waits
+            if rq is None:  # over a quota now (its tenant got GPUs since, or a quota was lowered): it waits,
+                # and holds no hosts back from others meanwhile
+                ctx.event("ReservationCleared", **_ident(r), reason="over its tenant's GPU quota")
+                continue
             r = rq
         used += 1
         if grant(ctx, r, excluded_for(st, r, ctx.now_ms)):
