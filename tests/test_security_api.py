@@ -277,6 +277,29 @@ def test_a_racing_submission_of_another_tenant_never_enters_the_jobs_history(ten
     assert job["state"] == "running" and job["tenant"] == "acme" and job.get("code") is None
 
 
+def test_the_loser_of_a_job_id_race_sees_its_own_submission_rejected(tenants: ApiHarness) -> None:
+    """The scheduler decided a race for job ID 'g' (a GPU job): beta's GET of the job and of the GPU job shows
+    its own submission rejected with job_id_taken (it was 404 forever), with nothing of acme's job."""
+    fold = FoldHarness()
+    gpu = {"handler": "gpu", "queue": "default", "resources": {"gpus": 1}}
+    fold.submit(to_job_spec(load_spec_text(json.dumps({"id": "g", "tenant": "acme", "name": "acme's",
+                                                       "tasks": [{"id": "train", **gpu}]}))))
+    fold.submit(to_job_spec(load_spec_text(json.dumps({"id": "g", "tenant": "beta", "tasks": [{"id": "t", **gpu}]}))))
+    rejected = fold.events[-1]
+    assert (rejected["type"], rejected["code"], rejected["tenant"]) == ("dagfold.event.JobRejected", "job_id_taken",
+                                                                        "beta")
+    tenants.project(*[{**e, "ts_ms": e.get("ts_ms") or T0} for e in fold.events])
+    c = tenants.client
+    mine = c.get("/v1/jobs/g", headers=H["beta"]).json()
+    assert (mine["state"], mine["code"], mine["tenant"], mine["name"]) == ("rejected", "job_id_taken", "beta", None)
+    status = c.get("/v1/gpu-jobs/g", headers=H["beta"]).json()
+    assert (status["state"], status["status"], status["code"], status["task"]) == (
+        "rejected", "FAILED", "job_id_taken", None)
+    assert c.get("/v1/gpu-jobs/g", headers=H["acme"]).json()["tenant"] == "acme"
+    assert c.get("/v1/jobs/g/tasks", headers=H["beta"]).status_code == 404  # nothing more of acme's job
+    assert c.get("/v1/jobs?tenant=beta", headers=H["beta"]).json()["jobs"] == []
+
+
 def test_truly_concurrent_submissions_of_one_job_id_give_the_loser_a_clear_answer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two tenants submit the same explicit job ID at the same instant to a running stack, so both pass the

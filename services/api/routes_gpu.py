@@ -216,7 +216,18 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
 
     @r.get("/v1/gpu-jobs/{job_id}", summary="GPU job status: job, task, allocation, callback")
     def get_gpu_job(job_id: str, principal: Caller) -> dict[str, Any]:
-        job, task = gpu_job_for(job_id, principal)
+        try:
+            job, task = gpu_job_for(job_id, principal)
+        except ApiError:
+            # the caller's own submission that lost the race for this job ID to another tenant's job
+            claim = ctx.rm.rejected_claim(principal.tenant, job_id) if principal.tenant is not None else None
+            if claim is None:
+                raise
+            return {"job_id": job_id, "state": "rejected", "status": "FAILED", "tenant": claim["tenant"],
+                    "tier": None, "code": claim["code"], "reason": claim["reason"], "pool": None, "model": None,
+                    "params": None, "resources": None, "task": None, "allocation": None, "result": None,
+                    "outputs": [], "callback_url": None, **{k: claim.get(k) for k in JOB_TIMES},
+                    "links": links(job_id)}
         try:
             args = json.loads(task.get("args_json") or "{}")
         except ValueError:
