@@ -11,7 +11,7 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep chaos lint clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ s3-fetch:
 browser:
 	@command -v chromium >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update && $$SUDO apt-get install -y chromium; }
+
+# Every dashboard view, as docs/operations.md shows it, into docs/img (about two minutes)
+screenshots: install browser
+	$(BIN)/python -m tests.screenshots --out docs/img
 
 test: install kafka-fetch s3-fetch browser
 	$(BIN)/pytest $(PYTEST_ARGS)

@@ -100,6 +100,45 @@ def test_the_cycle_example_shows_its_graph_with_the_cycle_in_red(local: Local, p
     shot(page, "dashboard-rejected.png")
 
 
+def test_task_groups_collapse_and_expand_on_the_large_montage(local: Local, page: Any) -> None:
+    from dagfold.wfcommons import workflow_spec
+
+    assert MONTAGE_05D.exists(), MONTAGE_05D
+    spec = workflow_spec(MONTAGE_05D, 0.0)
+    assert len(spec["tasks"]) == 1738
+    for t in spec["tasks"]:
+        t["queue"] = "parked"  # no worker takes them: this test needs the graph, not the run
+    r = httpx.post(f"{local.url}/v1/jobs", json=spec, timeout=60)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    local.wait_job(job_id, {"running"})
+    page.goto(f"{local.url}/ui/#/jobs/{job_id}")
+    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
+    drawn = "(() => { const g = window.__dagfold.graph; g.draw(); return [g.drawnNodes, g.nodeCount]; })()"
+    page.evaluate("window.__dagfold.graph.fit()")
+    assert page.evaluate(drawn) == [1738, 1738]  # every task a node, all on screen at fit zoom
+    bar = page.inner_text("#dag-groups")
+    assert "mProject" in bar and "mDiffFit" in bar
+
+    page.click("#dag-collapse")  # every group one node a layer
+    nodes, count = page.evaluate(drawn)
+    assert nodes == count and nodes < 40, nodes
+    assert page.evaluate("window.__dagfold.stateOf('mViewer_ID0000001') || window.__dagfold.graph.states[0]")
+    diff_fit = page.evaluate("window.__dagfold.graph.data.ids.filter((id) => id.startsWith('mDiffFit'))")
+    shot(page, "dashboard-groups.png")
+
+    pos = page.evaluate("(id) => window.__dagfold.nodeScreenPos(id)", diff_fit[0])  # the group's node
+    page.mouse.click(pos["x"], pos["y"])  # a click on a group expands it
+    assert page.evaluate(drawn) == [nodes - 1 + len(diff_fit)] * 2
+    assert page.locator('#dag-groups button[data-group="mDiffFit"][aria-pressed="false"]').count() == 1
+    page.click('#dag-groups button[data-group="mDiffFit"]')  # and its toggle collapses it again
+    assert page.evaluate(drawn) == [nodes, nodes]
+
+    page.click("#dag-expand")
+    assert page.evaluate(drawn) == [1738, 1738]  # every task back
+    assert page.evaluate("window.__dagfold.graph.groupLabels") >= 3  # the layer headers of the fit zoom
+
+
 def test_dead_letters_show_hostile_records_as_text(local: Local, page: Any) -> None:
     hostile_key = b'<img src=x onerror="window.__pwned=1">'
     spec = to_job_spec(parse_spec({"id": "dl-1", "tasks": [{"id": "a", "handler": "noop"}]}))

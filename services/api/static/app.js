@@ -212,17 +212,27 @@ class PanZoom {
 // -- the DAG -------------------------------------------------------------------------------
 const NODE_W = 150, NODE_H = 22, GAP_X = 200, GAP_Y = 30, COL_W = NODE_W + 16;
 
+// A task's group: its name's prefix (mProject_ID0000001 -> mProject, transform-3 -> transform).
+const GROUP_RE = /^(.*?[A-Za-z])(?:[_\-.:#\/]|\d)/;
+function taskGroup(id) { const m = GROUP_RE.exec(id); return m ? m[1] : id; }
+
+/* The DAG on a canvas. `data` is the server's layout of every task (indexes into data.ids: "task
+ * indexes"); what is drawn is a view of it ("node indexes"): a task per node, or, for a collapsed group,
+ * one node standing for the group's tasks of a layer. Collapsing and expanding rebuilds the view in
+ * O(tasks + edges); drawing stays O(nodes + edges drawn). */
 class DagView extends PanZoom {
   constructor(canvas, data, onSelect) {
     super(canvas);
     this.onSelect = onSelect;
     this.selected = null;
+    this.collapsed = new Set();  // group names drawn as one node a layer; kept across reloads
     this.load(data);
     this.fit();
   }
   load(data) {
     this.data = data;
     this._groups = null;
+    this.group = data.ids.map(taskGroup);
     this.index = new Map(data.ids.map((id, i) => [id, i]));
     this.states = data.states.slice();
     // A rejected job's refused graph: the offending edges (parent * n + child) and tasks, drawn in red.
@@ -230,24 +240,84 @@ class DagView extends PanZoom {
     this.markedEdges = new Set();
     this.markedTasks = new Set(rj ? rj.marked_tasks : []);
     if (rj) for (let k = 0; k + 1 < rj.marked_edges.length; k += 2) this.markedEdges.add(rj.marked_edges[k] * n + rj.marked_edges[k + 1]);
-    this.grid = data.layers.map((n) => new Array(n));
-    data.ids.forEach((_, i) => { this.grid[data.layer[i]][data.pos[i]] = i; });
+    this.build();
+    if (this.onGroups) this.onGroups();
+  }
+  // The view: which node each task is drawn as, node positions, node edges (deduplicated).
+  build() {
+    const data = this.data, n = data.ids.length, sizes = this.layerGroups();
+    const collapse = [...this.collapsed].some((g) => sizes.some((m) => (m.get(g) || 0) > 1));
+    if (!collapse) {  // every task its own node: the server's layout as is
+      this.node = Int32Array.from({ length: n }, (_, i) => i);
+      this.vLayer = data.layer; this.vPos = data.pos; this.vLayers = data.layers; this.vEdges = data.edges;
+      this.vTask = this.node; this.vMembers = new Array(n).fill(null);
+    } else {
+      const byLayer = data.layers.map((k) => new Array(k));
+      for (let i = 0; i < n; i++) byLayer[data.layer[i]][data.pos[i]] = i;
+      const node = new Int32Array(n), vLayer = [], vPos = [], vTask = [], vMembers = [], vLayers = [];
+      byLayer.forEach((tasks, l) => {
+        const open = new Map();  // group -> its node in this layer
+        let k = 0;
+        for (const i of tasks) {
+          if (i === undefined) continue;
+          const g = this.group[i];
+          let v = open.get(g);
+          if (v === undefined) {
+            v = vLayer.length;
+            vLayer.push(l); vPos.push(k++); vTask.push(i);
+            const grouped = this.collapsed.has(g) && sizes[l].get(g) > 1;
+            vMembers.push(grouped ? [] : null);
+            if (grouped) open.set(g, v);
+          }
+          if (vMembers[v]) vMembers[v].push(i);
+          node[i] = v;
+        }
+        vLayers.push(k);
+      });
+      const m = vLayer.length, seen = new Set(), vEdges = [], e = data.edges;
+      for (let k = 0; k < e.length; k += 2) {
+        const a = node[e[k]], b = node[e[k + 1]];
+        if (a === b || seen.has(a * m + b)) continue;
+        seen.add(a * m + b); vEdges.push(a, b);
+      }
+      Object.assign(this, { node, vLayer, vPos, vTask, vMembers, vLayers, vEdges });
+    }
+    const m = this.vLayer.length;
+    this.vGrid = this.vLayers.map((k) => new Array(k));
+    for (let v = 0; v < m; v++) this.vGrid[this.vLayer[v]][this.vPos[v]] = v;
     // Wide layers wrap into sub-columns of at most R rows, so a 1000-task fan-out stays readable.
-    const R = (this.rowsPerCol = Math.max(64, Math.ceil(Math.sqrt(data.ids.length * 3))));
+    const R = (this.rowsPerCol = Math.max(64, Math.ceil(Math.sqrt(m * 3))));
     this.layerX = [];
     let x = 0;
-    for (const n of data.layers) { this.layerX.push(x); x += Math.ceil(Math.max(n, 1) / R) * COL_W + (GAP_X - NODE_W); }
+    for (const k of this.vLayers) { this.layerX.push(x); x += Math.ceil(Math.max(k, 1) / R) * COL_W + (GAP_X - NODE_W); }
     this.width = x - (GAP_X - NODE_W);
-    this.X = new Float64Array(data.ids.length);
-    this.Y = new Float64Array(data.ids.length);
-    for (let i = 0; i < data.ids.length; i++) {
-      const l = data.layer[i], p = data.pos[i], rows = Math.min(data.layers[l], R);
-      this.X[i] = this.layerX[l] + Math.floor(p / R) * COL_W;
-      this.Y[i] = ((p % R) - rows / 2) * GAP_Y;
+    this.X = new Float64Array(m);
+    this.Y = new Float64Array(m);
+    for (let v = 0; v < m; v++) {
+      const l = this.vLayer[v], p = this.vPos[v], rows = Math.min(this.vLayers[l], R);
+      this.X[v] = this.layerX[l] + Math.floor(p / R) * COL_W;
+      this.Y[v] = ((p % R) - rows / 2) * GAP_Y;
     }
     this.redraw();
   }
-  nodeXY(i) { return [this.X[i], this.Y[i]]; }
+  get nodeCount() { return this.vLayer.length; }
+  // Groups of two or more tasks in a layer, biggest first, with their task counts (for the group bar).
+  groupSizes() {
+    const total = new Map();
+    for (const m of this.layerGroups()) for (const [g, k] of m) if (k > 1) total.set(g, (total.get(g) || 0) + k);
+    return [...total.entries()].sort((a, b) => b[1] - a[1] || (a[0] < b[0] ? -1 : 1));
+  }
+  setCollapsed(groups) {
+    this.collapsed = new Set(groups);
+    if (this.selected !== null && this.vMembers[this.node[this.selected]]) this.selected = null;
+    this.build();
+    this.fit();  // the shape changed: show all of it
+    if (this.onGroups) this.onGroups();
+  }
+  collapseAll() { this.setCollapsed(this.groupSizes().map(([g]) => g)); }
+  expandAll() { this.setCollapsed([]); }
+  toggleGroup(g) { const c = new Set(this.collapsed); if (c.has(g)) c.delete(g); else c.add(g); this.setCollapsed(c); }
+  nodeXY(i) { const v = this.node[i]; return [this.X[v], this.Y[v]]; }
   // An edge from a's right side to b's left side; one that goes back (a cycle's, in a rejected job's graph)
   // arcs over the layers between instead of crossing its own nodes.
   edgePath(ax, ay, bx, by) {
@@ -262,7 +332,7 @@ class DagView extends PanZoom {
     }
   }
   fit() {
-    const tall = Math.min(Math.max(1, ...this.data.layers), this.rowsPerCol);
+    const tall = Math.min(Math.max(1, ...this.vLayers), this.rowsPerCol);
     const bw = Math.max(this.width, NODE_W), bh = tall * GAP_Y;
     const s = Math.min((this.w - 40) / bw, (this.h - 40) / bh, 1.5);
     this.sx = this.sy = s;
@@ -286,26 +356,36 @@ class DagView extends PanZoom {
     if (l < 0) return null;
     const col = Math.floor((wx - this.layerX[l]) / COL_W);
     if (wx - this.layerX[l] - col * COL_W > NODE_W) return null;
-    const R = this.rowsPerCol, rows = Math.min(this.data.layers[l], R);
+    const R = this.rowsPerCol, rows = Math.min(this.vLayers[l], R);
     const row = Math.round(wy / GAP_Y + rows / 2);
     for (const r of [row - 1, row, row + 1]) {
       if (r < 0 || r >= R) continue;
-      const i = this.grid[l][col * R + r];
-      if (i === undefined) continue;
-      if (wy >= this.Y[i] - NODE_H / 2 && wy <= this.Y[i] + NODE_H / 2) return i;
+      const v = this.vGrid[l][col * R + r];
+      if (v === undefined) continue;
+      if (wy >= this.Y[v] - NODE_H / 2 && wy <= this.Y[v] + NODE_H / 2) return v;  // a node index
     }
     return null;
   }
   onClick(x, y) {
-    const i = this.hit(x, y);
-    if (i === null) return;
+    const v = this.hit(x, y);
+    if (v === null) return;
+    if (this.vMembers[v]) { this.toggleGroup(this.group[this.vTask[v]]); return; }  // a group: expand it
+    const i = this.vTask[v];
     this.selected = i;
     this.redraw();
     this.onSelect(this.data.ids[i]);
   }
+  // A collapsed group's tasks by state, in the order the colours are drawn.
+  memberCounts(members) {
+    const c = new Map();
+    for (const i of members) c.set(this.states[i], (c.get(this.states[i]) || 0) + 1);
+    return [...c.entries()].sort((a, b) => TASK_STATES.indexOf(b[0]) - TASK_STATES.indexOf(a[0]));
+  }
   hoverText(x, y) {
-    const i = this.hit(x, y);
-    if (i === null) return null;
+    const v = this.hit(x, y);
+    if (v === null) return null;
+    const mem = this.vMembers[v], i = this.vTask[v];
+    if (mem) return `${this.group[i]} ×${mem.length} (collapsed)\n${this.memberCounts(mem).map(([st, k]) => `${st} ${k}`).join(", ")}\nclick to expand`;
     if (this.rejected) return `${this.data.ids[i]}\n${this.states[i] === "missing" ? "not defined in the spec" : this.markedTasks.has(i) ? "named by the rejection" : "as submitted"}`;
     return `${this.data.ids[i]}\n${this.states[i]}`;
   }
@@ -340,8 +420,7 @@ class DagView extends PanZoom {
     if (this._groups) return this._groups;
     const groups = this.data.layers.map(() => new Map());
     this.data.ids.forEach((id, i) => {
-      const m = /^(.*?[A-Za-z])(?:[_\-.:#\/]|\d)/.exec(id);
-      const prefix = m ? m[1] : id;
+      const prefix = this.group[i];
       const g = groups[this.data.layer[i]];
       g.set(prefix, (g.get(prefix) || 0) + 1);
     });
@@ -357,7 +436,7 @@ class DagView extends PanZoom {
     ctx.textBaseline = "top";
     for (let l = 0; l < groups.length; l++) {
       const lx = this.layerX[l];
-      const cols = Math.ceil(Math.max(this.data.layers[l], 1) / this.rowsPerCol);
+      const cols = Math.ceil(Math.max(this.vLayers[l], 1) / this.rowsPerCol);
       if (lx + cols * COL_W < x0 || lx > x1) continue;
       const [sx] = this.toScreen(lx, 0);
       const room = Math.max(cols * COL_W * this.sx, (GAP_X - NODE_W + NODE_W) * this.sx) - 4;
@@ -401,12 +480,12 @@ class DagView extends PanZoom {
     ctx.setTransform(this.sx * this.dpr, 0, 0, this.sy * this.dpr, this.tx * this.dpr, this.ty * this.dpr);
     const [x0, y0] = this.toWorld(0, 0), [x1, y1] = this.toWorld(this.w, this.h);
     const visible = (x, y) => x + NODE_W >= x0 && x <= x1 && y + NODE_H >= y0 && y - NODE_H <= y1;
-    // edges: one path, thin; skipped when both ends are off screen on the same side
-    const e = data.edges;
+    // edges between drawn nodes: one path, thin; skipped when both ends are off screen on the same side
+    const e = data.edges, ve = this.vEdges, X = this.X, Y = this.Y, node = this.node;
     ctx.beginPath();
     let drawn = 0;
-    for (let k = 0; k < e.length && drawn < 200000; k += 2) {
-      const [ax, ay] = this.nodeXY(e[k]), [bx, by] = this.nodeXY(e[k + 1]);
+    for (let k = 0; k < ve.length && drawn < 200000; k += 2) {
+      const ax = X[ve[k]], ay = Y[ve[k]], bx = X[ve[k + 1]], by = Y[ve[k + 1]];
       if ((ax + NODE_W < x0 && bx < x0) || (ax > x1 && bx > x1) || (ay < y0 && by < y0) || (ay > y1 && by > y1)) continue;
       this.edgePath(ax, ay, bx, by);
       drawn++;
@@ -419,29 +498,46 @@ class DagView extends PanZoom {
       ctx.beginPath();
       const n = data.ids.length;
       for (let k = 0; k < e.length; k += 2) {
-        if (!this.markedEdges.has(e[k] * n + e[k + 1])) continue;
+        if (!this.markedEdges.has(e[k] * n + e[k + 1]) || (node[e[k]] === node[e[k + 1]] && e[k] !== e[k + 1])) continue;
         const [ax, ay] = this.nodeXY(e[k]), [bx, by] = this.nodeXY(e[k + 1]);
         this.edgePath(ax, ay, bx, by);
         this.drawnMarked++;
       }
       ctx.strokeStyle = MARK_COLOR; ctx.lineWidth = 3 / this.sx; ctx.stroke();
     }
-    // nodes grouped by state: one fill per colour
+    // nodes grouped by state: one fill per colour; a collapsed group as a bar of its tasks' states
     const byState = new Map();
-    const shown = [];
-    for (let i = 0; i < data.ids.length; i++) {
-      const [x, y] = this.nodeXY(i);
+    const shown = [], groups = [];
+    for (let v = 0; v < X.length; v++) {
+      const x = X[v], y = Y[v];
       if (!visible(x, y)) continue;
-      shown.push(i);
-      const s = this.states[i];
+      shown.push(v);
+      if (this.vMembers[v]) { groups.push(v); continue; }
+      const s = this.states[this.vTask[v]];
       if (!byState.has(s)) byState.set(s, []);
-      byState.get(s).push(i);
+      byState.get(s).push(v);
     }
+    this.drawnNodes = shown.length;
     for (const [s, nodes] of byState) {
       ctx.beginPath();
-      for (const i of nodes) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
+      for (const v of nodes) ctx.rect(X[v], Y[v] - NODE_H / 2, NODE_W, NODE_H);
       ctx.fillStyle = s === "missing" ? "#fff" : STATE_COLORS[s] || "#999";
       ctx.fill();
+    }
+    if (groups.length) {
+      for (const v of groups) {
+        const mem = this.vMembers[v];
+        let x = X[v];
+        for (const [st, k] of this.memberCounts(mem)) {
+          const w = (NODE_W * k) / mem.length;
+          ctx.fillStyle = STATE_COLORS[st] || "#999";
+          ctx.fillRect(x, Y[v] - NODE_H / 2, w, NODE_H);
+          x += w;
+        }
+      }
+      ctx.beginPath();  // a group's frame: thicker, so it reads as "more inside"
+      for (const v of groups) ctx.rect(X[v], Y[v] - NODE_H / 2, NODE_W, NODE_H);
+      ctx.strokeStyle = "#1f2933"; ctx.lineWidth = 2 / this.sx; ctx.stroke();
     }
     if (this.rejected) {  // tasks the rejection names: red outline; named but not defined: dashed
       for (const [set, dash] of [[this.markedTasks, []], [new Set(this.rejected.missing_tasks), [4 / this.sx, 3 / this.sx]]]) {
@@ -455,7 +551,7 @@ class DagView extends PanZoom {
     if (this.critical && this.critical.size > 1) {  // the critical path: its edges and nodes outlined
       ctx.beginPath();
       for (let k = 0; k < e.length; k += 2) {
-        if (!this.critical.has(e[k]) || !this.critical.has(e[k + 1])) continue;
+        if (!this.critical.has(e[k]) || !this.critical.has(e[k + 1]) || node[e[k]] === node[e[k + 1]]) continue;
         const [ax, ay] = this.nodeXY(e[k]), [bx, by] = this.nodeXY(e[k + 1]);
         const mx = (ax + NODE_W + bx) / 2;
         ctx.moveTo(ax + NODE_W, ay); ctx.bezierCurveTo(mx, ay, mx, by, bx, by);
@@ -471,15 +567,26 @@ class DagView extends PanZoom {
     this.groupLabels = 0;
     if (NODE_H * this.sy < 11 || shown.length > 3000) this.drawGroups(x0, x1);  // too small for node labels
     if (NODE_H * this.sy >= 11 && shown.length <= 3000) {
-      ctx.font = "12px system-ui, sans-serif";
+      // labels in screen pixels (9-12 px as the boxes allow), so a zoomed-out graph stays readable
+      ctx.setTransform(this.dpr, 0, 0, this.dpr, 0, 0);
+      const fs = Math.floor(Math.max(9, Math.min(12, NODE_H * this.sy - 2))), room = NODE_W * this.sx;
+      ctx.font = `${fs}px system-ui, sans-serif`;
       ctx.textBaseline = "middle";
-      for (const i of shown) {
-        const [x, y] = this.nodeXY(i);
+      for (const v of shown) {
+        const [x, y] = this.toScreen(X[v], Y[v]), i = this.vTask[v], mem = this.vMembers[v];
         const s = this.states[i];
+        if (mem) {  // a group: name and size on a plate, readable over any state colour
+          const label = `\u25b8 ${this.group[i]} \u00d7${mem.length}`;
+          ctx.fillStyle = "rgba(255,255,255,0.85)";
+          ctx.fillRect(x + 3, y - fs / 2 - 1, Math.min(ctx.measureText(label).width + 6, room - 6), fs + 2);
+          ctx.fillStyle = "#1f2933";
+          ctx.fillText(label, x + 6, y + 0.5, room - 12);
+          continue;
+        }
         ctx.fillStyle = s === "pending" || s === "runnable" || s === "missing" ? "#1f2933" : "#fff";
         let label = data.ids[i];
         if (label.length > 22) label = label.slice(0, 21) + "\u2026";
-        ctx.fillText(label, x + 6, y + 0.5, NODE_W - 10);
+        ctx.fillText(label, x + 5, y + 0.5, room - 8);
       }
     }
   }
@@ -680,6 +787,21 @@ function jobHeader(job) {
     ${job.reason ? `<div class="${job.state === "failed" || job.state === "rejected" ? "error-box" : "muted"}" id="job-reason">${esc(job.code ? job.code + ": " : "")}${esc(job.reason)}</div>` : ""}`;
 }
 
+/* The task groups (name prefixes with two or more tasks in a layer) as toggles above the graph: a
+ * pressed one is drawn as one node a layer. Hidden for a graph without groups. */
+const GROUP_BAR_MAX = 40;
+function groupBar(graph) {
+  const sizes = graph.groupSizes(), box = $("#dag-groups");
+  box.hidden = !sizes.length;
+  $("#dag-collapse").hidden = !sizes.length || sizes.every(([g]) => graph.collapsed.has(g));
+  $("#dag-expand").hidden = !graph.collapsed.size;
+  if (!sizes.length) return;
+  const more = sizes.length > GROUP_BAR_MAX ? ` <span class="muted">and ${sizes.length - GROUP_BAR_MAX} more</span>` : "";
+  box.innerHTML = `<span class="muted">groups</span> ${sizes.slice(0, GROUP_BAR_MAX).map(([g, k]) =>
+    `<button type="button" class="chip${graph.collapsed.has(g) ? " on" : ""}" data-group="${esc(g)}" aria-pressed="${graph.collapsed.has(g)}" title="${graph.collapsed.has(g) ? "expand" : "collapse"} ${esc(g)}">${esc(g)} <b>${k}</b></button>`).join("")}${more}
+    <span class="muted">· ${graph.nodeCount.toLocaleString()} nodes drawn for ${graph.data.ids.length.toLocaleString()} tasks</span>`;
+}
+
 /* Above a rejected job's graph: what is drawn (the spec as submitted, bounded) and what the red marks are. */
 function rejectedNote(g) {
   const rj = g.rejected;
@@ -816,8 +938,9 @@ async function pageJob(jobId, signal) {
     <div id="job-head">${jobHeader(job)}</div>
     <div class="row" style="margin-top:10px">
       <div class="grow">
+        <div class="dag-groups small" id="dag-groups" hidden></div>
         <div class="canvas-wrap"><canvas id="dag" style="height:560px"></canvas>
-          <div class="canvas-tools"><button id="dag-fit" type="button">fit</button></div>
+          <div class="canvas-tools"><button id="dag-collapse" type="button" title="draw each task group as one node a layer" hidden>collapse groups</button><button id="dag-expand" type="button" hidden>expand all</button><button id="dag-fit" type="button">fit</button></div>
           <div class="hint">scroll to zoom · drag to pan · click a task</div></div>
       </div>
       <div class="side panel" id="task-panel"><p class="muted">Click a task in the graph or the timeline to see its attempts and failure reasons.</p></div>
@@ -844,6 +967,14 @@ async function pageJob(jobId, signal) {
     graph = new DagView($("#dag"), g, g.state === "rejected" ? () => {} : select);  // a refused spec has no tasks to show
     hooks.graph = graph;
     if (g.state === "rejected") $("#dag").parentElement.insertAdjacentHTML("beforebegin", rejectedNote(g));
+    graph.onGroups = () => groupBar(graph);
+    groupBar(graph);
+    $("#dag-collapse").addEventListener("click", () => graph.collapseAll());
+    $("#dag-expand").addEventListener("click", () => graph.expandAll());
+    $("#dag-groups").addEventListener("click", (ev) => {
+      const b = ev.target.closest("button[data-group]");
+      if (b) graph.toggleGroup(b.dataset.group);
+    });
     $("#dag-fit").addEventListener("click", () => graph.fit());
   } catch (e) { $("#dag").parentElement.outerHTML = errorBox(e); }
   timeline = new Timeline($("#gantt"), select);
