@@ -209,3 +209,32 @@ def test_cost_is_the_reopened_tasks_not_the_graph() -> None:
                              "requested_by": "", "reason": "", "requested_at_ms": 0}, h.now_ms, h.offset)
         return len(txn.written_keys())
     assert touched(10) == touched(1000)
+
+
+def test_the_chaos_event_model_accepts_reopened_and_marked_tasks() -> None:
+    """chaos.checks.EventModel, written apart from the appliers, finds no illegal transition in a retry, a
+    fail_fast retry and a mark; and flags a mark that no TaskReopened preceded."""
+    from chaos import checks
+
+    h = failed_chain()
+    retry(h, "J", "bad")
+    run(h)
+    h.submit(spec({"id": "F", "failure_policy": "fail_fast", "tasks": [{"id": "x"}, {"id": "y"}]}))
+    dx = next(d for d in h.dispatched if d["task_id"] == "x")
+    h.report("Started", dx)
+    h.report("Failed", dx, reason="boom")
+    h.dispatched.clear()
+    mark(h, "F", "x")
+    run(h)
+    assert h.job("J")["state"] == h.job("F")["state"] == "succeeded"  # type: ignore[index]
+
+    def violations(events: list[Record]) -> list[str]:
+        f = checks.Findings()
+        m = checks.EventModel(f)
+        for i, e in enumerate(events):
+            m.apply({**e, "_p": 0, "_o": i})
+        return [v.kind for v in f.violations]
+
+    assert violations(h.events) == []
+    bogus = [e for e in h.events if not e["type"].endswith("TaskReopened")]
+    assert checks.ILLEGAL_TRANSITION in violations(bogus)
