@@ -13,8 +13,10 @@ gangs; tiers enterprise/standard/free; durations 30-180 s).
 
 Measured (``bench/results/gpu-fleet.json``, docs/gpu-scheduling.md §7.5):
 
-* heartbeat processing: NodeHeartbeatRecorded events written by the allocator per second over
-  the measurement window, beside the heartbeats the fleet sent;
+* heartbeat processing: allocator commands (heartbeats most of them) folded and committed per
+  second over the measurement window, beside those appended to ``allocator.commands`` and the
+  heartbeats the fleet sent; NodeHeartbeatRecorded events per second (a heartbeat with nothing
+  new is recorded only when the lease needs renewing, so these are fewer);
 * allocator lag: records between the allocator's committed offset and the end of its
   ``allocator.commands`` partition, sampled every second (p50, p99, max);
 * decision latency: fold time of each command that produced a decision (grant, preemption,
@@ -25,6 +27,7 @@ Measured (``bench/results/gpu-fleet.json``, docs/gpu-scheduling.md §7.5):
   allocator's NodeDrained(lost), and until every job it ran was granted again elsewhere.
 
     .venv/bin/python -m bench.fleet [--hosts 1250] [--seconds 120] [--rate 20] [--lease-s 30]
+    .venv/bin/python -m bench.fleet --drain 10 [--hosts 1250]   # heartbeat capacity from a backlog
 """
 
 from __future__ import annotations
@@ -237,6 +240,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
         shapes = [(1, 1, 0.3), (2, 1, 0.25), (4, 1, 0.2), (8, 1, 0.15), (8, 2, 0.1)]
         tiers = [("enterprise", 0.2), ("standard", 0.5), ("free", 0.3)]
         lags: list[int] = []
+        folded: list[tuple[float, int, int]] = []  # (monotonic s, commands the allocator folded, log end)
         consumer = probe
         t0 = time.monotonic()
         n_jobs = 0
@@ -260,6 +264,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
                 end = lg.end_offsets([cmd_tp])[cmd_tp]
                 committed = consumer.committed([cmd_tp]).get(cmd_tp, 0)
                 lags.append(max(end - committed, 0))
+                folded.append((now, alloc.folded, end))
             if killed is None and now - t0 >= seconds * 0.6 and state_file.exists():
                 by_node = json.loads(state_file.read_text())["by_node"]
                 if by_node:
@@ -301,6 +306,12 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
             "jobs_submitted": n_jobs, "fleet_sent": fleet["sent"],
             "heartbeats_recorded": len(hb), "heartbeats_recorded_per_s": round(len(hb) / span, 1) if span else None,
             "heartbeats_offered_per_s": round(hosts / hb_s, 1),
+            "heartbeats_sent_per_s": round(fleet["sent"]["heartbeats"] / measured_s, 1),
+            # every allocator command (heartbeats most of them) folded and committed, and appended, per second
+            "commands_folded_per_s": round((folded[-1][1] - folded[0][1]) / (folded[-1][0] - folded[0][0]), 1)
+            if len(folded) > 1 else None,
+            "commands_appended_per_s": round((folded[-1][2] - folded[0][2]) / (folded[-1][0] - folded[0][0]), 1)
+            if len(folded) > 1 else None,
             "allocator_lag_records": {"p50": pct([float(x) for x in lags], 0.5),
                                       "p99": pct([float(x) for x in lags], 0.99), "max": max(lags, default=0)},
             "decisions": len(lat), "grants": len(grants),
@@ -321,6 +332,88 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
         broker.stop()
 
 
+def drain(hosts: int, rounds: int, lease_s: float, renew: list[float | None]) -> dict[str, Any]:
+    """Heartbeat processing capacity of the allocator runtime on Kafka, apart from the fleet's own CPU.
+
+    ``rounds`` heartbeats of each of ``hosts`` 8-GPU hosts (3 of 8 GPUs busy, as the fleet sends them)
+    are appended to ``allocator.commands`` first; then the allocator runtime (the real spec on
+    ``PartitionProcessor``, stepped in this thread) folds the backlog, its clock advancing one second
+    per ``hosts`` heartbeats as if they arrived at 1 per host per second. Measured: wall and this
+    thread's CPU time (``thread_time``: the fold, the codec, the runtime; not the broker) per
+    heartbeat, once per ``lease_renew_s`` setting in ``renew`` (0: every heartbeat recorded, the
+    behaviour before heartbeats with nothing new went unrecorded), each on a fresh topic namespace.
+    """
+    from dagfold.codec import default_codec
+    from dagfold.config import ALLOCATOR_COMMANDS, Config
+    from dagfold.exceptions import LogError
+    from dagfold.localkafka import LocalKafka, free_base_port
+    from dagfold.log import open_log
+    from dagfold.processor import PartitionProcessor
+    from services.allocator import commands as cmds
+    from services.allocator.options import AllocatorOptions
+    from services.allocator.runner import allocator_spec
+
+    work = Path(tempfile.mkdtemp(prefix="fleet-drain-"))
+    port = int(os.environ.get("BENCH_KAFKA_PORT", "0")) or free_base_port(range(20150, 29150, 100))
+    broker = LocalKafka(port, work / "kafka").start()
+    codec = default_codec()
+    out: dict[str, Any] = {"hosts": hosts, "heartbeats": hosts * rounds, "lease_s": lease_s, "runs": []}
+    try:
+        for k, r in enumerate(renew):
+            url = f"{broker.url}?prefix=drain{k}"
+            cfg = Config(log_url=url, data_dir=work / f"data{k}")
+            lg = open_log(url, cfg.data_dir)
+            lg.create_topics(cfg.core_topics())
+            prod = lg.producer("fleet-drain")
+            t0 = 1_800_000_000_000
+            for i in range(hosts):
+                prod.send(ALLOCATOR_COMMANDS, POOL.encode(), codec.encode(
+                    cmds.register_node(POOL, f"h{i:04d}", "H100", 8, incarnation=7, ts_ms=t0)))
+            prod.flush(120.0)
+            clock = [t0 / 1000]
+            opts = AllocatorOptions(pool=POOL, lease_s=lease_s, lease_renew_s=r, notify_scheduler=False)
+            spec = allocator_spec(lg, opts, cfg.data_dir, clock=lambda c=clock: c[0])
+            alloc = PartitionProcessor(lg, spec, f"allocator-{POOL}")
+            for attempt in range(120):  # a fresh broker answers NOT_COORDINATOR until its offsets topic is up
+                try:
+                    alloc.start()
+                    break
+                except LogError:
+                    if attempt == 119:
+                        raise
+                    alloc._started = False
+                    time.sleep(1.0)
+            total = hosts * (rounds + 1)
+            while alloc.folded < hosts:  # the registrations first, then the backlog of heartbeats
+                alloc.step(1.0)
+            for n in range(rounds):
+                for i in range(hosts):
+                    gpus = [cmds.gpu_status(g, utilization=0.9 if g < 3 else 0.0, memory_total_mib=81_559,
+                                            temperature_c=50.0) for g in range(8)]
+                    prod.send(ALLOCATOR_COMMANDS, POOL.encode(), codec.encode(cmds.node_heartbeat(
+                        POOL, f"h{i:04d}", incarnation=7, ts_ms=t0 + 1000 * n, perf=1.0, gpus=gpus)))
+            prod.flush(120.0)
+            prod.close()
+            wall0, cpu0, done0 = time.perf_counter(), time.thread_time(), alloc.folded
+            while alloc.folded < total:
+                clock[0] = t0 / 1000 + (alloc.folded - hosts) / hosts  # one second per round of heartbeats
+                alloc.step(1.0)
+            wall, cpu, n = time.perf_counter() - wall0, time.thread_time() - cpu0, alloc.folded - done0
+            alloc.close()
+            lg.close()
+            out["runs"].append({"lease_renew_s": r, "heartbeats_folded": n, "wall_s": round(wall, 2),
+                                "cpu_s": round(cpu, 2), "heartbeats_per_s_wall": round(n / wall, 1),
+                                "cpu_us_per_heartbeat": round(cpu / n * 1e6, 1),
+                                "heartbeats_per_cpu_s": round(n / cpu, 1),
+                                "load_average": [round(x, 1) for x in os.getloadavg()]})
+            print(json.dumps(out["runs"][-1]), flush=True)
+    finally:
+        broker.stop()
+    out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version()}
+    out["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         _, _, url, hosts, gpus, hb_s, out = sys.argv
@@ -333,9 +426,17 @@ def main() -> None:
     ap.add_argument("--hb-s", type=float, default=1.0)
     ap.add_argument("--lease-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu-fleet.json"))
+    ap.add_argument("--drain", type=int, default=0, metavar="ROUNDS",
+                    help="instead: time the allocator folding ROUNDS heartbeats per host from a backlog, with "
+                         "every heartbeat recorded (lease_renew_s 0) and with the default (see drain())")
+    ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    res = run(a.hosts, a.seconds, a.rate, a.hb_s, a.lease_s, a.seed)
+    if a.drain:
+        res = drain(a.hosts, a.drain, a.lease_s, [0.0, None, 0.0, None])
+        a.out = a.out or str(ROOT / "bench" / "results" / "gpu-fleet-drain.json")
+    else:
+        res = run(a.hosts, a.seconds, a.rate, a.hb_s, a.lease_s, a.seed)
+        a.out = a.out or str(ROOT / "bench" / "results" / "gpu-fleet.json")
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
 
