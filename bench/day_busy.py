@@ -30,7 +30,7 @@ SPIN = "while True:\n    pass\n"
 
 
 def one(gpus: int, jobs: int, seed: int, busy: bool) -> dict[str, Any]:
-    from services.allocator.sim_day import run_day
+    from dagfold.services.allocator.sim_day import run_day
 
     spinner = subprocess.Popen([sys.executable, "-c", SPIN]) if busy else None
     try:

@@ -171,6 +171,17 @@ def fleet_main(url: str, hosts: int, gpus: int, hb_s: float, out_path: str) -> N
         time.sleep(0.01)
 
 
+def _start_broker(broker: Any) -> Any:
+    """Start the local broker, waiting up to KAFKA_START_TIMEOUT seconds (a loaded machine takes minutes)."""
+    broker.data.mkdir(parents=True, exist_ok=True)
+    try:
+        broker.sh("start", timeout=float(os.environ.get("KAFKA_START_TIMEOUT", "90")) + 60)
+    except BaseException:
+        broker.stop()  # a broker that started after the wait is not left running
+        raise
+    return broker
+
+
 # -- the benchmark (parent) ------------------------------------------------------------------
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
@@ -196,7 +207,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
 
     work = Path(tempfile.mkdtemp(prefix="fleet-"))
     port = int(os.environ.get("BENCH_KAFKA_PORT", "0")) or free_base_port(range(20150, 29150, 100))
-    broker = LocalKafka(port, work / "kafka").start()
+    broker = _start_broker(LocalKafka(port, work / "kafka"))
     try:
         url = broker.url
         cfg = Config(log_url=url, data_dir=work / "data")
@@ -349,13 +360,13 @@ def drain(hosts: int, rounds: int, lease_s: float, renew: list[float | None]) ->
     from dagfold.localkafka import LocalKafka, free_base_port
     from dagfold.log import open_log
     from dagfold.processor import PartitionProcessor
-    from services.allocator import commands as cmds
-    from services.allocator.options import AllocatorOptions
-    from services.allocator.runner import allocator_spec
+    from dagfold.services.allocator import commands as cmds
+    from dagfold.services.allocator.options import AllocatorOptions
+    from dagfold.services.allocator.runner import allocator_spec
 
     work = Path(tempfile.mkdtemp(prefix="fleet-drain-"))
     port = int(os.environ.get("BENCH_KAFKA_PORT", "0")) or free_base_port(range(20150, 29150, 100))
-    broker = LocalKafka(port, work / "kafka").start()
+    broker = _start_broker(LocalKafka(port, work / "kafka"))
     codec = default_codec()
     out: dict[str, Any] = {"hosts": hosts, "heartbeats": hosts * rounds, "lease_s": lease_s, "runs": []}
     try:
