@@ -94,19 +94,19 @@ def test_a_host_whose_jobs_progress_slowly_is_drained_as_slow(tmp_path: Path) ->
         a.devices = NvmlDevices(FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3") for _ in range(2)]).module())
         a.perf_window_s = 2.0
     try:
-        c.submit(gpu_job("fast", gpus=2, max_runtime_s=40))  # 400 x 0.05 s = 20 s: twice the pace it needs
+        c.submit(gpu_job("fast", gpus=2, max_runtime_s=60))  # 400 x 0.05 s = 20 s: 3x the pace it needs
         ev = c.until(lambda ev: any(e["perf"] is not None for e in of(ev, "NodeHeartbeatRecorded")))
         fast = of(ev, "AllocationGranted", job_id="fast")[0]["hosts"][0]["node_id"]
         perf = [e["perf"] for e in of(ev, "NodeHeartbeatRecorded", node_id=fast) if e["perf"] is not None][0]
-        assert perf == pytest.approx(2.0, rel=0.2)  # progress/s x max_runtime_s, capped at 2
+        assert 1.0 < perf <= 2.0  # progress/s x max_runtime_s (3, capped at 2, on an idle machine)
         slow = "n1" if fast == "n0" else "n0"
         c.agents[int(slow[1:])].launcher.speed = 0.25  # its jobs go at a quarter of the pace, clocks unchanged
-        c.submit(gpu_job("slow", gpus=2, max_runtime_s=40))
+        c.submit(gpu_job("slow", gpus=2, max_runtime_s=60))
         ev = c.until(lambda ev: bool(of(ev, "NodeDrained", node_id=slow)), timeout_s=60)
         drained = of(ev, "NodeDrained", node_id=slow)[0]
         assert drained["reason"].startswith("slow") and not drained["lost"]
         beats = [e["perf"] for e in of(ev, "NodeHeartbeatRecorded", node_id=slow) if e["perf"] is not None]
-        assert beats and beats[-1] == pytest.approx(0.5, rel=0.3)  # 1/80 per s x 40 s
+        assert beats and beats[-1] < 0.5 * perf  # about 1/80 per s x 60 s = 0.75 on an idle machine
         assert of(ev, "PreemptionRequested", job_id="slow")  # its job checkpoints and moves
         assert not of(ev, "NodeDrained", node_id=fast)
     finally:
