@@ -132,6 +132,34 @@ def test_first_start_wins_the_lease_and_later_starts_are_rejected() -> None:
     assert h.job("J")["state"] == "succeeded"
 
 
+def test_an_outcome_without_a_start_report_starts_and_ends_the_attempt() -> None:
+    """A worker that finishes a task before its start report went out (noop) reports once: the events
+    are those of a start and an outcome, so the two ways of reporting cannot be told apart after it."""
+    two, one = FoldHarness(), FoldHarness()
+    for h in (two, one):
+        h.submit(spec_of(DIAMOND))
+    while two.dispatched:
+        d = two.dispatched.popleft()
+        two.report("Started", d)
+        two.report("Succeeded", d)
+    while one.dispatched:
+        one.report("Succeeded", one.dispatched.popleft())
+    assert one.job("J")["state"] == "succeeded"
+    assert one.event_types() == two.event_types()
+    assert one.event_types().count("LeaseGranted") == 4 and "ReportIgnored" not in one.event_types()
+    assert one.replayed_digest() == one.digest()
+    # a failure report alone too; a stale or repeated one changes nothing
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [{id: a, retry: {max_attempts: 2, initial_interval_s: 1, jitter: false}}]"))
+    d1 = h.dispatched.popleft()
+    h.report("Failed", d1, reason="boom")
+    assert h.event_types()[-3:] == ["LeaseGranted", "TaskFailed", "TaskRetryScheduled"]
+    h.advance(1000)
+    before = h.digest()
+    h.report("Succeeded", d1)
+    assert h.digest() == before and h.event_types()[-1] == "ReportIgnored"
+
+
 def test_reports_for_stale_attempts_and_duplicates_change_nothing() -> None:
     h = FoldHarness()
     h.submit(spec_of("id: J\ntasks: [{id: a, retry: {max_attempts: 2, initial_interval_s: 1, jitter: false}}]"))

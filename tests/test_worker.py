@@ -131,12 +131,13 @@ def committed(log: EmbeddedLog) -> dict[TopicPartition, int]:
 # -- reports --------------------------------------------------------------------------------
 
 
-def test_noop_reports_started_then_succeeded(elog: EmbeddedLog, start: WorkerFactory) -> None:
+def test_noop_reports_once(elog: EmbeddedLog, start: WorkerFactory) -> None:
+    """An instant task's outcome is its one report (the scheduler starts and ends the attempt on it)."""
     w, _, _ = start(worker_id="worker-7")
     dispatch(elog, "job-a", "extract", attempt=3)
     out = outcome(elog, "job-a")
     recs = commands(elog, "job-a")
-    assert [r["type"] for r in recs] == [STARTED, SUCCEEDED]
+    assert [r["type"] for r in recs] == [SUCCEEDED]
     for r in recs:
         assert (r["job_id"], r["task_id"], r["attempt"], r["worker_id"]) == ("job-a", "extract", 3, "worker-7")
         assert abs(r["ts_ms"] - time.time() * 1000) < 60_000
@@ -212,7 +213,7 @@ def test_unknown_handler_and_bad_args(elog: EmbeddedLog, start: WorkerFactory) -
     dispatch(elog, "job-l", handler="noop", args_json="[1, 2]")
     u = outcome(elog, "job-u")
     assert (u["type"], u["reason"], u["retryable"]) == (FAILED, "unknown handler 'frobnicate'", False)
-    assert [r["type"] for r in commands(elog, "job-u")] == [STARTED, FAILED]
+    assert [r["type"] for r in commands(elog, "job-u")] == [FAILED]
     for job in ("job-j", "job-l"):
         r = outcome(elog, job)
         assert r["type"] == FAILED and not r["retryable"] and r["reason"].startswith("invalid args_json")
@@ -356,12 +357,12 @@ def test_undecodable_record_goes_to_deadletter(elog: EmbeddedLog, start: WorkerF
     assert dls[0]["service"] == "worker"
     assert dls[1]["offset"] == dls[0]["offset"] + 1 and STARTED in dls[1]["reason"]
     assert w.dead_lettered == 2
-    assert [r["type"] for r in commands(elog, "job-z")] == [STARTED, SUCCEEDED]
+    assert [r["type"] for r in commands(elog, "job-z")] == [SUCCEEDED]
 
 
 class _CheckingLog:
-    """Wraps the log: checks, when the worker accepts a dispatch record, that its TaskStarted is durable
-    (from then on the attempt's lease, not the record, stands for it)."""
+    """Wraps the log: checks, when the worker accepts a dispatch record, that its TaskStarted (or, for an
+    instant task, its outcome) is durable (from then on the attempt's lease, not the record, stands for it)."""
 
     def __init__(self, log: EmbeddedLog, fail_flushes: int = 0) -> None:
         self._log = log
@@ -410,7 +411,8 @@ class _CheckingLog:
             orig_ack(rec, ack)
 
         def commit(wait: bool = True) -> None:
-            started = {(r["job_id"], r["task_id"], r["attempt"]) for r in commands(outer._log, type_=STARTED)}
+            started = {(r["job_id"], r["task_id"], r["attempt"]) for r in commands(outer._log)
+                       if r["type"] in (STARTED, SUCCEEDED, FAILED)}
             for rec in accepted:
                 d = default_codec().decode(rec.value)
                 if (d["job_id"], d["task_id"], d["attempt"]) not in started:
@@ -439,9 +441,9 @@ def test_records_accepted_after_their_start_and_not_rerun(elog: EmbeddedLog, sta
     w2, _, _ = start(worker_id="w2")
     dispatch(elog, "job-new")
     outcome(elog, "job-new")
-    started = commands(elog, type_=STARTED)
-    assert len(started) == 21
-    assert [r["job_id"] for r in started if r["worker_id"] == "w2"] == ["job-new"]
+    reported = commands(elog, type_=SUCCEEDED)  # every task's outcome, once (noop: its one report)
+    assert len(reported) == 21 and len(commands(elog, type_=STARTED)) == 4  # the sleeps reported their start
+    assert [r["job_id"] for r in reported if r["worker_id"] == "w2"] == ["job-new"]
 
 
 def test_failed_flush_redelivers_the_batch(elog: EmbeddedLog, start: WorkerFactory) -> None:

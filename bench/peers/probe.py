@@ -112,6 +112,23 @@ def hwm_bytes(pid: int) -> int:
     return 0
 
 
+def process_label(pid: int, root: int) -> str:
+    """What a measured process is: the bench process itself (client, projector, in-process parts), a
+    ``dagfold <service>`` process, the Kafka broker (a JVM), or its program name."""
+    if pid == root:
+        return "bench process"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    words = [a.decode(errors="replace") for a in argv if a]
+    if "dagfold" in words and words.index("dagfold") + 1 < len(words):
+        return "dagfold " + words[words.index("dagfold") + 1]
+    if any("kafka" in w for w in words) and any(w.endswith("java") for w in words[:1]):
+        return "kafka broker"
+    return Path(words[0]).name if words else "?"
+
+
 def descendants(root: int) -> list[int]:
     """``root`` and every process below it."""
     children: dict[int, list[int]] = {}
@@ -169,7 +186,11 @@ class Meter:
         self._sample()
         own = sum(proc_cpu_s(p) - self._cpu0.get(p, 0.0) for p in self._tree)
         infra = sum(proc_cpu_s(p) - self._cpu0.get(p, 0.0) for p in self.infra)
-        return {"own_cpu_s": round(own, 3), "infra_cpu_s": round(infra, 3),
+        by_process: dict[str, float] = {}
+        for p in sorted(self._tree | set(self.infra)):
+            label = process_label(p, self.root)
+            by_process[label] = round(by_process.get(label, 0.0) + proc_cpu_s(p) - self._cpu0.get(p, 0.0), 3)
+        return {"own_cpu_s": round(own, 3), "infra_cpu_s": round(infra, 3), "cpu_by_process_s": by_process,
                 "peak_rss_mib": round(self.peak_own / 2**20, 1), "infra_rss_mib": round(self.peak_infra / 2**20, 1),
                 "processes": len(self._tree)}
 

@@ -74,6 +74,8 @@ def read_reports(stack: Stack, cfg: Config, job_id: str) -> tuple[dict[str, floa
                 elif t == "dagfold.dispatch.TaskDispatch":
                     dispatched.setdefault(rec["task_id"], r.timestamp_ms / 1000)
         c.close()
+    for task, t in done.items():  # an instant task (noop) reports once: its outcome is its start too
+        started.setdefault(task, t)
     return started, done, dispatched
 
 
@@ -100,6 +102,9 @@ def main() -> None:
     ap.add_argument("--infra-pid", type=int, action="append", default=[])
     ap.add_argument("--pyspy", type=Path,
                     help="profile the measured window with py-spy (raw, per thread) into this file")
+    ap.add_argument("--pyspy-all", type=Path,
+                    help="folder: py-spy (raw) of every dagfold process of the run, for bench.peers.cpu_split")
+    ap.add_argument("--pyspy-bin", default=os.environ.get("PYSPY", "py-spy"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -156,6 +161,16 @@ def main() -> None:
                                     "--rate", "250", "--threads", "--nonblocking", "--format", "raw",
                                     "--output", str(args.pyspy)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
+        spies: list[subprocess.Popen[bytes]] = []
+        if args.pyspy_all is not None:
+            args.pyspy_all.mkdir(parents=True, exist_ok=True)
+            for pid in [os.getpid()] + [p.pid for p in procs]:
+                label = probe.process_label(pid, os.getpid()).replace(" ", "-")
+                spies.append(subprocess.Popen(
+                    [args.pyspy_bin, "record", "--pid", str(pid), "--rate", "200", "--nonblocking", "--format",
+                     "raw", "--output", str(args.pyspy_all / f"{label}-{pid}.txt")],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(1.5)
         meter = probe.Meter(infra=args.infra_pid).start()
         t0 = time.perf_counter()
         try:
@@ -174,6 +189,10 @@ def main() -> None:
         dt = time.perf_counter() - t0
         m = meter.stop()
         sched = sched_cpu() - sched0
+        for sp in spies:
+            sp.send_signal(2)
+        for sp in spies:
+            sp.wait(60)
         if spy is not None:
             spy.send_signal(2)
             spy.wait(60)

@@ -476,7 +476,19 @@ def task_heartbeat(ctx: Ctx, cmd: Record) -> None:
               progress=cmd["progress"])
 
 
+def _start_if_unstarted(ctx: Ctx, cmd: Record) -> None:
+    """An outcome for the current attempt while it is still runnable: a worker that finished the task
+    before its start report went out (an instant handler such as ``noop``) reports once, and the
+    lease is granted here first. The events are those of a start and an outcome (LeaseGranted, then
+    TaskSucceeded or TaskFailed), so projections, history and replay do not tell the two apart; a
+    GPU task is started only by its grant's TaskStarted."""
+    t = read_task(ctx.txn, cmd["job_id"], cmd["task_id"])
+    if t is not None and t["state"] == "runnable" and t["attempt"] == cmd["attempt"] and not is_gpu(t):
+        task_started(ctx, cmd)
+
+
 def task_succeeded(ctx: Ctx, cmd: Record) -> None:
+    _start_if_unstarted(ctx, cmd)
     if _report_target(ctx, cmd, "succeeded") is None:
         return
     job_id, task_id = cmd["job_id"], cmd["task_id"]
@@ -541,6 +553,7 @@ def task_released(ctx: Ctx, cmd: Record) -> None:
 
 
 def task_failed(ctx: Ctx, cmd: Record) -> None:
+    _start_if_unstarted(ctx, cmd)
     t = _report_target(ctx, cmd, "failed")
     if t is None:
         return

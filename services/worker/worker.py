@@ -11,8 +11,10 @@ The dispatch topic is a queue (``QueueConsumer`` in ``dagfold.log.base``): a wor
 acquires records only when it is free to run them, so a task waits for capacity,
 never behind another task on a busy worker. Per polled batch:
 
-* Instant (``batched``) handlers such as ``noop`` run at once; their TaskStarted
-  and outcome are flushed together, then their records are accepted.
+* Instant (``batched``) handlers such as ``noop`` run at once; each reports once,
+  its outcome (no TaskStarted: the scheduler grants the lease and ends the attempt
+  on the outcome), the batch's outcomes are flushed together, then their records
+  are accepted.
 * Of the other records the worker starts one and releases the rest at once, to
   whichever worker is free. The started one is accepted as soon as its
   TaskStarted is flushed: from then on the attempt's lease (heartbeats every
@@ -415,7 +417,7 @@ class Worker:
             give_back = [rec for rec in give_back if rec.delivery_count < self.max_deliveries]
         try:
             for rec, d, handler in instant:
-                self._start(d)
+                self._start(d, report=False)  # its outcome is the one report (the scheduler grants, then ends)
                 self._send_report(d, self._execute(d, handler, stop))
                 settle.append((rec, Ack.ACCEPT))
             if run_now:
@@ -498,10 +500,13 @@ class Worker:
         log.info("skipping attempt stopped before it ran: %s", stopped, extra=self._extra(key))
         return True
 
-    def _start(self, d: Record) -> None:
-        self._send(COMMANDS, d["job_id"].encode(), codec.make(
-            "dagfold.command.TaskStarted", job_id=d["job_id"], task_id=d["task_id"], attempt=d["attempt"],
-            worker_id=self.worker_id, ts_ms=now_ms()))
+    def _start(self, d: Record, report: bool = True) -> None:
+        """Count an attempt as started; ``report``: send its TaskStarted (an instant task, whose outcome
+        goes out in the same flush, sends none: its outcome starts and ends it at the scheduler)."""
+        if report:
+            self._send(COMMANDS, d["job_id"].encode(), codec.make(
+                "dagfold.command.TaskStarted", job_id=d["job_id"], task_id=d["task_id"], attempt=d["attempt"],
+                worker_id=self.worker_id, ts_ms=now_ms()))
         self.tasks_run += 1
         metrics.observe_dispatch(self.queue, d["dispatched_at_ms"], now_ms())
 
