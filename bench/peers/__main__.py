@@ -42,13 +42,15 @@ LABEL = {"dagfold-embedded": "dagfold (embedded)", "dagfold-kafka": "dagfold (Ka
 
 
 class Broker:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, data: Path | None = None) -> None:
         self.port = port
-        self.data = Path(tempfile.mkdtemp(prefix="bench-peers-kafka-"))
+        self.owned = data is None  # else a broker already running from that folder (kept running)
+        self.data = data if data is not None else Path(tempfile.mkdtemp(prefix="bench-peers-kafka-"))
         self.local = LocalKafka(port, self.data)
 
     def start(self) -> Broker:
-        self.local.start()
+        if self.owned:
+            self.local.start()
         return self
 
     @property
@@ -60,8 +62,9 @@ class Broker:
         return f"kafka://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
-        self.local.stop()
-        shutil.rmtree(self.data, ignore_errors=True)
+        if self.owned:
+            self.local.stop()
+            shutil.rmtree(self.data, ignore_errors=True)
 
 
 def command(system: str, workload: str, args: argparse.Namespace, broker: Broker | None,
@@ -82,6 +85,7 @@ def command(system: str, workload: str, args: argparse.Namespace, broker: Broker
 def run_one(system: str, workload: str, args: argparse.Namespace, broker: Broker | None, kafka_data: Path | None,
             logdir: Path) -> dict[str, Any]:
     cmd = command(system, workload, args, broker, kafka_data)
+    load_1m = report.loadavg()
     log = logdir / f"{system}-{workload}.log"
     grace = 240.0  # start-up (Prefect's server, Kafka group joins), warm-up and reading the log back
     t0 = time.monotonic()
@@ -107,6 +111,7 @@ def run_one(system: str, workload: str, args: argparse.Namespace, broker: Broker
                 "limit_s": args.limit, "tasks_per_s": None, "done": None, "notes": tail}
     res = json.loads(lines[-1])
     res["process_wall_s"] = round(time.monotonic() - t0, 1)
+    res["load_before"] = load_1m  # the machine is shared: every figure with its load average
     return res
 
 
@@ -205,12 +210,19 @@ def target_rows(res: list[dict[str, Any]]) -> list[list[str]]:
     by = {(r["workload"], r["system"]): r for r in res}
     k = by.get(("montage", "dagfold-kafka"))
     out = []
-    for peer, want in (("dask", 2.0), ("celery", 10.0), ("prefect", 10.0)):
-        p = by.get(("montage", peer))
-        if k is None or p is None or not k.get("tasks_per_s") or not p.get("tasks_per_s"):
+    ratios = [("dagfold-kafka", "dask", "montage", 2.0), ("dagfold-kafka", "celery", "montage", 10.0),
+              ("dagfold-kafka", "prefect", "montage", 10.0), ("dagfold-kafka", "dask", "epigenomics", 2.0),
+              ("dagfold-kafka", "dask", "chain-1k", 1.0), ("dagfold-embedded", "dask", "montage", 3.0)]
+    for ours, peer, w, want in ratios:  # issue 7's and issue 14's
+        o, p = by.get((w, ours)), by.get((w, peer))
+        if o is None or p is None or not o.get("tasks_per_s") or not p.get("tasks_per_s"):
             continue
-        x = k["tasks_per_s"] / p["tasks_per_s"]
-        out.append([f"dagfold-Kafka ≥ {want:g}× {peer} tasks/s on Montage", f"{x:.2f}×", "yes" if x >= want else "no"])
+        x = o["tasks_per_s"] / p["tasks_per_s"]
+        name = "dagfold-Kafka" if ours == "dagfold-kafka" else "dagfold-embedded"
+        out.append([f"{name} ≥ {want:g}× {peer} tasks/s on {w}", f"{x:.2f}×", "yes" if x >= want else "no"])
+    if k is not None and k.get("total_cpu_us_per_task"):
+        v = k["total_cpu_us_per_task"]
+        out.append(["Kafka total CPU per noop task ≤ 450 µs (Montage)", f"{v:.0f} µs", "yes" if v <= 450 else "no"])
     for w in WORKLOADS:
         r = by.get((w, "dagfold-kafka"))
         if r is not None and r.get("dep_to_dispatch_p99_ms") is not None:
@@ -270,7 +282,15 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if len(runs) == 1:
         return runs[0]
     ranked = sorted(runs, key=lambda r: r.get("tasks_per_s") or 0.0)
-    return {**ranked[(len(ranked) - 1) // 2], "runs_tasks_per_s": [r.get("tasks_per_s") for r in runs]}
+    out = {**ranked[(len(ranked) - 1) // 2], "runs_tasks_per_s": [r.get("tasks_per_s") for r in runs],
+           "runs_load_before": [r.get("load_before") for r in runs]}
+    for key in ("total_cpu_us_per_task", "sched_cpu_us_per_task", "dep_to_dispatch_p99_ms", "lat_p99_ms"):
+        vals = [r.get(key) for r in runs]
+        out[f"runs_{key}"] = vals
+        known = sorted(v for v in vals if v is not None)
+        if known:  # each figure's own median over the runs (the median run's is kept under its name)
+            out[f"median_{key}"] = known[(len(known) - 1) // 2]
+    return out
 
 
 def main() -> None:
@@ -285,12 +305,16 @@ def main() -> None:
                     help="dagfold-kafka as one process (scheduler, projector and workers as threads of the "
                          "stack, like dagfold-embedded); default: a deployment's shape, a `dagfold scheduler` "
                          "process and `dagfold worker` processes, the read model in the measuring process")
+    ap.add_argument("--kafka-data", type=Path,
+                    help="use the broker already running (deploy/kafka/kafka.sh) from this data folder on "
+                         "--kafka-port instead of starting one (a loaded machine may not start one in 90 s)")
     ap.add_argument("--no-setup", action="store_true")
     ap.add_argument("--no-limits", action="store_true")
     ap.add_argument("--no-docs", action="store_true")
-    ap.add_argument("--repeat", type=int, default=1,
+    ap.add_argument("--repeat", type=int, default=None,
                     help="runs per cell; the cell reports its median run by tasks/s, all runs' tasks/s in "
-                         "runs_tasks_per_s (short cells such as Montage vary by 2-3x run to run)")
+                         "runs_tasks_per_s (short cells such as Montage vary by 2-3x run to run); default 3 "
+                         "for the dagfold and Dask rows, 1 for Celery and Prefect (their runs take minutes)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rerender", action="store_true",
                     help="rebuild the table, plot and docs section from the results file; measure nothing")
@@ -318,7 +342,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     try:
         if needs_kafka:
-            broker = Broker(args.kafka_port).start()
+            broker = Broker(args.kafka_port, args.kafka_data).start()
             kafka_data = Path(tempfile.mkdtemp(prefix="bench-peers-dagfold-kafka-"))
         if "dagfold-kafka" in args.systems and not args.smoke:
             # A broker that just started runs its request paths interpreted until the JVM has compiled
@@ -328,7 +352,8 @@ def main() -> None:
             print(f"broker warm-up (not counted): {args.workloads[0]} tasks/s={r.get('tasks_per_s')}", flush=True)
         for w in args.workloads:
             for s in args.systems:
-                r = median_run([run_one(s, w, args, broker, kafka_data, logdir) for _ in range(args.repeat)])
+                n = args.repeat or (3 if s in (*DAGFOLD, "dask") else 1)
+                r = median_run([run_one(s, w, args, broker, kafka_data, logdir) for _ in range(n)])
                 results.append(r)
                 print(f"{w:16} {s:17} {cell_status(r):28} tasks/s={r.get('tasks_per_s')} "
                       f"p99={r.get('lat_p99_ms')} ms  (log {logdir})", flush=True)
