@@ -18,6 +18,7 @@ from pathlib import Path
 
 # (substring of a frame's file, component), tried from the innermost frame outwards
 RULES: list[tuple[str, str]] = [
+    ("probe.py", "bench meter (reads /proc; not the system's)"),
     ("fastavro", "codec (Avro)"), ("dagfold/codec.py", "codec (Avro)"),
     ("msgspec", "state store"), ("rocksdict", "state store"), ("dagfold/state/", "state store"),
     ("confluent_kafka", "Kafka client"), ("dagfold/log/kafka.py", "Kafka client"),
@@ -30,6 +31,7 @@ RULES: list[tuple[str, str]] = [
     ("services/worker/", "worker"),
     ("services/stack.py", "bench client (submit, wait)"), ("bench/", "bench client (submit, wait)"),
     ("dagfold/commands.py", "bench client (submit, wait)"),
+    ("dagfold/cli/", "CLI main thread (waits for its worker threads)"),
 ]
 
 
