@@ -134,8 +134,14 @@ def test_task_groups_collapse_and_expand_on_the_large_montage(local: Local, page
     page.click('#dag-groups button[data-group="mDiffFit"]')  # and its toggle collapses it again
     assert page.evaluate(drawn) == [nodes, nodes]
 
+    assert "groups=" in page.evaluate("location.hash")  # the collapsed groups are in the address: a reload keeps them
+    page.reload()
+    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
+    assert page.evaluate(drawn) == [nodes, nodes]
+
     page.click("#dag-expand")
     assert page.evaluate(drawn) == [1738, 1738]  # every task back
+    assert "groups=" not in page.evaluate("location.hash")
     assert page.evaluate("window.__dagfold.graph.groupLabels") >= 3  # the layer headers of the fit zoom
 
 

@@ -927,7 +927,7 @@ async function showTask(jobId, taskId, onChange = null) {
   } catch (e) { box.innerHTML = errorBox(e); }
 }
 
-async function pageJob(jobId, signal) {
+async function pageJob(jobId, signal, params = new URLSearchParams()) {
   view.innerHTML = `<p class="muted">loading job ${esc(jobId)}…</p>`;
   let job;
   try { job = await api(`/v1/jobs/${enc(jobId)}`); } catch (e) {
@@ -967,7 +967,15 @@ async function pageJob(jobId, signal) {
     graph = new DagView($("#dag"), g, g.state === "rejected" ? () => {} : select);  // a refused spec has no tasks to show
     hooks.graph = graph;
     if (g.state === "rejected") $("#dag").parentElement.insertAdjacentHTML("beforebegin", rejectedNote(g));
-    graph.onGroups = () => groupBar(graph);
+    // the collapsed groups live in the address (#/jobs/ID?groups=mProject,mDiffFit): a view to share or reload
+    graph.onGroups = () => {
+      groupBar(graph);
+      const q = new URLSearchParams(params);
+      if (graph.collapsed.size) q.set("groups", [...graph.collapsed].join(",")); else q.delete("groups");
+      const hash = `#/jobs/${enc(jobId)}${q.toString() ? "?" + q : ""}`;
+      if (location.hash !== hash) history.replaceState(null, "", hash);  // no hashchange: the page stays
+    };
+    if (params.get("groups")) graph.setCollapsed(params.get("groups").split(",").slice(0, 200));
     groupBar(graph);
     $("#dag-collapse").addEventListener("click", () => graph.collapseAll());
     $("#dag-expand").addEventListener("click", () => graph.expandAll());
@@ -1194,7 +1202,7 @@ function route() {
   const name = parts[0] || "jobs";
   for (const a of document.querySelectorAll("[data-nav]")) a.classList.toggle("active", a.dataset.nav === name);
   hooks.page = name === "jobs" && parts[1] ? "job" : name;
-  if (name === "jobs" && parts[1]) pageJob(parts.slice(1).join("/"), current.signal);
+  if (name === "jobs" && parts[1]) pageJob(parts.slice(1).join("/"), current.signal, params);
   else if (name === "ops") pageOps(current.signal);
   else if (name === "cluster") pageCluster(current.signal);
   else if (name === "deadletters") pageDeadLetters(current.signal);  // static/deadletters.js
