@@ -185,6 +185,7 @@ def test_a_quota_changed_through_the_admin_api_reaches_the_running_allocator(tmp
               and e["entitlements"]["gpu_quota"] == {"default": 2.0}]
         granted = [i for i, e in enumerate(evs) if e["type"].endswith("AllocationGranted") and e["job_id"] == "q2"]
         assert at and granted and at[0] < granted[0]
+        assert evs[at[0]]["entitlements"]["weight"] == 3.0 and evs[at[0]]["source"] == "admin_api"
         assert not [e for e in evs if e.get("job_id") == "q1" and e["type"].endswith(("Released", "Expired"))]
         assert not stack.failed, stack.errors
         for jid in ("q1", "q2"):

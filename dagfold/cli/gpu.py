@@ -44,7 +44,8 @@ def allocator(pool: str = PoolOpt, log: LogOpt = None, data: DataOpt = None,
               metrics_port: int | None = MetricsPortOpt, metrics_addr: str = MetricsAddrOpt,
               tenants_file: Path | None = typer.Option(
                   None, "--auth-file", envvar="DAGFOLD_AUTH_FILE",
-                  help="the auth file: its tenants' fair-share weights and this pool's GPU quotas"),
+                  help="the auth file: its tenants' fair-share weights and this pool's GPU quotas at start "
+                       "(the API's admin changes reach the allocator through the log, live)"),
               verbose: VerboseOpt = False) -> None:
     """Run the GPU allocator of one pool (one writer per pool; a newer instance fences an older one)."""
     from dagfold.log import open_log
