@@ -57,6 +57,7 @@ from dagfold.state.store import applied_events_offset, state_digest
 
 PY = sys.executable
 PARTITIONS = 8
+STUCK_S = 60.0  # consolidation: s1's stores unchanged this long while behind the events = stuck, not late
 POOL = "chaos"
 # Short session timeouts so a killed process's partitions move within seconds. A transaction
 # timeout of 30 s (librdkafka's default is 60 s) bounds how long a killed scheduler's open
@@ -350,22 +351,34 @@ class ChaosRun:
             s.terminate()
         if not keep.alive():
             keep.start()
-        deadline = time.monotonic() + 180
+        # Late or stuck? s1 gets 180 s, and longer (up to 600 s) while its stores still move: taking
+        # over partitions on a loaded machine can be slow; a store that stopped moving behind the
+        # events for STUCK_S is stuck, which no waiting mends.
+        start = time.monotonic()
+        moved = start
         final: dict[int, int] = {}
         behind: dict[int, tuple[int | None, int]] = {}
-        while time.monotonic() < deadline:
+        while True:
+            now = time.monotonic()
+            if now - start >= 600 or (now - start >= 180 and now - moved >= STUCK_S):
+                break
             if not keep.alive():
                 self.say(f"s1 exited during consolidation (code {keep.exit_code()}); restarting it")
                 keep.start()
             final = self.last_event_offsets(log)
             have = self.store_offsets(self.scheduler_dirs[keep.name])
-            behind = {p: (have.get(p), off) for p, off in final.items() if off >= 0 and have.get(p) != off}
+            now_behind = {p: (have.get(p), off) for p, off in final.items() if off >= 0 and have.get(p) != off}
+            if now_behind != behind:
+                moved = time.monotonic()
+            behind = now_behind
             if not behind and self.command_lag(log) == 0:
                 break
             time.sleep(1)
         info["s1 caught up"] = not behind
+        info["s1 waited s"] = round(time.monotonic() - start, 1)
         if behind:
             info["s1 behind"] = {str(p): v for p, v in behind.items()}
+            info["s1 stuck s"] = round(time.monotonic() - moved, 1)  # how long nothing moved
         keep.terminate()
         self.final_offsets = final
         return info

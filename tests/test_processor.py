@@ -20,7 +20,7 @@ from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, EVENT
 from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
 from dagfold.log import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog, EmbeddedTransactionalProducer
-from dagfold.processor import catch_up
+from dagfold.processor import PartitionProcessor, catch_up
 from dagfold.services.allocator import commands as alloc_cmds
 from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.services.allocator.options import AllocatorOptions
@@ -295,3 +295,99 @@ def test_a_rewind_that_fails_after_an_abort_is_retried_before_the_next_poll(
         run_job_to_the_end(log, "R")
     finally:
         s.close()
+
+
+# -- a partition taken over while its previous owner's transaction is pending ---------------------------
+
+
+class StableOffsetFetch:
+    """The new owner's consumer as librdkafka and Kafka behave: a group member's committed offsets
+    are fetched when the assignment is applied, after ``on_assign`` returned; and a fetch of
+    committed offsets waits while a transaction holding offsets for them is pending (read_committed,
+    KIP-447), which ``pending()`` plays by letting that transaction commit first."""
+
+    def __init__(self, inner: Any, pending: Any) -> None:
+        self.inner = inner
+        self.pending = pending
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def committed(self, tps: Any) -> Any:
+        self.pending()
+        return self.inner.committed(tps)
+
+    def subscribe(self, topics: Any, on_assign: Any = None, on_revoke: Any = None) -> None:
+        def assigned(tps: list[TopicPartition]) -> None:
+            if on_assign is not None:
+                on_assign(tps)
+            for tp, off in self.committed(tps).items():  # librdkafka: after the callback
+                self.inner.seek(tp, off)
+
+        self.inner.subscribe(topics, on_assign=assigned, on_revoke=on_revoke)
+
+
+@pytest.mark.parametrize("assignment", ["group", "manual"])
+def test_a_partition_taken_over_during_its_previous_owners_commit_misses_none_of_its_events(
+        env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, assignment: str) -> None:
+    """Seen as s1 behind the events at a chaos run's end (28 replay differences): the old owner lost
+    its partitions with its offsets sent and its events not yet on the log (stopped past its session
+    timeout, then resumed), and committed after the new owner had caught its state up but before
+    the new owner's (stable) offset fetch returned. The new owner read the commands from past that
+    batch and never applied its events: the job was missing from its state for good."""
+    import dataclasses
+    import threading
+
+    from dagfold.services.scheduler.replay import job_ids
+    from dagfold.services.scheduler.runner import scheduler_spec
+
+    log, cfg = env
+    old_owner = PartitionProcessor(log, dataclasses.replace(scheduler_spec(cfg, "old"), partitions=list(range(PARTS))),
+                                   "old")
+    old_owner.start()
+    send(log, "T", submit_job(to_job_spec(load_spec_text("id: T\ntasks: [{id: a}]"))))
+    recs = old_owner.consumer.poll(100, 1.0)
+    assert recs
+    released, committed = threading.Event(), threading.Event()
+    real_commit = EmbeddedTransactionalProducer.commit
+
+    def commit(producer: EmbeddedTransactionalProducer, offsets: Any, consumer: Any = None) -> Any:
+        if producer is old_owner.producer:
+            assert released.wait(10)  # its offsets are sent, its events not yet on the log
+        return real_commit(producer, offsets, consumer)
+
+    monkeypatch.setattr(EmbeddedTransactionalProducer, "commit", commit)
+
+    def old_owner_commits() -> None:
+        old_owner.process_batch(recs)
+        committed.set()
+
+    def pending() -> None:  # the stable fetch: the pending transaction completes first
+        released.set()
+        assert committed.wait(10)
+
+    thread = threading.Thread(target=old_owner_commits, daemon=True)
+    thread.start()
+    new_cfg = Config(data_dir=tmp_path / "new", partitions=PARTS)
+    spec = scheduler_spec(new_cfg, "new")
+    new_owner = PartitionProcessor(log, spec if assignment == "group" else
+                                   dataclasses.replace(spec, partitions=list(range(PARTS))), "new")
+    new_owner.consumer = StableOffsetFetch(new_owner.consumer, pending)  # type: ignore[assignment]
+    p = partition_for(b"T", PARTS)
+    try:
+        deadline = time.monotonic() + 10
+        while p not in new_owner.stores and time.monotonic() < deadline:
+            new_owner.step(0.05)
+        thread.join(10)
+        assert types(log, "T") == ["JobAccepted", "TaskDispatched"]  # the old owner's batch committed
+        assert "T" in job_ids(new_owner.stores[p])  # ... and its events are in the new owner's state
+        new_owner.consumer = new_owner.consumer.inner  # taken over (the embedded commit wants its own)
+        send(log, "T", report("TaskStarted", "T", "a"))
+        deadline = time.monotonic() + 10
+        while "LeaseGranted" not in types(log, "T") and time.monotonic() < deadline:
+            new_owner.step(0.05)
+        assert types(log, "T") == ["JobAccepted", "TaskDispatched", "LeaseGranted"], types(log, "T")
+    finally:
+        new_owner.close()
+        old_owner.close()
+    assert verify(new_cfg.data_dir, _replayed(log, tmp_path), PARTS) == []

@@ -28,7 +28,9 @@ partitions to the same reconciliation, retried before the next poll: a consumer 
 past an aborted batch must never poll on.
 
 A crash between 3 and 4 is the UNKNOWN case seen from a restart: on assignment each
-partition's store is caught up from its events first. Timers go through the log
+partition's store is caught up from its events first, after the group's committed offsets
+were read (on Kafka that read waits for a previous owner's pending transaction: see
+``_on_assign``). Timers go through the log
 (``timers``): due-timer scans write timer commands, folded like any other command.
 """
 
@@ -148,12 +150,30 @@ class PartitionProcessor:
         return TopicPartition(self.spec.events, self.spec.events_partition(partition))
 
     def _on_assign(self, tps: list[TopicPartition]) -> None:
-        for tp in tps:
-            if tp.topic != self.spec.commands or tp.partition in self.stores:
-                continue
+        self._take(tps)
+
+    def _take(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Take new partitions: their committed offsets first, then each store caught up with its
+        events. Returns those offsets (where the commands are read from).
+
+        The order is Kafka Streams' (offsets, then restore). On Kafka the committed-offset fetch is
+        stable (read_committed: KIP-447): it waits while a transaction that holds offsets for these
+        partitions is pending, so the previous owner's last transaction is committed or aborted
+        before the catch-up reads the events to their end. The other way round, an owner that lost
+        a partition with its offsets already sent (stopped past its session timeout, then resumed)
+        could commit after the catch-up: the commands read from past its batch, its events never
+        applied here, and the applied offset moved past them with the next commit.
+        """
+        new = [tp for tp in tps if tp.topic == self.spec.commands and tp.partition not in self.stores]
+        offsets = self._committed(new) if new else {}
+        for tp in new:
             store = self._open_store(tp.partition)
-            fold = self.spec.fold_for(tp.partition, store)
-            n = catch_up(self.log, store, fold, self._events_tp(tp.partition), self.spec.accepts)
+            try:
+                fold = self.spec.fold_for(tp.partition, store)
+                n = catch_up(self.log, store, fold, self._events_tp(tp.partition), self.spec.accepts)
+            except BaseException:
+                store.close()
+                raise
             log.info("%s partition %d restored (%d events applied)", self.spec.service, tp.partition, n,
                      extra={"topic": tp.topic, "partition": tp.partition})
             self.stores[tp.partition] = store
@@ -161,6 +181,20 @@ class PartitionProcessor:
             if self.timers is not None:
                 self.timers.forget(tp.partition)  # its restored timers may be due long ago
         self.ready.set()
+        return offsets
+
+    def _committed(self, tps: list[TopicPartition], attempts: int = 4) -> dict[TopicPartition, int]:
+        """The group's committed offsets of ``tps``, retried while the coordinator moves."""
+        backoff = Backoff(0.5, 4.0)
+        for _ in range(attempts - 1):
+            try:
+                return self.consumer.committed(tps)
+            except LogError:
+                delay = backoff.failed()
+                log.warning("%s: reading the committed offsets failed; again in %.1fs", self.spec.service, delay,
+                            exc_info=True)
+                time.sleep(delay)
+        return self.consumer.committed(tps)
 
     def _on_revoke(self, tps: list[TopicPartition]) -> None:
         for tp in tps:
@@ -183,8 +217,7 @@ class PartitionProcessor:
             self.consumer.subscribe([self.spec.commands], on_assign=self._on_assign, on_revoke=self._on_revoke)
             return
         tps = [TopicPartition(self.spec.commands, p) for p in self.spec.partitions]
-        self._on_assign(tps)
-        self.consumer.assign(self.consumer.committed(tps))
+        self.consumer.assign(self._take(tps))
 
     # -- main loop --------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
