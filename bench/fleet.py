@@ -201,7 +201,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
     from dagfold.processor import PartitionProcessor
     from dagfold.services.allocator.fold import AllocatorFold
     from dagfold.services.allocator.options import AllocatorOptions
-    from dagfold.services.allocator.runner import GROUP, allocator_spec
+    from dagfold.services.allocator.runner import allocator_spec
     from dagfold.services.scheduler.runner import SchedulerRunner
     from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 
@@ -231,7 +231,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
 
         spec = replace(allocator_spec(lg, opts, cfg.data_dir), fold_for=lambda p, s: TimedFold(s, opts))
         cmd_tp = TopicPartition(ALLOCATOR_COMMANDS, lg.partition_for(POOL.encode(), lg.partitions(ALLOCATOR_COMMANDS)))
-        probe = lg.consumer(GROUP, client_id="fleet-lag")
+        probe = lg.consumer(spec.group, client_id="fleet-lag")
         for attempt in range(120):  # a fresh broker answers NOT_COORDINATOR until its offsets topic is up
             try:
                 probe.committed([cmd_tp])

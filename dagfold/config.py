@@ -28,6 +28,17 @@ ALLOCATOR_EVENTS = "allocator.events"
 
 SCHEDULER_GROUP = "dagfold-scheduler"
 PROJECTOR_GROUP = "dagfold-projector"
+# Where every pool's allocator committed its offsets before each pool had a group of its own
+# (allocator_group): pools hashed onto one partition overwrote each other's position there.
+SHARED_ALLOCATOR_GROUP = "dagfold-allocator"
+
+
+def allocator_group(pool: str) -> str:
+    """The consumer group whose committed offset is one pool allocator's position in its partition
+    of ``allocator.commands``. One per pool: every pool on a partition reads all of it (skipping the
+    others' commands), each at its own pace, so a shared group's offset was whichever pool committed
+    last, and an allocator restarted there skipped or re-read its own pool's commands."""
+    return f"dagfold-allocator.{pool}"
 
 
 def dispatch_topic(queue: str) -> str:

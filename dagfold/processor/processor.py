@@ -56,6 +56,7 @@ from dagfold.processor.polling import Backoff, LagGauge
 from dagfold.processor.timers import TimerPolicy, TimerScanner
 from dagfold.processor.transaction import LogTransaction, TxnStatus
 from dagfold.state import MemoryStore, PartitionStore, PartitionTransaction, Store
+from dagfold.state.store import applied_events_offset
 
 log = logging.getLogger("dagfold.processor")
 
@@ -85,7 +86,10 @@ class ProcessorSpec:
     * ``partitions``: None joins ``group`` and takes what it assigns; a list reads just those;
     * ``store_path(partition)``: None keeps state in memory (tests, simulations);
     * ``topic_for(name)``: the spec of an output topic to create on first use (dispatch queues);
-    * ``on_committed(outputs)``: metrics after a transaction committed.
+    * ``on_committed(outputs)``: metrics after a transaction committed;
+    * ``former_group``: a group this configuration committed to before ``group`` (manual
+      ``partitions`` only): a partition whose store already holds events but on which ``group``
+      committed nothing yet starts where ``former_group`` stood (an upgrade moves on from there).
     """
 
     service: str
@@ -106,6 +110,7 @@ class ProcessorSpec:
     poll_timeout_s: float = 0.05
     on_committed: Callable[[Sequence[tuple[int, Output]]], None] | None = None
     clock: Callable[[], int] = now_ms
+    former_group: str | None = None
 
 
 @dataclass(slots=True)
@@ -181,7 +186,23 @@ class PartitionProcessor:
             if self.timers is not None:
                 self.timers.forget(tp.partition)  # its restored timers may be due long ago
         self.ready.set()
-        return offsets
+        return self._from_former_group(offsets)
+
+    def _from_former_group(self, offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Offsets of ``spec.former_group`` where ``spec.group`` has none and the store has events."""
+        former = self.spec.former_group
+        moved = [tp for tp, off in offsets.items()
+                 if off == 0 and tp.partition in self.stores and applied_events_offset(self.stores[tp.partition]) >= 0]
+        if former is None or not moved:
+            return offsets
+        c = self.log.consumer(former, client_id=f"{self.client_id}-former-group")
+        try:
+            before = c.committed(moved)
+        finally:
+            c.close()
+        log.warning("%s: partitions %s start where group %s stood: %s", self.spec.service,
+                    [tp.partition for tp in moved], former, {tp.partition: off for tp, off in before.items()})
+        return {**offsets, **before}
 
     def _committed(self, tps: list[TopicPartition], attempts: int = 4) -> dict[TopicPartition, int]:
         """The group's committed offsets of ``tps``, retried while the coordinator moves."""

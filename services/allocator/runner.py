@@ -2,7 +2,8 @@
 
 Wiring only (the cycle, its transactions, catch-up and timers live in ``dagfold.processor``).
 One writer per pool: the pool's partition of ``allocator.commands``, read by one instance
-whose transactional ID (``dagfold-allocator-<pool>``) fences an older one. Commands of other
+whose transactional ID (``dagfold-allocator-<pool>``) fences an older one, at the position its
+pool's own consumer group (``dagfold-allocator.<pool>``) committed. Commands of other
 pools hashed onto the same partition are skipped (their own allocator folds them), and so are
 their events when catching up. Events go to the pool's partition of ``allocator.events``,
 control records (``control``, keyed by node) and scheduler commands (``commands``, keyed by
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dagfold.codec import Record
-from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS
+from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, SHARED_ALLOCATOR_GROUP, allocator_group
 from dagfold.log import Log, LogRecord
 from dagfold.outputs import Output
 from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
@@ -27,7 +28,6 @@ from dagfold.services.allocator.observe import ObservedAllocatorFold
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.timers import due_timers_in_store
 
-GROUP = "dagfold-allocator"
 SETTINGS = "dagfold.allocator.SetTenantEntitlements"
 
 
@@ -54,7 +54,8 @@ def allocator_spec(log_: Log, opts: AllocatorOptions, data_dir: Path | None,
         return event.get("pool") == pool
 
     return ProcessorSpec(
-        service="allocator", commands=ALLOCATOR_COMMANDS, events=ALLOCATOR_EVENTS, group=GROUP,
+        service="allocator", commands=ALLOCATOR_COMMANDS, events=ALLOCATOR_EVENTS, group=allocator_group(pool),
+        former_group=SHARED_ALLOCATOR_GROUP,
         transactional_id=f"dagfold-allocator-{pool}",
         fold_for=lambda partition, store: ObservedAllocatorFold(store, opts), admit=admit,
         on_committed=observe.on_committed,  # decision latency and queue wait (services/allocator/observe.py)
