@@ -237,6 +237,15 @@ class Injector:
                     continue
                 tail = "\n".join(line for line in proc.tail(60).splitlines()
                                  if "librdkafka" not in line and line.strip("│ "))[-3000:]
+                if proc in self.allocators and "FencedError" in tail and any(
+                        a.alive() for a in self.allocators if a is not proc):
+                    # A resumed zombie that noticed its fencing after the expected window (a loaded
+                    # machine): the other instance holds the pool, so this one is the standby now.
+                    # Restarting it would fence the holder, whose restart would fence it: a loop.
+                    self.record("zombie exited (fenced, late)", proc.name, exit_code=code)
+                    proc.expect_exit_until = 0.0
+                    proc.down_on_purpose = True
+                    continue
                 errors = [ln.strip() for ln in tail.splitlines() if ln[:1].isalpha() and "Error" in ln.split(":")[0]]
                 self.unexpected.append({"t": round(time.monotonic() - self.t0, 3), "process": proc.name,
                                         "exit_code": code, "reason": errors[-1][:300] if errors else "",
