@@ -109,7 +109,7 @@ PROFILES: dict[str, Profile] = {
                                "1000genome-chameleon-22ch-250k-001.json.gz", "cycles-chameleon-10l-1c-9p-001.json.gz",
                                "montage-chameleon-2mass-05d-001.json.gz",
                                "epigenomics-chameleon-ilmn-6seq-50k-001.json.gz"),
-                    inject_s=2400, min_faults=3000, max_inject_s=3300, submit_share=0.85, drain_s=300,
+                    inject_s=2400, min_faults=3000, max_inject_s=3300, submit_share=0.85, drain_s=900,
                     max_open_jobs=30, dup_rate=0.15, dup_max_per_s=0.7,
                     plan=FaultPlan(scheduler_every_s=3.5, worker_every_s=2.0, broker_every_s=40.0,
                                    commit_every_s=6.0, sigstop_every_s=60.0, allocator_sigstop_every_s=60.0)),
