@@ -191,9 +191,11 @@ class PartitionProcessor:
     def _from_former_group(self, offsets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """Offsets of ``spec.former_group`` where ``spec.group`` has none and the store has events."""
         former = self.spec.former_group
+        if former is None:
+            return offsets
         moved = [tp for tp, off in offsets.items()
                  if off == 0 and tp.partition in self.stores and applied_events_offset(self.stores[tp.partition]) >= 0]
-        if former is None or not moved:
+        if not moved:
             return offsets
         c = self.log.consumer(former, client_id=f"{self.client_id}-former-group")
         try:
