@@ -668,6 +668,7 @@ def _task_marked_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset
     _set_task_state(ctx.job, ctx.task, "succeeded")
     ctx.task.update(ended_ms=ts, reason=None, exit_code=None, error_type=None, lease_deadline_ms=None,
                     marked_by=ev.get("requested_by") or "", marked_reason=ev.get("reason") or "", marked_ms=ts)
+    ctx.job["marked_tasks"] = ctx.job.get("marked_tasks", 0) + 1  # succeeded by an operator's word, not run
     _gpu(ctx.task, "COMPLETED")
     ctx.save(ts)
 

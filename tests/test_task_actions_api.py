@@ -134,6 +134,8 @@ def test_cli_mark_succeeded_by_prefix_then_one_line_errors_and_replay_equals_liv
     assert marked["detail"] == "marked succeeded by acme, not run: loaded by hand"
     shown = dagfold("tasks", job, *cli)
     assert "succeeded (marked)" in shown.stdout and "marked succeeded by acme" in shown.stdout, shown.stdout
+    shown = dagfold("status", job, *cli)
+    assert "marked succeeded by an operator, not run: 1 task(s)" in shown.stdout, shown.stdout
 
     r = dagfold("retry", job, "load", *cli)  # the job succeeded: refused, one line
     assert r.returncode == 1 and "409" in r.stderr and "job_succeeded" in r.stderr, r.stderr

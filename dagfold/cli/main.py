@@ -626,6 +626,9 @@ def status(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as
     out.print(f"{job['job_id']}: {job['state']}  progress {job.get('progress', 0):.1f}%  "
               f"(tenant {job['tenant']}, {job['total_tasks']} tasks, retries {job.get('retries', 0)})")
     out.print(", ".join(f"{k}={v}" for k, v in (job.get("counts") or {}).items() if v))
+    if job.get("marked_tasks"):
+        out.print(f"marked succeeded by an operator, not run: {job['marked_tasks']} task(s) "
+                  f"(`dagfold tasks {job['job_id']}` names them)")
     if job.get("reason"):
         out.print(f"reason: {job['reason']}")
 
