@@ -342,7 +342,11 @@ class Injector:
             if kind == "broker-restart" and not broker_free:
                 return False
         else:
-            kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
+            # a kind no commit took yet goes first (a short run needs each once), else the next in turn
+            n = len(commitfaults.KINDS)
+            order = [commitfaults.KINDS[(self._commit_turn + i) % n] for i in range(n)]
+            missing = [k for k in order if not self.counts[COMMIT_KINDS[k]] and (k != "broker-restart" or broker_free)]
+            kind = missing[0] if missing else order[0]
             self._commit_turn += 1
             if kind == "broker-restart" and not broker_free:
                 # a broker is down or coming back (minutes on a loaded machine): the next kind instead
