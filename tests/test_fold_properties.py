@@ -57,7 +57,7 @@ from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.processors import still_skipped
+from dagfold.services.scheduler.processors import is_gpu, still_skipped
 from dagfold.services.scheduler.retry import NO_RETRY, backoff_ms, jitter_fraction
 from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.scheduler.timers import due_timers
@@ -302,6 +302,9 @@ class Sim:
             return False
         if typ == "TaskStarted":
             return j["state"] == "running" and t["state"] == "runnable" and t["attempt"] == cmd["attempt"]
+        if typ in ("TaskSucceeded", "TaskFailed") and t["state"] == "runnable":
+            # an outcome without a start report (an instant task) starts and ends the current attempt
+            return j["state"] == "running" and t["attempt"] == cmd["attempt"] and not is_gpu(t)
         if typ in ("TaskHeartbeat", "TaskSucceeded", "TaskFailed"):
             return t["state"] == "running" and t["attempt"] == cmd["attempt"] and t["worker"] == cmd["worker_id"]
         assert typ == "TimerFired"
