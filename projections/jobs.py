@@ -609,31 +609,10 @@ def _job_cancelled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
     ctx.save(ev["ts_ms"])
 
 
-def _job_redriven(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
-    ctx = _Ctx(txn, ev["job_id"], None)
-    job = ctx.job
-    if job is None:
-        return
-    ts = ev["ts_ms"]
-    for tid in ev["task_ids"]:
-        tkey = task_key(ev["job_id"], tid)
-        task = txn.get(tkey)
-        if task is None:
-            continue
-        _set_task_state(job, task, "pending")
-        task.update(reason=None, exit_code=None, error_type=None, ended_ms=None, worker_id=None,
-                    lease_deadline_ms=None, retry_at_ms=None, progress=None, updated_ms=ts)
-        _gpu(task, "QUEUED")
-        ops.sync_task(txn, job, task)
-        txn.put(tkey, task)
-    _set_job_state(txn, job, "running")
-    job.update(ended_ms=None, duration_ms=None, reason=None, redrives=job.get("redrives", 0) + 1)
-    ctx.save(ts)
-
-
-def _task_reopened(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
-    """An operator's retry or mark-succeeded re-opened tasks: pending again, the job running again.
-    O(listed tasks), like the scheduler's applier."""
+def _reopen_tasks(txn: ReadModelTxn, ev: Record, counter: str, extra: dict[str, Record] | None = None) -> None:
+    """Tasks the scheduler re-opened (a redrive, an operator's retry or mark succeeded): each listed task that
+    ended without succeeding is pending again (``extra`` adds fields per task), the job is running again and
+    counts it in ``counter``. O(listed tasks), like the scheduler's appliers."""
     ctx = _Ctx(txn, ev["job_id"], None)
     job = ctx.job
     if job is None:
@@ -647,16 +626,24 @@ def _task_reopened(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
         _set_task_state(job, task, "pending")
         task.update(reason=None, exit_code=None, error_type=None, ended_ms=None, worker_id=None,
                     lease_deadline_ms=None, retry_at_ms=None, progress=None, updated_ms=ts)
-        if tid == ev["task_id"] and ev["action"] == "retry":
-            task["retried_by"] = ev.get("requested_by") or None
+        task.update((extra or {}).get(tid, {}))
         _gpu(task, "QUEUED")
         ops.sync_task(txn, job, task)
         txn.put(tkey, task)
-    if job["state"] != "running":
-        _set_job_state(txn, job, "running")
-        job.update(ended_ms=None, duration_ms=None, reason=None)
-    job["operator_actions"] = job.get("operator_actions", 0) + 1
+    _set_job_state(txn, job, "running")
+    job.update(ended_ms=None, duration_ms=None, reason=None)
+    job[counter] = job.get(counter, 0) + 1
     ctx.save(ts)
+
+
+def _job_redriven(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    _reopen_tasks(txn, ev, "redrives")
+
+
+def _task_reopened(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """An operator's retry (the task says who) or mark succeeded (TaskMarkedSucceeded follows)."""
+    who = {ev["task_id"]: {"retried_by": ev.get("requested_by") or ""}} if ev["action"] == "retry" else None
+    _reopen_tasks(txn, ev, "operator_actions", who)
 
 
 def _task_marked_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:

@@ -902,7 +902,7 @@ async function showTask(jobId, taskId, onChange = null) {
       <dl class="kv">
         <dt>state</dt><dd id="task-state">${badge(t.state)}${marked ? ` <span class="badge" id="task-marked" style="background:#4b5563" title="recorded as succeeded by an operator, not run">marked</span>` : ""}</dd>
         ${marked ? `<dt>marked by</dt><dd id="task-marked-by">${esc(t.marked_by || "an operator")}${t.marked_reason ? `: ${esc(t.marked_reason)}` : ""} <span class="muted small">(not run)</span></dd>` : ""}
-        ${t.retried_by ? `<dt>retried by</dt><dd id="task-retried-by">${esc(t.retried_by)}</dd>` : ""}
+        ${t.retried_by != null ? `<dt>retried by</dt><dd id="task-retried-by">${esc(t.retried_by || "an operator")}</dd>` : ""}
         <dt>attempt</dt><dd>${t.attempt}${t.retries ? ` (${t.retries} retries)` : ""}</dd>
         <dt>handler</dt><dd class="mono">${esc(t.handler)}</dd>
         <dt>queue</dt><dd>${esc(t.queue)}</dd>
