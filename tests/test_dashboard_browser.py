@@ -128,13 +128,17 @@ def shot(page: Any, name: str, full: bool = False) -> None:
     page.screenshot(path=str(IMG / name), full_page=full)
 
 
-def test_dashboard_end_to_end(stack: Stack, page: Any) -> None:
+def test_dashboard_end_to_end(stack: Stack, page: Any, tmp_path: Path) -> None:
     failing_doc = (ROOT / "examples" / "failing.yaml").read_text()
     import yaml
 
     failing = stack.submit({**yaml.safe_load(failing_doc), "labels": {"example": "failing"}})
+    # extract runs until the test has seen it running in the page (a timed sleep may end before a loaded
+    # machine shows the page); at most 60 s, then it fails
+    release = tmp_path / "release-extract"
+    hold = f"i=0; while [ ! -e '{release}' ]; do i=$((i+1)); [ $i -gt 1200 ] && exit 1; sleep 0.05; done"
     running = stack.submit({"labels": {"example": "live"}, "tasks": [
-        {"id": "extract", "handler": "sleep", "args": {"seconds": 1.2}},
+        {"id": "extract", "handler": "shell", "args": {"cmd": hold}},
         *[{"id": f"transform-{i}", "handler": "sleep", "args": {"seconds": 0.6 + 0.2 * i},
            "depends_on": ["extract"]} for i in range(4)],
         {"id": "load", "handler": "sleep", "args": {"seconds": 0.8},
@@ -152,10 +156,13 @@ def test_dashboard_end_to_end(stack: Stack, page: Any) -> None:
     assert page.locator("#jobs-table tbody tr").count() >= 2
 
     # a running job: its graph recolours as events arrive, without reloading the page
-    page.goto(f"{stack.url}/ui/#/jobs/{running}")
-    page.wait_for_function("window.__dagfold.graph !== null && window.__dagfold.stateOf('extract') !== null")
-    page.wait_for_function("window.__dagfold.stateOf('extract') === 'running'", timeout=20_000)
-    assert page.evaluate("window.__dagfold.stateOf('load')") == "pending"
+    try:
+        page.goto(f"{stack.url}/ui/#/jobs/{running}")
+        page.wait_for_function("window.__dagfold.graph !== null && window.__dagfold.stateOf('extract') !== null")
+        page.wait_for_function("window.__dagfold.stateOf('extract') === 'running'", timeout=20_000)
+        assert page.evaluate("window.__dagfold.stateOf('load')") == "pending"
+    finally:
+        release.touch()
     page.wait_for_function("['running', 'succeeded'].includes(window.__dagfold.stateOf('transform-0'))",
                            timeout=20_000)
     shot(page, "job-running.png")

@@ -1,6 +1,7 @@
 """Dashboard views of issue 17 in headless Chromium, over a stack in this process (scheduler, projector, API,
-one worker on the embedded log): a rejected job drawn from its spec with the cycle in red, task groups
-collapsed and expanded on the 1,738-task Montage, and the dead-letter page showing hostile records as text.
+two workers with noop/sleep/shell on the embedded log): a rejected job drawn from its spec with the cycle in
+red, task groups collapsed and expanded on the 1,738-task Montage, the Gantt's rows grouped by worker and by
+task type, and the dead-letter page showing hostile records as text.
 
 Records an upstream producer writes (a SubmitJob the API would refuse, undecodable bytes) go straight to the
 commands topic, as they do in production. Browser and page fixtures are test_dashboard_browser's (Debian's
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +24,8 @@ from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, Config
 from dagfold.services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
+from dagfold.services.worker.capabilities import parse_handler_list
+from dagfold.services.worker.handlers import default_registry
 from tests.cli_support import free_port
 from tests.test_dashboard_browser import ROOT, shot
 
@@ -66,7 +70,8 @@ class Local:
 def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
     port = free_port()
     cfg = Config.from_env(log_url="embedded", data_dir=tmp_path_factory.mktemp("views") / "data", api_port=port)
-    with Stack(cfg, StackOptions(workers=1, callbacks=False)) as st:
+    registry = default_registry().select(parse_handler_list("noop,sleep,shell"))
+    with Stack(cfg, StackOptions(workers=2, callbacks=False, registry=registry)) as st:
         yield Local(st, f"http://127.0.0.1:{port}")
 
 
@@ -143,6 +148,72 @@ def test_task_groups_collapse_and_expand_on_the_large_montage(local: Local, page
     assert page.evaluate(drawn) == [1738, 1738]  # every task back
     assert "groups=" not in page.evaluate("location.hash")
     assert page.evaluate("window.__dagfold.graph.groupLabels") >= 3  # the layer headers of the fit zoom
+
+
+def _held_until(release: Path) -> dict[str, Any]:
+    """Shell args of a task that runs until the test creates ``release`` (at most 60 s, then it fails)."""
+    return {"cmd": f"i=0; while [ ! -e '{release}' ]; do i=$((i+1)); [ $i -gt 1200 ] && exit 1; sleep 0.05; done"}
+
+
+def test_gantt_rows_grouped_by_worker_and_by_task_type(local: Local, page: Any, tmp_path: Path) -> None:
+    release = tmp_path / "release"
+    # two held tasks: a worker runs one slow task at a time, so they run on the two workers at once
+    r = httpx.post(f"{local.url}/v1/jobs", json={"name": "gantt-groups", "tasks": [
+        *[{"id": f"extract-{i}", "handler": "shell", "args": _held_until(release)} for i in range(2)],
+        *[{"id": f"load-{i}", "handler": "noop", "depends_on": ["extract-0", "extract-1"]} for i in range(3)]]},
+        timeout=30)
+    assert r.status_code == 202, r.text
+    job_id = r.json()["job_id"]
+    attempts_url = f"{local.url}/v1/jobs/{job_id}/attempts?limit=1000"
+    try:
+        deadline = time.monotonic() + 60
+        while sum(a["started_ms"] is not None for a in httpx.get(attempts_url, timeout=10).json()["attempts"]) < 2:
+            assert time.monotonic() < deadline, "the two held tasks did not both start"
+            time.sleep(0.1)
+    finally:
+        release.touch()
+    local.wait_job(job_id, {"succeeded"})
+    attempts = httpx.get(attempts_url, timeout=10).json()["attempts"]
+    pairs = {(a["worker_id"], a["task_id"]) for a in attempts}
+    workers = {w for w, _ in pairs}
+    assert len(workers) == 2, pairs  # the held tasks ran side by side
+
+    page.goto(f"{local.url}/ui/#/jobs/{job_id}")
+    _wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 5")
+    page.select_option("#gantt-group", "worker")
+    lines = page.evaluate("window.__dagfold.timeline.lines")
+    headers = [ln["header"] for ln in lines if "header" in ln]
+    assert sorted(headers) == sorted(workers)  # one header per worker
+    assert "header" in lines[0]
+    under, seen = None, set()
+    for ln in lines:
+        if "header" in ln:
+            under = ln["header"]
+            assert ln["count"] == sum(w == under for w, _ in pairs)
+        else:  # a task row sits under the header of the worker that ran it
+            assert (under, ln["task"]) in pairs, (under, ln)
+            seen.add((under, ln["task"]))
+    assert seen == pairs and len(lines) == len(pairs) + len(workers)
+    page.evaluate("window.__dagfold.timeline.draw()")
+    assert page.evaluate("[window.__dagfold.timeline.headerLabels, window.__dagfold.timeline.rowLabels]") == [
+        len(workers), len(pairs)]  # every header and row named on the canvas
+    page.locator("#gantt").scroll_into_view_if_needed()
+    shot(page, "dashboard-gantt-workers.png")
+
+    assert "rows=worker" in page.evaluate("location.hash")  # the choice is in the address: a reload keeps it
+    page.reload()
+    _wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 5")
+    assert page.input_value("#gantt-group") == "worker"
+    assert len(page.evaluate("window.__dagfold.timeline.lines")) == len(pairs) + len(workers)
+
+    page.select_option("#gantt-group", "type")  # the graph's groups: task-name prefixes
+    lines = page.evaluate("window.__dagfold.timeline.lines")
+    assert [ln["header"] for ln in lines if "header" in ln] == ["extract", "load"]
+    assert [ln["task"] for ln in lines if "header" not in ln][:2] in (["extract-0", "extract-1"],
+                                                                      ["extract-1", "extract-0"])
+    page.select_option("#gantt-group", "")
+    assert all("header" not in ln for ln in page.evaluate("window.__dagfold.timeline.lines"))
+    assert "rows=" not in page.evaluate("location.hash")
 
 
 def test_dead_letters_show_hostile_records_as_text(local: Local, page: Any) -> None:

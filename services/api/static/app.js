@@ -599,20 +599,41 @@ class Timeline extends PanZoom {
   constructor(canvas, onSelect) {
     super(canvas, { zoomY: false });
     this.onSelect = onSelect;
-    this.rows = []; this.t0 = 0; this.t1 = 1;
+    this.rows = []; this.lines = []; this.groupBy = ""; this.t0 = 0; this.t1 = 1;
   }
+  /* Rows: one a task (`rows`: task names in row order). Grouped (`groupBy` "worker" or "type"), `lines`
+   * interleaves a header line before each group's rows: by worker, a row is a (worker, task) pair, so a task
+   * retried on another worker has a row under each; by type, the group is the graph's taskGroup (name
+   * prefix). Groups and rows within them are ordered by first start. O(attempts log attempts) a load. */
   load(attempts, nowMs) {
-    const first = new Map();
-    for (const a of attempts) {
-      if (a.started_ms == null) continue;
-      const f = first.get(a.task_id);
-      if (f === undefined || a.started_ms < f) first.set(a.task_id, a.started_ms);
+    this.attempts = attempts; this.nowMs = nowMs;
+    const by = this.groupBy, started = attempts.filter((a) => a.started_ms != null);
+    const groupOf = by === "worker" ? (a) => a.worker_id || "(no worker)" : by === "type" ? (a) => taskGroup(a.task_id) : null;
+    const keyOf = by === "worker" ? (a) => `${groupOf(a)}\u0000${a.task_id}` : (a) => a.task_id;
+    const first = new Map(), groupFirst = new Map();
+    for (const a of started) {
+      const k = keyOf(a), f = first.get(k);
+      if (f === undefined || a.started_ms < f) first.set(k, a.started_ms);
+      if (groupOf) { const g = groupOf(a), gf = groupFirst.get(g); if (gf === undefined || a.started_ms < gf) groupFirst.set(g, a.started_ms); }
     }
-    const tasks = [...first.keys()].sort((a, b) => first.get(a) - first.get(b) || (a < b ? -1 : 1));
-    const row = new Map(tasks.map((t, i) => [t, i]));
-    this.rows = tasks;
-    this.bars = attempts.filter((a) => a.started_ms != null).map((a) => ({
-      row: row.get(a.task_id), task: a.task_id, attempt: a.attempt, s: a.started_ms,
+    const byStart = (m) => (a, b) => m.get(a) - m.get(b) || (a < b ? -1 : 1);
+    const keys = [...first.keys()].sort(byStart(first)), taskOf = new Map(started.map((a) => [keyOf(a), a.task_id]));
+    const lines = [];
+    if (groupOf) {
+      const members = new Map([...groupFirst.keys()].sort(byStart(groupFirst)).map((g) => [g, []]));
+      const groupOfKey = new Map(started.map((a) => [keyOf(a), groupOf(a)]));
+      for (const k of keys) members.get(groupOfKey.get(k)).push(k);
+      for (const [g, ks] of members) {
+        lines.push({ header: g, count: ks.length });
+        for (const k of ks) lines.push({ key: k, task: taskOf.get(k), group: g });
+      }
+    } else for (const k of keys) lines.push({ key: k, task: k });
+    const row = new Map();
+    lines.forEach((l, i) => { if (l.key !== undefined) row.set(l.key, i); });
+    this.lines = lines;
+    this.rows = lines.filter((l) => l.task !== undefined).map((l) => l.task);
+    this.bars = started.map((a) => ({
+      row: row.get(keyOf(a)), task: a.task_id, attempt: a.attempt, s: a.started_ms,
       e: a.ended_ms ?? nowMs, outcome: a.outcome, worker: a.worker_id, reason: a.reason,
     }));
     this.t0 = Math.min(...this.bars.map((b) => b.s), nowMs);
@@ -620,10 +641,15 @@ class Timeline extends PanZoom {
     if (!this.touched && this.bars.length) this.fit();  // follow the job until the user zooms or pans
     this.redraw();
   }
+  setGroupBy(by) {
+    this.groupBy = by === "worker" || by === "type" ? by : "";
+    this.touched = false;
+    if (this.attempts) this.load(this.attempts, this.nowMs);
+  }
   fit() {
     const span = Math.max(this.t1 - this.t0, 1);
     this.sx = (this.w - GUTTER - 40) / span; this.tx = GUTTER + 10 - this.t0 * this.sx;
-    this.sy = Math.min(1, (this.h - 30) / Math.max(1, this.rows.length * ROW_H)); this.ty = 24;
+    this.sy = Math.min(1, (this.h - 30) / Math.max(1, this.lines.length * ROW_H)); this.ty = 24;
     this.redraw();
   }
   barAt(x, y) {
@@ -632,9 +658,9 @@ class Timeline extends PanZoom {
     const tol = 3 / this.sx;
     return (this.bars || []).find((b) => b.row === r && t >= b.s - tol && t <= b.e + tol) || null;
   }
-  rowAt(y) { const r = Math.floor((y - this.ty) / (ROW_H * this.sy)); return r >= 0 && r < this.rows.length ? r : -1; }
+  rowAt(y) { const r = Math.floor((y - this.ty) / (ROW_H * this.sy)); return r >= 0 && r < this.lines.length ? r : -1; }
   onClick(x, y) {
-    if (x < GUTTER) { const r = this.rowAt(y); if (r >= 0) this.onSelect(this.rows[r]); return; }
+    if (x < GUTTER) { const r = this.rowAt(y); if (r >= 0 && this.lines[r].task !== undefined) this.onSelect(this.lines[r].task); return; }
     const b = this.barAt(x, y); if (b) this.onSelect(b.task);
   }
   hoverText(x, y) {
@@ -663,7 +689,9 @@ class Timeline extends PanZoom {
     }
     const rh = ROW_H * this.sy;
     const firstRow = Math.max(0, Math.floor((16 - this.ty) / rh));
-    const lastRow = Math.min(this.rows.length, Math.ceil((this.h - this.ty) / rh));
+    const lastRow = Math.min(this.lines.length, Math.ceil((this.h - this.ty) / rh));
+    ctx.fillStyle = "#eef1f5";  // group header lines: a band across the chart
+    for (let r = firstRow; r < lastRow; r++) if (this.lines[r].header !== undefined) ctx.fillRect(GUTTER, r * rh + this.ty, this.w - GUTTER, rh);
     for (const b of this.bars) {
       if (b.row < firstRow || b.row > lastRow) continue;
       const x = b.s * this.sx + this.tx, w = Math.max((b.e - b.s) * this.sx, 2);
@@ -676,12 +704,22 @@ class Timeline extends PanZoom {
     // the row axis, drawn over bars panned under it: one task name a row when rows are tall enough to read
     ctx.fillStyle = "#fbfcfd"; ctx.fillRect(0, 0, GUTTER, this.h);
     ctx.strokeStyle = "#e1e5ea"; ctx.beginPath(); ctx.moveTo(GUTTER + 0.5, 0); ctx.lineTo(GUTTER + 0.5, this.h); ctx.stroke();
-    this.rowLabels = 0;
+    this.rowLabels = 0; this.headerLabels = 0;
     if (rh >= 9) {
-      ctx.fillStyle = "#1f2933"; ctx.font = `${Math.min(12, Math.floor(rh - 2))}px system-ui`; ctx.textBaseline = "middle";
+      const size = Math.min(12, Math.floor(rh - 2)), grouped = !!this.groupBy;
+      ctx.textBaseline = "middle";
       for (let r = firstRow; r < lastRow; r++) {
-        ctx.fillText(this.rows[r], 6, r * rh + this.ty + rh / 2, GUTTER - 12);
-        this.rowLabels++;
+        const l = this.lines[r], y = r * rh + this.ty + rh / 2;
+        if (l.header !== undefined) {
+          ctx.fillStyle = "#eef1f5"; ctx.fillRect(0, r * rh + this.ty, GUTTER, rh);
+          ctx.fillStyle = "#1f2933"; ctx.font = `600 ${size}px system-ui`;
+          ctx.fillText(`${l.header} (${l.count})`, 6, y, GUTTER - 12);
+          this.headerLabels++;
+        } else {
+          ctx.fillStyle = "#1f2933"; ctx.font = `${size}px system-ui`;
+          ctx.fillText(l.task, grouped ? 16 : 6, y, GUTTER - (grouped ? 22 : 12));
+          this.rowLabels++;
+        }
       }
       ctx.textBaseline = "alphabetic";
     } else {
@@ -949,7 +987,7 @@ async function pageJob(jobId, signal, params = new URLSearchParams()) {
     <div id="grid" class="panel grid-view" hidden></div>
     <h2>Timeline</h2>
     <div class="canvas-wrap"><canvas id="gantt" style="height:300px"></canvas>
-      <div class="canvas-tools"><button id="gantt-fit" type="button">fit</button></div>
+      <div class="canvas-tools"><label class="small">group rows by <select id="gantt-group"><option value="">none</option><option value="worker">worker</option><option value="type">task type</option></select></label><button id="gantt-fit" type="button">fit</button></div>
       <div class="hint">scroll to zoom time · shift+scroll to zoom rows · drag to pan · click an attempt</div></div>
     <h2>History <span class="muted small" id="hist-count"></span></h2>
     <div class="panel" style="max-height:360px;overflow:auto;padding:0"><table id="history"><thead><tr><th>time</th><th>event</th><th>task</th><th class="num">attempt</th><th>detail</th></tr></thead><tbody></tbody></table></div>`;
@@ -960,6 +998,12 @@ async function pageJob(jobId, signal, params = new URLSearchParams()) {
     if (r) r.addEventListener("click", async () => { try { await api(`/v1/jobs/${enc(jobId)}/redrive`, { method: "POST" }); restart(); } catch (e) { alert(e.message); } });
   };
   bindButtons();
+  // the view's choices live in the address (#/jobs/ID?groups=mProject&rows=worker): a view to share or reload
+  const setParam = (key, value) => {
+    if (value) params.set(key, value); else params.delete(key);
+    const hash = `#/jobs/${enc(jobId)}${params.toString() ? "?" + params : ""}`;
+    if (location.hash !== hash) history.replaceState(null, "", hash);  // no hashchange: the page stays
+  };
   let graph = null, timeline = null;
   try {
     const g = await api(`/v1/jobs/${enc(jobId)}/graph`);
@@ -967,13 +1011,9 @@ async function pageJob(jobId, signal, params = new URLSearchParams()) {
     graph = new DagView($("#dag"), g, g.state === "rejected" ? () => {} : select);  // a refused spec has no tasks to show
     hooks.graph = graph;
     if (g.state === "rejected") $("#dag").parentElement.insertAdjacentHTML("beforebegin", rejectedNote(g));
-    // the collapsed groups live in the address (#/jobs/ID?groups=mProject,mDiffFit): a view to share or reload
     graph.onGroups = () => {
       groupBar(graph);
-      const q = new URLSearchParams(params);
-      if (graph.collapsed.size) q.set("groups", [...graph.collapsed].join(",")); else q.delete("groups");
-      const hash = `#/jobs/${enc(jobId)}${q.toString() ? "?" + q : ""}`;
-      if (location.hash !== hash) history.replaceState(null, "", hash);  // no hashchange: the page stays
+      setParam("groups", graph.collapsed.size ? [...graph.collapsed].join(",") : "");
     };
     if (params.get("groups")) graph.setCollapsed(params.get("groups").split(",").slice(0, 200));
     groupBar(graph);
@@ -988,6 +1028,10 @@ async function pageJob(jobId, signal, params = new URLSearchParams()) {
   timeline = new Timeline($("#gantt"), select);
   hooks.timeline = timeline;
   $("#gantt-fit").addEventListener("click", () => { timeline.touched = false; timeline.fit(); });
+  const rowsBy = ["worker", "type"].includes(params.get("rows")) ? params.get("rows") : "";
+  $("#gantt-group").value = rowsBy;
+  timeline.setGroupBy(rowsBy);
+  $("#gantt-group").addEventListener("change", (ev) => { timeline.setGroupBy(ev.target.value); setParam("rows", timeline.groupBy); });
   const onResize = () => { for (const v of [graph, timeline]) if (v) { v.resize(); v.redraw(); } };
   window.addEventListener("resize", onResize);
 
