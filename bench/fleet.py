@@ -304,8 +304,8 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
                    if e["waited_ms"] == 0 and e["cause_offset"] in commands]
         lost = [e for e in events if e["type"] == A + "NodeDrained" and e["node_id"] == killed and e["lost"]]
         last_hb = (fleet.get("last_hb") or {}).get(killed or "")
-        moved = [e for e in events if e["type"] == A + "AllocationExpired"
-                 and killed and killed in e.get("reason", "")]
+        moved = [e for e in events if e["type"] == A + "AllocationExpired"  # by the lost host's lease, not an
+                 and e.get("reason") == f"node {killed} lease expired"]  # orphan expiry naming the host
         regrant = []
         for m in moved:
             later = [g for g in grants if g["job_id"] == m["job_id"] and g["ts_ms"] >= m["ts_ms"]]
