@@ -28,8 +28,8 @@ MONTAGE = WF / "montage-chameleon-2mass-01d-001.json.gz"
 MONTAGE_05D = WF / "montage-chameleon-2mass-05d-001.json.gz"
 VIEWPORT = {"width": 1400, "height": 1000}
 VIEWS = ("jobs.png", "job-running.png", "failed-task.png", "job-graph.png", "job-graph-05d.png",
-         "job-graph-grouped.png", "job-gantt.png", "job-grid.png", "job-rejected.png", "deadletters.png",
-         "operations.png", "cluster-live.png")
+         "job-graph-grouped.png", "job-gantt.png", "job-gantt-workers.png", "job-grid.png", "job-rejected.png",
+         "deadletters.png", "operations.png", "cluster-live.png")
 
 
 def _wait(what: str, check: Callable[[], Any], timeout: float) -> Any:
@@ -178,6 +178,9 @@ def shoot(out: Path, only: set[str] | None) -> list[Path]:
                         " && window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 6")
         page.evaluate("window.__dagfold.timeline.fit()")
         save("job-gantt.png", page.locator("#gantt").locator(".."))
+        page.select_option("#gantt-group", "worker")  # rows grouped by the worker that ran them
+        save("job-gantt-workers.png", page.locator("#gantt").locator(".."))
+        page.select_option("#gantt-group", "")
 
         demo.wait_state(demo.jobs["montage"], {"succeeded"}, 300, soft=True)
         job_page("montage", "window.__dagfold.timeline && window.__dagfold.timeline.rows.length > 0")
