@@ -19,7 +19,7 @@ from dagfold.log.base import Ack, Log, QueuedRecord, TopicPartition
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.services.worker.exceptions import NonRetryableError
 from dagfold.services.worker.handlers import HandlerRegistry, TaskContext
-from dagfold.services.worker.worker import Worker
+from dagfold.services.worker.worker import Worker, WorkerCrashed
 
 CFG = Config(partitions=2, dispatch_partitions=2)
 QUEUE = "q"
@@ -543,8 +543,9 @@ def test_a_backlog_of_slow_tasks_is_not_passed_around_until_archived(elog: Embed
 
 def test_a_record_on_its_last_delivery_is_requeued_not_released(elog: EmbeddedLog, start: WorkerFactory) -> None:
     """A busy worker gives back the slow tasks it cannot run now. A record on its last delivery was
-    released too, so the queue archived it and its task never ran; now it is appended anew (delivery
-    count 1) and the held one accepted."""
+    released too, so the queue archived it and its task never ran; now a record acquired on its last
+    delivery is appended anew (delivery count 1) and the held one accepted: the copies run, none is
+    released."""
     dispatch(elog, "job-a", handler="sleep", args={"seconds": 0.3})
     dispatch(elog, "job-a", "t2", handler="sleep", args={"seconds": 0.01})
     other = elog.queue_consumer(worker_group(QUEUE), "other", max_records=8, max_deliveries=2)
@@ -557,4 +558,56 @@ def test_a_record_on_its_last_delivery_is_requeued_not_released(elog: EmbeddedLo
     other.close()
     w, _, _ = start(max_batch=8, max_deliveries=2)
     wait_for(lambda: len(commands(elog, "job-a", SUCCEEDED)) == 2, timeout=10, what="both tasks")
-    assert w.tasks_requeued == 1 and w.tasks_released == 0
+    assert w.tasks_requeued == 2 and w.tasks_released == 0
+    assert len(commands(elog, "job-a", STARTED)) == 2  # each task ran once: the copy, not the held record
+
+
+def test_a_worker_dying_with_a_record_on_its_last_delivery_loses_no_task(elog: EmbeddedLog,
+                                                                          start: WorkerFactory) -> None:
+    """The long chaos run's lost tasks (docs/reliability.md): workers killed while they held a dispatch
+    record drove its delivery count to the limit; the next worker that acquired it died too, the queue
+    archived the record and the task was never dispatched again (runnable, attempt 1, for 55 minutes).
+    Now that worker appends the record anew before it runs anything, so its death loses nothing."""
+    calls: list[str] = []
+
+    def crash_first(ctx: TaskContext) -> None:
+        calls.append(ctx.worker_id)
+        if len(calls) == 1:
+            raise WorkerCrashed("fault injection: killed while holding the record")
+
+    reg = HandlerRegistry.with_builtins()
+    reg.register("crash_first", crash_first, batched=True)  # instant: its record is held while it runs
+    dispatch(elog, "job-a", handler="crash_first")
+    topic = dispatch_topic(QUEUE)
+    # Two deaths while holding it: a member whose lock lapses, one that leaves without settling.
+    lapsed = elog.queue_consumer(worker_group(QUEUE), "lapsed", max_records=1, lock_ms=1, max_deliveries=3)
+    lapsed.subscribe([topic])
+    assert [r.delivery_count for r in wait_for(lambda: lapsed.poll(0.1), what="1st delivery")] == [1]
+    left = elog.queue_consumer(worker_group(QUEUE), "left", max_records=1, lock_ms=60_000, max_deliveries=3)
+    left.subscribe([topic])
+    assert [r.delivery_count for r in wait_for(lambda: left.poll(0.1), what="2nd delivery")] == [2]
+    left.close()
+    lapsed.close()
+    dying, _, _ = start(reg, worker_id="dying", max_deliveries=3)
+    wait_for(lambda: dying.crashed, what="the worker on the last delivery to die")
+    assert calls == ["dying"]
+    start(reg, worker_id="survivor", max_deliveries=3)
+    assert outcome(elog, "job-a")["worker_id"] == "survivor"  # one outcome: the task ran to its end once
+    assert calls == ["dying", "survivor"] and dying.tasks_requeued == 1
+    assert sum(committed(elog).values()) == 2  # the held record accepted, its copy run and accepted
+
+
+def test_a_failed_append_of_a_last_delivery_is_retried(elog: EmbeddedLog, start: WorkerFactory) -> None:
+    """The copy of a record on its last delivery is written again when its flush fails (the held
+    record is archived whatever the worker does with it): the task still runs, once."""
+    dispatch(elog, "job-a")
+    dispatch(elog, "job-b")
+    other = elog.queue_consumer(worker_group(QUEUE), "other", max_records=8, max_deliveries=2)
+    other.subscribe([dispatch_topic(QUEUE)])
+    assert len(wait_for(lambda: other.poll(0.1), what="both records")) == 2
+    other.close()  # a death without settling: both on their last delivery next time
+    wrapped = _CheckingLog(elog, fail_flushes=1)
+    w, _, _ = start(log=wrapped, max_deliveries=2)
+    assert outcome(elog, "job-a")["type"] == SUCCEEDED and outcome(elog, "job-b")["type"] == SUCCEEDED
+    assert w.tasks_requeued == 2 and wrapped.flushes >= 3  # the failed one, the copies, the outcomes
+    wait_for(lambda: sum(committed(elog).values()) == 4, what="held records and copies done")

@@ -21,7 +21,9 @@ never behind another task on a busy worker. Per polled batch:
   ``lease_timeout_s / 3``, at least 0.2 s) is what says the attempt is alive, and
   the scheduler reclaims it when the lease runs out. Before that, the record's
   lock does: a worker that dies holding records has them handed to another
-  worker when its lock runs out (or at once when it leaves cleanly).
+  worker when its lock runs out (or at once when it leaves cleanly). A record
+  acquired on its last delivery (the queue would archive it then) is first
+  appended anew and accepted once the copy is durable; the copy is what runs.
 
 Delivery is at least once; the scheduler fences duplicate and stale reports by
 attempt.
@@ -211,7 +213,7 @@ class Worker:
         self.tasks_skipped = 0
         self.tasks_released = 0  # records given back to the queue unstarted (another worker runs them)
         self.tasks_given_back = 0  # started attempts given back at shutdown (TaskReleased)
-        self.tasks_requeued = 0  # unstarted records on their last delivery, appended anew instead of released
+        self.tasks_requeued = 0  # records acquired on their last delivery, appended anew (the copy is run)
         self.dead_lettered = 0
         self.heartbeats_sent = 0
         self.batches = 0
@@ -389,6 +391,11 @@ class Worker:
     def _process_batch(self, records: list[QueuedRecord], stop: threading.Event) -> None:
         """Run a polled batch: every instant task, and one other, releasing the rest (module docstring)."""
         self.batches += 1
+        held = len(records)
+        records = self._requeue_last_deliveries(records, stop)
+        if not records:
+            self._slow = True  # records reached their limit: take one at a time
+            return
         instant: list[tuple[QueuedRecord, Record, Handler | None]] = []
         slow: list[tuple[QueuedRecord, Record, Handler]] = []
         settle: list[tuple[QueuedRecord, Ack]] = []  # acknowledged once this batch's reports are durable
@@ -405,16 +412,11 @@ class Worker:
                 instant.append((rec, d, handler))
             else:
                 slow.append((rec, d, handler))
-        self._slow = bool(slow)
+        self._slow = bool(slow) or len(records) < held  # records at their limit: take one at a time
         run_now = slow[:1] if not stop.is_set() else []
         if stop.is_set():
             instant = []
         give_back = [rec for rec, _, _ in slow[len(run_now):]] + [rec for rec, _, _ in instant if stop.is_set()]
-        # A record on its last delivery is not released (the queue would archive it, its task never run):
-        # the same record is appended anew, delivery count 1, and the held one accepted once that is durable.
-        requeue = [rec for rec in give_back if rec.delivery_count >= self.max_deliveries]
-        if requeue:
-            give_back = [rec for rec in give_back if rec.delivery_count < self.max_deliveries]
         try:
             for rec, d, handler in instant:
                 self._start(d, report=False)  # its outcome is the one report (the scheduler grants, then ends)
@@ -422,9 +424,7 @@ class Worker:
                 settle.append((rec, Ack.ACCEPT))
             if run_now:
                 self._start(run_now[0][1])
-            for rec in requeue:
-                self._producer.send(rec.topic, rec.key or b"", rec.value or b"", rec.partition)
-            self._producer.flush()  # reports of the instant tasks, the slow one's TaskStarted, the requeued
+            self._producer.flush()  # reports of the instant tasks and the slow one's TaskStarted
         except LogError:
             log.exception("cannot write reports; the batch's records go back to the queue",
                           extra={"worker_id": self.worker_id})
@@ -434,9 +434,7 @@ class Worker:
         # From here the slow attempt's lease stands for it (TaskStarted is durable): accept it,
         # and hand the records this worker will not run now to whichever worker is free.
         settle += [(rec, Ack.ACCEPT) for rec, _, _ in run_now] + [(rec, Ack.RELEASE) for rec in give_back]
-        settle += [(rec, Ack.ACCEPT) for rec in requeue]
         self.tasks_released += len(give_back)
-        self.tasks_requeued += len(requeue)
         self._settle(settle)
         if run_now:
             _, d, handler = run_now[0]
@@ -446,6 +444,46 @@ class Worker:
             except LogError:
                 log.exception("cannot write the outcome; the scheduler reclaims the attempt when its lease ends",
                               extra=self._extra(self._key(d)))
+
+    def _requeue_last_deliveries(self, records: list[QueuedRecord], stop: threading.Event) -> list[QueuedRecord]:
+        """Append anew each record on its last delivery; the records left to process.
+
+        The queue archives a record whose lock runs out (its worker died) or that is released on its
+        last delivery, and nothing dispatches its task again. So before anything else is done with
+        it, the same record is appended anew (delivery count 1, at the queue's end) and the held one
+        accepted once the copy is durable: the copy is what a worker runs, never the held one (a
+        task runs once), and a worker that dies from then on loses nothing. Until the copy is
+        durable the worker retries the write, having released the rest of the batch (below their
+        limit a release loses nothing). Left: a worker killed between the acquisition and the
+        copy's flush (docs/semantics.md, dispatch).
+        """
+        last = [rec for rec in records if rec.delivery_count >= self.max_deliveries]
+        if not last:
+            return records
+        rest = [rec for rec in records if rec.delivery_count < self.max_deliveries]
+        while True:
+            try:
+                for rec in last:
+                    self._producer.send(rec.topic, rec.key or b"", rec.value or b"", rec.partition)
+                self._producer.flush()
+                break
+            except LogError:
+                # A copy written twice is one attempt dispatched twice: the scheduler fences it.
+                log.exception("cannot append records on their last delivery anew; retrying",
+                              extra={"worker_id": self.worker_id})
+                if rest:
+                    self._settle([(rec, Ack.RELEASE) for rec in rest])
+                    self.tasks_released += len(rest)
+                    rest = []
+                if stop.wait(1.0):
+                    log.error("stopped before %d record(s) on their last delivery were appended anew: their tasks "
+                              "are not dispatched again (schedule_to_start_s bounds them)", len(last),
+                              extra={"worker_id": self.worker_id})
+                    self._settle([(rec, Ack.RELEASE) for rec in last])
+                    return []
+        self.tasks_requeued += len(last)
+        self._settle([(rec, Ack.ACCEPT) for rec in last])
+        return rest
 
     def _settle(self, acks: list[tuple[QueuedRecord, Ack]]) -> None:
         """Acknowledge records of the current batch and send the acknowledgements without waiting: a
