@@ -5,7 +5,8 @@ whole free GPUs, memoised feasible shapes, per-tenant queues) and runs an optimi
 victim search. On random histories with GPU shares, CPU/memory, gangs, tiers,
 preemption and drains, every index must equal what a scan of the views gives, a fold
 opened on the committed store must rebuild the same indexes, and the victim search
-must return what the straightforward search (kept here as the reference) returns.
+must return what the straightforward search (kept here as the reference) returns, and frag placement
+through its incremental per-shape rankings must choose the hosts a plain score of every host chooses.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from typing import Any
 import pytest
 
 from dagfold.services.allocator import passes
-from dagfold.services.allocator.capacity import signature
+from dagfold.services.allocator.capacity import l1_fits, signature
 from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.services.allocator.harness import AllocatorHarness
 from dagfold.services.allocator.model import AllocView, RequestView
 from dagfold.services.allocator.options import AllocatorOptions
-from dagfold.services.allocator.placement import feasible_shapes
+from dagfold.services.allocator.placement import after_sig, feasible_shapes, place
 from dagfold.services.allocator.preemption import find_victims, lost_work_gpu_min, share_excess
+from dagfold.services.allocator.profile import for_type, usable
 from dagfold.services.allocator.reservations import Exclusions, excluded_for, part_fits
 from dagfold.services.allocator.state import PoolState
 
@@ -84,6 +86,25 @@ def reference_find_victims(st: PoolState, r: RequestView, now_ms: int,
     return sorted(nid for _, nid, _ in best), [victims[k] for k in sorted(victims)]
 
 
+def reference_frag_hosts(st: PoolState, r: RequestView, excluded: set[str]) -> list[str]:
+    """frag's choice written plainly: score every up host that can hold one part, best first (the
+    specification of placement's incremental per-shape rankings)."""
+    g, milli, cpu, mem = r.gpus, r.per_gpu_milli(), r.cpu, r.mem
+    options = []
+    for nid, n in st.nodes.items():
+        if n.state != "up" or nid in excluded or (r.gpu_types and n.gpu_type not in r.gpu_types):
+            continue
+        l1, sig = signature(n)
+        if not l1_fits(l1, g, milli) or sig[0] < cpu or sig[1] < mem:
+            continue
+        groups = for_type(n.gpu_type, st.groups)
+        after = after_sig(sig, g, milli, cpu, mem)
+        score = usable(sig, groups) - usable(after, groups) + st.opts.frag_pack_weight * sum(after[2])
+        options.append(((score, sig[0], sig[1], n.gpu_type, sig[2]), nid))
+    options.sort()
+    return [nid for _, nid in options[:r.hosts]] if len(options) >= r.hosts else []
+
+
 def check_indexes(st: PoolState) -> None:
     for rank, hosts in st.tier_nodes.items():
         assert list(st.tier_hosts.get(rank, ())) == sorted(hosts)
@@ -129,6 +150,7 @@ def check_exclusions(st: PoolState, now_ms: int) -> None:
 def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypatch: Any) -> None:
     rng = random.Random(seed)
     searches = [0, 0]
+    placed = [0]
 
     def checked(st: PoolState, r: RequestView, now_ms: int, excluded: set[str]) -> Any:
         got = find_victims(st, r, now_ms, excluded)
@@ -185,11 +207,15 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
                 "gpu_milli": rng.choice([250, 500]) if share else 1000, "cpu_milli": rng.choice([0, 2000]),
                 "memory_mib": 0, "max_runtime_ms": None, "checkpoint": True, "submitted_ms": 0, "seq": 0,
                 "queued_ms": 0, "resume": None, "grants": 0})
-            checked(st, probe, h.now_ms, excluded_for(st, probe, h.now_ms))
+            excl = excluded_for(st, probe, h.now_ms)
+            checked(st, probe, h.now_ms, excl)
+            parts = place(st, probe, excl)
+            assert ([p.node for p in parts] if parts else []) == reference_frag_hosts(st, probe, excl)
+            placed[0] += parts is not None
     h.commit()
     fresh = AllocatorFold(h.store, h.opts).state
     check_indexes(fresh)
     assert {r: list(v) for r, v in fresh.tier_hosts.items() if v} == {r: list(v) for r, v in st.tier_hosts.items() if v}
     assert fresh.queues == {r: t for r, t in st.queues.items() if t}
     assert h.digest() == h.replayed_digest()
-    assert searches[1] > 0
+    assert searches[1] > 0 and placed[0] > 0

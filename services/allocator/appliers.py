@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dagfold.codec import Record
 from dagfold.services.allocator import keys
 from dagfold.services.allocator.model import FULL, AllocView, NodeView, Part, RequestView
-from dagfold.services.allocator.profile import active_classes, shape_key, should_refresh
+from dagfold.services.allocator.profile import active_classes, drift, shape_key, should_refresh
 from dagfold.services.allocator.state import PoolState
 from dagfold.tenants import stored_settings
 
@@ -106,6 +106,9 @@ def _request_queued(st: PoolState, e: Record) -> None:
         if k:
             counts[k] = counts.get(k, 0) + 1
         active = active_classes(counts, st.opts.profile_max_classes)
+        current = st.profile["active"]
+        if current and drift(current, active) < st.opts.profile_drift:
+            active = None  # the mix has not moved: keep the classes (and every score and ranking built on them)
     st.count_shape(k, n, active)
 
 

@@ -55,13 +55,31 @@ class CapacityIndex:
         self.free_milli: dict[str, int] = {}  # per type, over up hosts
         self.version = 0  # bumped by every change (memos of what the index rules out compare it)
         self.by_full: dict[str, list[int]] = {}  # per type: up hosts by their number of whole free GPUs
+        # Signatures in the order they came into being (a signature whose last host left and that comes back
+        # is born again): placement's per-shape rankings catch up on them instead of rescanning the index.
+        # ``births[i]`` is birth number ``births_base + i``; the oldest half is dropped when the log is over
+        # twice the live signatures (a ranking that fell behind the dropped part is rebuilt).
+        self.births: list[tuple[str, L1, Sig]] = []
+        self.births_base = 0
+        self.n_sigs = 0  # live signatures
 
     def add(self, n: NodeView) -> None:
         if n.state != "up":
             return
         self.version += 1
         l1, sig = signature(n)
-        self.types.setdefault(n.gpu_type, {}).setdefault(l1, {}).setdefault(sig, SortedList()).add(n.id)
+        sigs = self.types.setdefault(n.gpu_type, {}).setdefault(l1, {})
+        ids = sigs.get(sig)
+        if ids is None:
+            ids = sigs[sig] = SortedList()
+            self.n_sigs += 1
+            births = self.births
+            births.append((n.gpu_type, l1, sig))
+            if len(births) > 2 * self.n_sigs + 1024:
+                drop = len(births) // 2
+                del births[:drop]
+                self.births_base += drop
+        ids.add(n.id)
         self.where[n.id] = (n.gpu_type, l1, sig)
         self.free_milli[n.gpu_type] = self.free_milli.get(n.gpu_type, 0) + n.free_milli()
         counts = self.by_full.setdefault(n.gpu_type, [])
@@ -81,6 +99,7 @@ class CapacityIndex:
         lst.remove(n.id)
         if not lst:
             del sigs[sig]
+            self.n_sigs -= 1
             if not sigs:
                 del by_l1[l1]
         self.free_milli[t] -= sum(sig[2])
@@ -93,7 +112,7 @@ class CapacityIndex:
     def type_names(self, allowed: tuple[str, ...]) -> list[str]:
         if not allowed:
             return sorted(self.types)
-        return [t for t in allowed if t in self.types]
+        return [t for t in dict.fromkeys(allowed) if t in self.types]  # once each, even if listed twice
 
     def candidates(self, allowed: tuple[str, ...], gpus: int, milli: int, cpu: int,
                    mem: int) -> Iterator[tuple[str, Sig, SortedList]]:
@@ -105,6 +124,24 @@ class CapacityIndex:
                 for sig, ids in sigs.items():
                     if sig[0] >= cpu and sig[1] >= mem:
                         yield t, sig, ids
+
+    def hosts_of(self, t: str, l1: L1, sig: Sig) -> SortedList | None:
+        """The up hosts whose free capacity is ``sig`` (None: no host has it now)."""
+        by_l1 = self.types.get(t)
+        if by_l1 is None:
+            return None
+        sigs = by_l1.get(l1)
+        return None if sigs is None else sigs.get(sig)
+
+    def candidate_sigs(self, allowed: tuple[str, ...], gpus: int, milli: int, cpu: int,
+                       mem: int) -> Iterator[tuple[str, L1, Sig]]:
+        """(type, level-1 bucket, signature) of every live signature that can hold one host-part."""
+        for t in self.type_names(allowed):
+            for l1, sigs in self.types[t].items():
+                if l1_fits(l1, gpus, milli):
+                    for sig in sigs:
+                        if sig[0] >= cpu and sig[1] >= mem:
+                            yield t, l1, sig
 
     def max_full(self, allowed: tuple[str, ...]) -> int:
         best = 0

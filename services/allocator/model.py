@@ -96,7 +96,7 @@ class RequestView:
         self.tenant: str = r["tenant"]
         self.tier: str = r["tier"]
         self.gpus: int = r["gpus"]
-        self.gpu_types: tuple[str, ...] = tuple(r["gpu_type"])
+        self.gpu_types: tuple[str, ...] = tuple(dict.fromkeys(r["gpu_type"]))  # a set, in order (openb has "a|b|b")
         self.hosts: int = r["hosts"]
         self.milli: int = r["gpu_milli"]
         self.cpu: int = r["cpu_milli"]

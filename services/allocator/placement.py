@@ -15,41 +15,43 @@ Policies (``AllocatorOptions.placement``):
   class, this counts what stays *usable*, including capacity stranded by CPU
   or memory: a host whose CPU is nearly gone counts its idle GPUs as unusable.
 
-Hosts with equal signatures are interchangeable, so each signature is scored
-once (memoised per signature until the profile changes); gangs over several
-hosts take the best signatures' hosts in order. Within a host, whole GPUs are
+Hosts with equal signatures are interchangeable, so frag scores signatures, not
+hosts, and keeps them ranked per request shape (``Ranking``: incremental, a
+decision scores only the signatures born since the shape's last decision);
+ties go to the signature with the least CPU then memory free. The baselines
+score every signature that fits at each decision, ties to the lowest host
+ID. Gangs over several hosts take the best signatures' hosts in order. Within a host, whole GPUs are
 the lowest free indices and a GPU share goes to the fullest GPU that holds it.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection
 
-from dagfold.services.allocator.capacity import Sig
+from dagfold.services.allocator.capacity import L1, Sig, l1_fits
 from dagfold.services.allocator.model import FULL, NodeView, Part, RequestView
-from dagfold.services.allocator.profile import usable
+from dagfold.services.allocator.profile import for_type, usable
 from dagfold.services.allocator.state import PoolState
 
 
 def after_sig(sig: Sig, gpus: int, milli: int, cpu: int, mem: int) -> Sig:
-    """The signature of a host in ``sig`` once one host-part is placed on it."""
-    free = list(sig[2])
+    """The signature of a host in ``sig`` once one host-part is placed on it (``sig[2]`` is sorted from the
+    most free GPU down, so whole GPUs come first and a GPU share goes to the last GPU that holds it)."""
+    free = sig[2]
     if gpus == 1 and milli < FULL:
-        best = -1
-        for i, f in enumerate(free):
-            if f >= milli and (best < 0 or f < free[best]):
-                best = i
-        free[best] -= milli
-    elif gpus:
-        took = 0
-        for i, f in enumerate(free):
-            if f == FULL:
-                free[i] = 0
-                took += 1
-                if took == gpus:
-                    break
-    free.sort(reverse=True)
-    return sig[0] - cpu, sig[1] - mem, tuple(free)
+        i = len(free) - 1
+        while free[i] < milli:
+            i -= 1
+        v = free[i] - milli
+        rest = free[:i] + free[i + 1:]
+        j = i
+        while j < len(rest) and rest[j] > v:
+            j += 1
+        return sig[0] - cpu, sig[1] - mem, rest[:j] + (v,) + rest[j:]
+    if gpus:
+        return sig[0] - cpu, sig[1] - mem, free[gpus:] + (0,) * gpus
+    return sig[0] - cpu, sig[1] - mem, free
 
 
 def choose_gpus(n: NodeView, gpus: int, milli: int) -> list[int]:
@@ -66,20 +68,127 @@ def choose_gpus(n: NodeView, gpus: int, milli: int) -> list[int]:
 
 def _usable(st: PoolState, t: str, sig: Sig) -> float:
     k = (t, sig)
-    u = st.usable_memo.get(k)
+    memo = st.usable_memo
+    u = memo.get(k)
     if u is None:
-        u = usable(t, sig, st.groups)
-        st.usable_memo[k] = u
+        if len(memo) >= MEMO_MAX:  # a cache: bounded, any entry can be recomputed
+            memo.clear()
+        tg = st.type_groups.get(t)
+        if tg is None:
+            tg = st.type_groups[t] = for_type(t, st.groups)
+        u = usable(sig, tg)
+        memo[k] = u
     return u
+
+
+MEMO_MAX = 1 << 17
+RankKey = tuple[float, int, int, str, tuple[int, ...]]
+
+
+class Ranking:
+    """frag's live signatures that can hold one part of a shape, best score first (a cache of the state).
+
+    A signature's score for a shape depends on the signature and the learned profile only, so an entry
+    stays right for as long as the profile does (``PoolState.regroup`` drops every ranking). The ranking
+    is kept incrementally: a query first scores the signatures born in the capacity index since its last
+    query (``CapacityIndex.births``), then takes the best entries of a heap, dropping those of signatures
+    no host has any more as it meets them. Per decision that is the births since the shape's last query
+    plus the dead entries met, not the number of hosts or signatures; the full scan is paid once per shape
+    and profile (and when the shape fell behind the births log, or its heap holds over twice the live
+    signatures). Ties go to the signature with the least CPU, then memory, free: packing.
+    """
+
+    __slots__ = ("cursor", "entry", "heap")
+
+    def __init__(self, cursor: int) -> None:
+        self.heap: list[RankKey] = []
+        self.entry: dict[tuple[str, Sig], L1] = {}
+        self.cursor = cursor
+
+    def key(self, st: PoolState, t: str, l1: L1, sig: Sig, gpus: int, milli: int, cpu: int, mem: int) -> RankKey:
+        after = after_sig(sig, gpus, milli, cpu, mem)
+        self.entry[(t, sig)] = l1
+        return (_usable(st, t, sig) - _usable(st, t, after) + st.opts.frag_pack_weight * sum(after[2]),
+                sig[0], sig[1], t, sig[2])
+
+
+def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem: int) -> Ranking:
+    cap = st.capacity
+    q = (r.gpu_types, gpus, milli, cpu, mem)
+    end = cap.births_base + len(cap.births)
+    rk = st.rankings.get(q)
+    if rk is None or rk.cursor < cap.births_base or len(rk.heap) > 2 * cap.n_sigs + 64:
+        rk = st.rankings[q] = Ranking(end)
+        rk.heap = [rk.key(st, t, l1, sig, gpus, milli, cpu, mem)
+                   for t, l1, sig in cap.candidate_sigs(r.gpu_types, gpus, milli, cpu, mem)]
+        heapq.heapify(rk.heap)
+        return rk
+    if rk.cursor < end:
+        types = r.gpu_types
+        entry = rk.entry
+        heap = rk.heap
+        for t, l1, sig in cap.births[rk.cursor - cap.births_base:]:
+            if (types and t not in types) or sig[0] < cpu or sig[1] < mem or not l1_fits(l1, gpus, milli):
+                continue
+            # already in (died and born again since: same score), or dead again (most births are: a host
+            # passes through states between two queries of a shape): nothing to score
+            if (t, sig) not in entry and cap.hosts_of(t, l1, sig) is not None:
+                heapq.heappush(heap, rk.key(st, t, l1, sig, gpus, milli, cpu, mem))
+        rk.cursor = end
+    return rk
+
+
+def _place_ranked(st: PoolState, r: RequestView, excluded: Collection[str], gpus: int, milli: int, cpu: int,
+                  mem: int) -> list[str]:
+    """frag: hosts for the gang from the shape's ranking, best signature first."""
+    rk = _ranking(st, r, gpus, milli, cpu, mem)
+    cap = st.capacity
+    hosts = r.hosts
+    heap = rk.heap
+    entry = rk.entry
+    chosen: list[str] = []
+    seen: list[RankKey] = []
+    while heap and len(chosen) < hosts:
+        key = heap[0]
+        t, sig = key[3], (key[1], key[2], key[4])
+        ids = cap.hosts_of(t, entry[(t, sig)], sig)
+        heapq.heappop(heap)
+        if ids is None:
+            del entry[(t, sig)]
+            continue
+        seen.append(key)
+        for nid in ids:
+            if nid not in excluded:
+                chosen.append(nid)
+                if len(chosen) == hosts:
+                    break
+    for key in seen:
+        heapq.heappush(heap, key)
+    return chosen
 
 
 def place(st: PoolState, r: RequestView, excluded: Collection[str] = ()) -> list[Part] | None:
     """Parts for all ``r.hosts`` hosts, or None: all-or-nothing, nothing is held on failure."""
     gpus, milli, cpu, mem, hosts = r.gpus, r.per_gpu_milli(), r.cpu, r.mem, r.hosts
     policy = st.opts.placement
-    alpha = st.opts.frag_pack_weight
+    if policy == "frag":
+        chosen = _place_ranked(st, r, excluded, gpus, milli, cpu, mem)
+    else:
+        chosen = _place_scanned(st, r, excluded, policy)
+    if len(chosen) < hosts:
+        return None
+    parts = []
+    for nid in chosen:
+        n = st.nodes[nid]
+        parts.append(Part(nid, choose_gpus(n, gpus, milli), milli if gpus else 0))
+    return parts
+
+
+def _place_scanned(st: PoolState, r: RequestView, excluded: Collection[str], policy: str) -> list[str]:
+    """The baselines (best-fit, first-fit): every signature that fits, scored at each decision."""
+    gpus, milli, cpu, mem, hosts = r.gpus, r.per_gpu_milli(), r.cpu, r.mem, r.hosts
     scored: list[tuple[tuple[float, ...], str, Sig, object]] = []
-    for t, sig, ids in st.capacity.candidates(r.gpu_types, gpus, milli, cpu, mem):
+    for _t, sig, ids in st.capacity.candidates(r.gpu_types, gpus, milli, cpu, mem):
         first = None
         for nid in ids:
             if nid not in excluded:
@@ -91,14 +200,8 @@ def place(st: PoolState, r: RequestView, excluded: Collection[str] = ()) -> list
             key: tuple[float, ...] = (0.0,)
         else:
             after = after_sig(sig, gpus, milli, cpu, mem)
-            left = float(sum(after[2]))
-            if policy == "bestfit":
-                key = (left, float(after[0]))
-            else:
-                key = (_usable(st, t, sig) - _usable(st, t, after) + alpha * left,)
+            key = (float(sum(after[2])), float(after[0]))
         scored.append((key, first, sig, ids))
-    if not scored:
-        return None
     scored.sort(key=lambda s: (s[0], s[1]))
     chosen: list[str] = []
     for _key, first, _sig, ids in scored:
@@ -112,13 +215,7 @@ def place(st: PoolState, r: RequestView, excluded: Collection[str] = ()) -> list
                     break
         if len(chosen) == hosts:
             break
-    if len(chosen) < hosts:
-        return None
-    parts = []
-    for nid in chosen:
-        n = st.nodes[nid]
-        parts.append(Part(nid, choose_gpus(n, gpus, milli), milli if gpus else 0))
-    return parts
+    return chosen
 
 
 def fits_now(st: PoolState, r: RequestView) -> bool:

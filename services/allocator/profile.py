@@ -49,6 +49,18 @@ def active_classes(counts: dict[str, int], max_classes: int) -> list[list[Any]]:
     return out
 
 
+def drift(old: list[list[Any]], new: list[list[Any]]) -> float:
+    """Total variation distance between two active profiles' class weights (0: same mix, 1: disjoint)."""
+    w: dict[tuple[Any, ...], float] = {}
+    for a in old:
+        k = (a[0], a[1], a[2], a[3], tuple(a[4]))
+        w[k] = w.get(k, 0.0) + a[5]
+    for a in new:
+        k = (a[0], a[1], a[2], a[3], tuple(a[4]))
+        w[k] = w.get(k, 0.0) - a[5]
+    return 0.5 * sum(abs(v) for v in w.values())
+
+
 def to_classes(active: list[list[Any]]) -> list[Class]:
     return [(a[0], a[1], a[2], a[3], tuple(a[4]), a[5]) for a in active]
 
@@ -98,7 +110,17 @@ def group_classes(classes: list[Class], type_gpus: dict[str, int] | None = None)
     return [(g, m, frozenset(t), members) for (g, m, t), members in groups.items()]
 
 
-def usable(gpu_type: str, sig: tuple[int, int, tuple[int, ...]], groups: Groups) -> float:
+TypeGroups = list[tuple[bool, int, int, list[tuple[int, int, float]]]]
+
+
+def for_type(gpu_type: str, groups: Groups) -> TypeGroups:
+    """The groups a host of ``gpu_type`` can serve, as ``(share, milli, gpus, members)``: what ``usable``
+    loops over for every signature of that type (computed once per type and profile)."""
+    return [(g == 1 and milli < FULL, milli, g, members) for g, milli, types, members in groups
+            if not types or gpu_type in types]
+
+
+def usable(sig: tuple[int, int, tuple[int, ...]], groups: TypeGroups) -> float:
     """Expected GPU milli of this host state that the learned request mix could still use.
 
     Per class, weighted by its frequency and scarcity:
@@ -116,18 +138,13 @@ def usable(gpu_type: str, sig: tuple[int, int, tuple[int, ...]], groups: Groups)
       the default trace's fractional pods better than a free-milli view.
     """
     cpu_free, mem_free, free = sig
-    full = 0
-    for f in free:
-        if f == FULL:
-            full += 1
+    full = free.count(FULL)
+    partial = [f for f in free if 0 < f < FULL]
     u = 0.0
-    for g, milli, types, members in groups:
-        if types and gpu_type not in types:
-            continue
-        share = g == 1 and milli < FULL
+    for share, milli, g, members in groups:
         if share:
-            n0 = 0
-            for f in free:
+            n0 = full * (FULL // milli)
+            for f in partial:
                 n0 += f // milli
         else:
             n0 = full // g

@@ -27,7 +27,7 @@ from dagfold.services.allocator import keys
 from dagfold.services.allocator.capacity import CapacityIndex
 from dagfold.services.allocator.model import AllocView, NodeView, RequestView
 from dagfold.services.allocator.options import AllocatorOptions
-from dagfold.services.allocator.profile import Class, Groups, empty_profile, group_classes, to_classes
+from dagfold.services.allocator.profile import Class, Groups, TypeGroups, empty_profile, group_classes, to_classes
 from dagfold.state import PartitionTransaction, Store
 from dagfold.tenants import Entitlements, type_quotas
 
@@ -57,6 +57,8 @@ class PoolState:
         self.shape_counts: dict[str, int] = {}
         self.perf: dict[str, float] = {}
         self.usable_memo: dict[tuple[str, Any], float] = {}
+        self.rankings: dict[tuple[Any, ...], Any] = {}  # frag: part shape -> placement.Ranking (a cache)
+        self.type_groups: dict[str, TypeGroups] = {}  # GPU type -> the groups its hosts can serve (a cache)
         self.nodes: dict[str, NodeView] = {}
         self.allocs: dict[str, AllocView] = {}
         self.requests: dict[str, RequestView] = {}
@@ -342,6 +344,8 @@ class PoolState:
         """Recompute the scoring groups (new profile or new inventory); scores are recomputed lazily."""
         self.groups = group_classes(self.classes, self.type_gpus)
         self.usable_memo.clear()
+        self.rankings.clear()
+        self.type_groups.clear()
 
     def register_type(self, n: NodeView, new: bool) -> None:
         self.gpu_types[n.gpu_type] = max(self.gpu_types.get(n.gpu_type, 0), n.gpus)
