@@ -87,7 +87,7 @@ def test_sim_day_submits_every_job_inside_the_day(seed: int) -> None:
     """Every drawn job arrives before the simulated day ends (25 h with the warm-up hour). The gaps used to
     run past the end about half the time: those jobs were never submitted and the load sweep counted them
     as never started (18 and 49 at 70% and 85% of 1,000 GPUs, seed 42)."""
-    from services.allocator.sim_day import H, jobs_for_load, make_jobs
+    from dagfold.services.allocator.sim_day import H, jobs_for_load, make_jobs
 
     for load in (0.7, 0.85, 0.95):
         n = jobs_for_load(load, 1000)
