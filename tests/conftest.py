@@ -14,6 +14,7 @@ import pytest
 
 from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log.base import Log
+from tests.cli_support import TEST_CONSUMER_CONFIG, UpProcess
 from tests.s3_support import S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +51,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # --------------------------------------------------------------------------
 
 KAFKA_TEST_BASE = Path(os.environ.get("TMPDIR", "/tmp")) / "dagfold-kafka-test"
-# Rebalances within a second or two instead of the default 45 s session timeout.
-TEST_CONSUMER_CONFIG = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
 
 
 def _docker_answers() -> bool:
@@ -187,3 +186,14 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# -- `dagfold up` shared by the session ------------------------------------------------------------
+@pytest.fixture(scope="session")
+def up_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    """`dagfold up` on the embedded log (3 workers; noop, sleep and shell handlers; none of the caller's
+    DAGFOLD_* settings), started once for the tests that submit their own jobs and only read: the CLI's,
+    the dashboard's. A test that stops, kills or reconfigures its stack starts its own UpProcess."""
+    with UpProcess(tmp_path_factory.mktemp("up") / "data", workers=3, args=("--handlers", "noop,sleep,shell"),
+                   clean_env=True) as up:
+        yield up

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.api_support import free_port
+from tests.cli_support import UpProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -40,65 +38,15 @@ def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
     assert "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
 
 
-class Up:
-    """``dagfold up`` in a process of its own, on a free port."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.api = f"http://127.0.0.1:{self.port}"
-        self.data = tmp / "data"
-        self.log_path = tmp / "up.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DAGFOLD_")}
-        with open(self.log_path, "wb") as f:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dagfold", "up", "--data", str(self.data), "--port", str(self.port),
-                 "--workers", "2", "--handlers", "noop,sleep,shell"], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env={**env, "PYTHONPATH": str(ROOT)})
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log_path.read_text()
-            try:
-                if httpx.get(self.api + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise AssertionError(f"dagfold up did not answer: {self.log_path.read_text()}")
-
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return dagfold(*args, env={"DAGFOLD_API": self.api}, timeout=timeout)
-
-    def submit(self, spec: dict[str, Any]) -> str:
-        r = httpx.post(self.api + "/v1/jobs", json=spec, timeout=30)
-        assert r.status_code == 202, r.text
-        return str(r.json()["job_id"])
-
-    def wait(self, job_id: str, timeout: float = 60) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            job = httpx.get(f"{self.api}/v1/jobs/{job_id}", timeout=10).json()
-            if job.get("state") in {"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"}:
-                return dict(job)
-            time.sleep(0.1)
-        raise AssertionError(f"{job_id} did not finish")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+def cli(up: UpProcess, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """The CLI against ``up``'s API (DAGFOLD_API set, as after `dagfold up`)."""
+    return dagfold(*args, env={"DAGFOLD_API": up.api}, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    stack = Up(tmp_path_factory.mktemp("up"))
-    try:
-        yield stack
-    finally:
-        stack.stop()
+@pytest.fixture
+def up(up_stack: UpProcess) -> UpProcess:
+    """The session's `dagfold up` (tests/conftest.py): these tests submit their own jobs and only read."""
+    return up_stack
 
 
 # -- 1. failures explain themselves ---------------------------------------------------------------------
@@ -126,43 +74,43 @@ def test_run_keep_keeps_the_data_folder() -> None:
         shutil.rmtree(kept, ignore_errors=True)
 
 
-def test_submit_wait_prints_failed_task_stderr(up: Up) -> None:
-    r = up.cli("submit", str(EXAMPLES / "failing.yaml"), "--wait")
+def test_submit_wait_prints_failed_task_stderr(up: UpProcess) -> None:
+    r = cli(up, "submit", str(EXAMPLES / "failing.yaml"), "--wait")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "about to fail" in r.stdout and "exit code 3" in r.stdout
-    r = up.cli("submit", str(EXAMPLES / "failing.yaml"), "--wait", "--json")
+    r = cli(up, "submit", str(EXAMPLES / "failing.yaml"), "--wait", "--json")
     assert "about to fail" in json.loads(r.stdout)["failures"][0]["stderr_tail"]
 
 
 # -- 2. live progress ---------------------------------------------------------------------------------
-def test_run_and_submit_wait_show_progress_lines_when_piped(up: Up) -> None:
+def test_run_and_submit_wait_show_progress_lines_when_piped(up: UpProcess) -> None:
     r = dagfold("run", str(EXAMPLES / "failing.yaml"))
     # piped: plain progress lines on stderr (state, finished/total, counts), then each failure as it happens
     assert "6/6" in r.stderr and "failed=1" in r.stderr, r.stderr
     assert "✗ bad attempt 1: exit code 3" in r.stderr
-    r = up.cli("submit", str(EXAMPLES / "diamond.yaml"), "--wait")
+    r = cli(up, "submit", str(EXAMPLES / "diamond.yaml"), "--wait")
     assert r.returncode == 0 and "succeeded 4/4" in r.stderr, r.stderr
 
 
 # -- 4. readable history ------------------------------------------------------------------------------
-def test_history_says_each_reason_once_with_readable_times_and_filters_by_type(up: Up) -> None:
+def test_history_says_each_reason_once_with_readable_times_and_filters_by_type(up: UpProcess) -> None:
     job_id = up.submit({"tasks": [{"id": "bad", "handler": "shell", "args": {"cmd": "exit 3"}},
                                   {"id": "ok", "handler": "noop"}]})
     up.wait(job_id)
-    r = up.cli("history", job_id, "--type", "TaskFailed")
+    r = cli(up, "history", job_id, "--type", "TaskFailed")
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("exit code 3") == 1, r.stdout  # was "exit code 3, exit code 3"
     assert "LeaseGranted" not in r.stdout and "ago)" in r.stdout
-    r = up.cli("history", job_id, "--json")
+    r = cli(up, "history", job_id, "--json")
     events = json.loads(r.stdout)
     lease = next(e for e in events if e["type"] == "LeaseGranted")
     assert "lease until 1" not in lease["detail"] and "lease 30s" in lease["detail"], lease
-    r = up.cli("history", job_id, "--type", "NoSuchEvent")
+    r = cli(up, "history", job_id, "--type", "NoSuchEvent")
     assert r.returncode == 2 and "TaskFailed" in r.stdout + r.stderr  # the choices are listed
 
 
 # -- 3. usable IDs and names --------------------------------------------------------------------------
-def test_full_ids_at_80_columns_prefixes_and_names(up: Up) -> None:
+def test_full_ids_at_80_columns_prefixes_and_names(up: UpProcess) -> None:
     named = up.submit({"name": "nightly-etl", "tasks": [{"id": "a"}]})
     other = up.submit({"name": "adhoc report", "tasks": [{"id": "a"}]})
     up.wait(named)
@@ -172,21 +120,21 @@ def test_full_ids_at_80_columns_prefixes_and_names(up: Up) -> None:
         assert r.returncode == 0, r.stderr
         assert named in r.stdout and other in r.stdout, r.stdout  # whole, not "3f2a…"
         assert "nightly-etl" in r.stdout
-    r = up.cli("jobs", "--name", "NIGHTLY", "--json")
+    r = cli(up, "jobs", "--name", "NIGHTLY", "--json")
     assert [j["job_id"] for j in json.loads(r.stdout)["jobs"]] == [named]
-    r = up.cli("jobs", "--since", "1h", "--state", "succeeded", "--sort", "name", "--json")
+    r = cli(up, "jobs", "--since", "1h", "--state", "succeeded", "--sort", "name", "--json")
     listed = [j["job_id"] for j in json.loads(r.stdout)["jobs"]]
     assert listed.index(other) < listed.index(named)  # "adhoc report" < "nightly-etl"
-    r = up.cli("jobs", "--state", "finished")
+    r = cli(up, "jobs", "--state", "finished")
     assert r.returncode == 2 and "succeeded_partial" in r.stdout + r.stderr  # the choices, listed
     # a unique prefix, or the name, wherever a job ID goes
     prefix = named[:8] if not other.startswith(named[:8]) else named[:13]
-    r = up.cli("status", prefix)
+    r = cli(up, "status", prefix)
     assert r.returncode == 0 and named in r.stdout and "nightly-etl" in r.stdout, r.stdout + r.stderr
     for cmd in (("tasks", prefix), ("history", prefix), ("attempts", prefix, "a"), ("status", "nightly-etl")):
-        r = up.cli(*cmd)
+        r = cli(up, *cmd)
         assert r.returncode == 0, (cmd, r.stdout, r.stderr)
-    r = up.cli("status", "zzzz-no-such-job")
+    r = cli(up, "status", "zzzz-no-such-job")
     assert r.returncode == 1 and "no job 'zzzz-no-such-job'" in r.stderr
     no_traceback(r)
 
@@ -271,7 +219,7 @@ def test_every_variable_read_is_a_declared_setting_and_none_is_dead() -> None:
 
 
 # -- 6. errors are one line and say what to do --------------------------------------------------------
-def test_start_up_errors_are_one_line(up: Up, tmp_path: Path) -> None:
+def test_start_up_errors_are_one_line(up: UpProcess, tmp_path: Path) -> None:
     r = dagfold("up", "--data", str(tmp_path / "d"), "--port", str(up.port), timeout=60)
     assert r.returncode == 1 and "in use" in r.stderr and "--port" in r.stderr, r.stderr
     assert "API http" not in r.stdout  # it claimed the API was up
@@ -334,11 +282,11 @@ def test_help_has_panels_examples_units_and_no_bool_metavars() -> None:
     assert r.returncode == 2 and "csv" in r.stdout + r.stderr
 
 
-def test_readme_tour_cancel_step_cancels_a_running_job(up: Up) -> None:
-    r = up.cli("submit", str(EXAMPLES / "long.yaml"))
+def test_readme_tour_cancel_step_cancels_a_running_job(up: UpProcess) -> None:
+    r = cli(up, "submit", str(EXAMPLES / "long.yaml"))
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip()
-    r = up.cli("cancel", "long-running")
+    r = cli(up, "cancel", "long-running")
     assert r.returncode == 0, r.stdout + r.stderr
     assert up.wait(job_id)["state"] == "cancelled"
 

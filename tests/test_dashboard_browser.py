@@ -11,20 +11,17 @@ Chromium is Debian's (``make browser`` installs it); Playwright only drives it (
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
+import playwright.sync_api as playwright_api  # the test extra: a missing install fails, never skips
 import pytest
+
+from tests.cli_support import UpProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 IMG = Path(os.environ.get("DAGFOLD_SCREENSHOT_DIR", str(Path(tempfile.gettempdir()) / "dagfold-screenshots")))
@@ -32,83 +29,26 @@ CHROMIUM = os.environ.get("DAGFOLD_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 MONTAGE = ROOT.parent / "shared" / "data" / "wfcommons" / "montage-chameleon-2mass-01d-001.json.gz"
-TERMINAL = {"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"}
-
-playwright_api = pytest.importorskip("playwright.sync_api")
-if not Path(CHROMIUM).exists() and shutil.which("chromium") is None:
-    pytest.skip(f"no Chromium at {CHROMIUM}: run `make browser`", allow_module_level=True)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Stack:
-    def __init__(self, tmp: Path) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / "up.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dagfold.cli", "up", "--data", str(tmp / "data"), "--port", str(self.port),
-             "--workers", "3", "--handlers", "noop,sleep,shell"],  # the examples it submits use shell
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (tmp / "up.log").read_text()
-            try:
-                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("dagfold up did not answer")
-
-    def submit(self, spec: dict[str, Any]) -> str:
-        r = httpx.post(self.url + "/v1/jobs", content=json.dumps(spec), headers={"content-type": "application/json"},
-                       timeout=30)
-        assert r.status_code == 202, r.text
-        return str(r.json()["job_id"])
-
-    def job(self, job_id: str) -> dict[str, Any] | None:
-        r = httpx.get(f"{self.url}/v1/jobs/{job_id}", timeout=10)
-        return r.json() if r.status_code == 200 else None
-
-    def wait(self, job_id: str, states: set[str] = TERMINAL, timeout: float = 60) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        job = None
-        while time.monotonic() < deadline:
-            job = self.job(job_id)
-            if job and job["state"] in states:
-                return job
-            time.sleep(0.1)
-        raise AssertionError(f"{job_id} not in {states}: {job}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self.log.close()
+def chromium() -> str:
+    """The Chromium to launch: a test that needs it fails (never skips) where `make browser` has not run."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: run `make browser` (or set DAGFOLD_CHROMIUM)", pytrace=False)
+    return CHROMIUM
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("browser"))
-    yield s
-    s.stop()
+@pytest.fixture
+def stack(up_stack: UpProcess) -> UpProcess:
+    """The session's `dagfold up` (tests/conftest.py; the examples it submits use shell): these tests submit
+    their own jobs and only read."""
+    return up_stack
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        b = p.chromium.launch(executable_path=chromium(), args=CHROMIUM_ARGS)
         yield b
         b.close()
 
@@ -128,7 +68,7 @@ def shot(page: Any, name: str, full: bool = False) -> None:
     page.screenshot(path=str(IMG / name), full_page=full)
 
 
-def test_dashboard_end_to_end(stack: Stack, page: Any, tmp_path: Path) -> None:
+def test_dashboard_end_to_end(stack: UpProcess, page: Any, tmp_path: Path) -> None:
     failing_doc = (ROOT / "examples" / "failing.yaml").read_text()
     import yaml
 
@@ -143,11 +83,10 @@ def test_dashboard_end_to_end(stack: Stack, page: Any, tmp_path: Path) -> None:
            "depends_on": ["extract"]} for i in range(4)],
         {"id": "load", "handler": "sleep", "args": {"seconds": 0.8},
          "depends_on": [f"transform-{i}" for i in range(4)]}]})
-    montage = None
-    if MONTAGE.exists():
-        from dagfold.wfcommons import workflow_spec
+    from dagfold.wfcommons import workflow_spec
 
-        montage = stack.submit(workflow_spec(MONTAGE, time_scale=0.01))  # as `make run`
+    assert MONTAGE.exists(), f"{MONTAGE}: the shared workload data is missing"
+    montage = stack.submit(workflow_spec(MONTAGE, time_scale=0.01))  # as `make run`
 
     # the job list
     page.goto(stack.url + "/")
@@ -186,13 +125,13 @@ def test_dashboard_end_to_end(stack: Stack, page: Any, tmp_path: Path) -> None:
     assert "bad: exit code 3" in page.locator("#job-reason").inner_text()
     shot(page, "failed-task.png")
 
-    if montage is not None:  # the Montage workflow's graph, as `make run` shows it
-        stack.wait(montage)
-        page.goto(f"{stack.url}/ui/#/jobs/{montage}")
-        page.wait_for_function("window.__dagfold.graph !== null")
-        page.wait_for_function("window.__dagfold.stateOf('mViewer_ID0000103') === 'succeeded'")
-        time.sleep(0.5)  # the timeline loads after the graph
-        shot(page, "job-graph.png")
+    # the Montage workflow's graph, as `make run` shows it
+    stack.wait(montage)
+    page.goto(f"{stack.url}/ui/#/jobs/{montage}")
+    page.wait_for_function("window.__dagfold.graph !== null")
+    page.wait_for_function("window.__dagfold.stateOf('mViewer_ID0000103') === 'succeeded'")
+    time.sleep(0.5)  # the timeline loads after the graph
+    shot(page, "job-graph.png")
 
     page.goto(f"{stack.url}/ui/#/jobs")
     page.wait_for_function("window.__dagfold.ready")

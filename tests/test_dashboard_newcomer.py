@@ -10,24 +10,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import pytest
-
 import tests.test_dashboard_browser as base
-from tests.test_dashboard_browser import ROOT, Stack, shot
+from tests.cli_support import UpProcess
+from tests.test_dashboard_browser import ROOT, shot
 
 MONTAGE_05D = ROOT.parent / "shared" / "data" / "wfcommons" / "montage-chameleon-2mass-05d-001.json.gz"
 
 
-# The browser and page fixtures are test_dashboard_browser's own (one Chromium launch, one JS-error check).
+# The browser and page fixtures are test_dashboard_browser's own (one Chromium launch, one JS-error check);
+# the stack is the session's `dagfold up` (tests/conftest.py), which these tests only submit to and read.
 browser = base.browser
 page = base.page
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Stack(tmp_path_factory.mktemp("dash17"))
-    yield s
-    s.stop()
+stack = base.stack
 
 
 def _wait_js(page: Any, expr: str, timeout: float = 30) -> Any:
@@ -40,7 +34,7 @@ def _wait_js(page: Any, expr: str, timeout: float = 30) -> Any:
     raise AssertionError(f"{expr} stayed falsy")
 
 
-def test_large_montage_is_readable_at_fit_zoom(stack: Stack, page: Any) -> None:
+def test_large_montage_is_readable_at_fit_zoom(stack: UpProcess, page: Any) -> None:
     from dagfold.wfcommons import workflow_spec
 
     assert MONTAGE_05D.exists(), MONTAGE_05D
@@ -62,7 +56,7 @@ def test_large_montage_is_readable_at_fit_zoom(stack: Stack, page: Any) -> None:
     shot(page, "dashboard-montage-05d.png")
 
 
-def test_gantt_has_task_names_and_the_job_page_fits_900px(stack: Stack, page: Any) -> None:
+def test_gantt_has_task_names_and_the_job_page_fits_900px(stack: UpProcess, page: Any) -> None:
     job_id = stack.submit({"name": "gantt-demo", "tasks": [
         {"id": "extract", "handler": "sleep", "args": {"seconds": 0.2}},
         {"id": "transform", "handler": "sleep", "args": {"seconds": 0.4}, "depends_on": ["extract"]},
@@ -90,7 +84,7 @@ def test_gantt_has_task_names_and_the_job_page_fits_900px(stack: Stack, page: An
     assert "gantt-demo" in page.inner_text(f"tr[data-job='{job_id}']")
 
 
-def test_api_docs_are_served_without_a_cdn(stack: Stack, page: Any) -> None:
+def test_api_docs_are_served_without_a_cdn(stack: UpProcess, page: Any) -> None:
     import httpx
 
     for path in ("/docs", "/redoc"):

@@ -40,7 +40,6 @@ from dagfold.codec import default_codec
 from dagfold.config import Config, dispatch_topic
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.services.worker import HandlerRegistry, Worker
-from tests import cli_support
 from tests.cli_support import ROOT, UpProcess, dagfold
 
 # `dagfold` with a fault-injection handler registered first (the CLI has no option for it in `up`).
@@ -138,9 +137,8 @@ def _stop(p: subprocess.Popen[bytes]) -> None:
 
 
 def _start_up(data: Path, log: str, workers: int) -> UpProcess:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cli_support, "DAGFOLD", DAGFOLD_BOOT)
-        return UpProcess(data, log=log, workers=workers, args=("--handlers", SCENARIO_HANDLERS)).start()
+    return UpProcess(data, log=log, workers=workers, args=("--handlers", SCENARIO_HANDLERS),
+                     command=DAGFOLD_BOOT).start()
 
 
 @pytest.fixture(scope="module", params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
