@@ -17,13 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import playwright.sync_api as playwright_api
 import pytest
 
 from dagfold import metrics
 from tests.api_support import ApiHarness, LiveServer, free_port
-from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS
-
-playwright_api = pytest.importorskip("playwright.sync_api")
+from tests.test_dashboard_browser import CHROMIUM_ARGS, chromium
 
 SHELL_YAML = "tasks: [{id: pwn, handler: shell, args: {cmd: id}}]"
 
@@ -85,7 +84,7 @@ def refused() -> float:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM,
+        b = p.chromium.launch(executable_path=chromium(),
                               args=[*CHROMIUM_ARGS, "--host-resolver-rules=MAP rebind.test 127.0.0.1"])
         yield b
         b.close()

@@ -11,7 +11,15 @@ from typer.testing import CliRunner
 from dagfold.cli.sim import parse_seeds, sim_app
 from dagfold.services.allocator.traces import DEFAULT_DATA
 
-needs_data = pytest.mark.skipif(not (DEFAULT_DATA / "openb").is_dir(), reason="shared/data/openb not present")
+needs_data = pytest.mark.usefixtures("openb_data")
+
+
+@pytest.fixture
+def openb_data() -> None:
+    """The traces these runs read: missing shared data fails the test with this message, never skips it."""
+    assert (DEFAULT_DATA / "openb").is_dir(), f"{DEFAULT_DATA / 'openb'} is missing: the shared workload data"
+
+
 runner = CliRunner()
 
 
