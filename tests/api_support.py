@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,18 @@ class ApiHarness:
         self.client.close()
         self.projector.close()
         self.log.close()
+
+
+def wait_until(get: Callable[[], Any], what: str = "condition", timeout_s: float = 30.0,
+               interval_s: float = 0.05) -> Any:
+    """``get()``'s first truthy value, polled every ``interval_s``; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = get()
+        if v:
+            return v
+        time.sleep(interval_s)
+    raise AssertionError(f"{what}: not within {timeout_s}s")
 
 
 def free_port() -> int:

@@ -25,6 +25,8 @@ from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.runner import AllocatorRunner
 from dagfold.services.scheduler.runner import SchedulerRunner
 from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.services.stack import Stack, StackOptions
+from tests.api_support import free_port
 
 POOL = "gpu"
 A = "dagfold.allocator."
@@ -122,3 +124,11 @@ class GpuCluster:
         self.allocator.close()
         self.sender.close()
         self.log.close()
+
+
+def gpu_stack(tmp: Path, artifacts_url: str = "", gpus: int = 2) -> Stack:
+    """The whole stack (``dagfold up``'s Stack, not yet started) with one simulated GPU node of ``gpus``
+    GPUs on pool ``POOL`` and one CPU worker, its API on a free port."""
+    cfg = Config(data_dir=tmp / "data", partitions=2, dispatch_partitions=2, api_port=free_port(),
+                 artifacts_url=artifacts_url)
+    return Stack(cfg, StackOptions(workers=1, gpu_nodes=1, gpus_per_node=gpus, gpu_pool=POOL))

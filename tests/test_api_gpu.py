@@ -9,8 +9,7 @@ does not depend on GPU tasks running.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from dagfold.services.api.auth import AuthConfig
 from dagfold.services.callbacks import DELIVERED, verify
 from dagfold.services.scheduler.spec import job_id_for
 from dagfold.services.stack import Stack, StackOptions
-from tests.api_support import ApiHarness, LiveServer, accepted, ev, free_port, now_ms
+from tests.api_support import ApiHarness, LiveServer, accepted, ev, free_port, now_ms, wait_until
 from tests.callback_support import Receiver
 
 VALID: dict[str, Any] = {
@@ -44,15 +43,6 @@ def api(tmp_path: Path) -> Iterator[ApiHarness]:
     yield a
     a.close()
 
-
-def wait_until(get: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = get()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout_s}s")
 
 
 def submits(api: ApiHarness) -> list[dict[str, Any]]:

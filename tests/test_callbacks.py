@@ -37,6 +37,7 @@ from dagfold.services.callbacks import (
 from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.handlers import HandlerRegistry
+from tests.api_support import wait_until
 from tests.callback_support import Receiver
 
 SHELL_STACK = StackOptions(workers=1, api=False, registry=HandlerRegistry.with_builtins(shell=True))
@@ -62,15 +63,6 @@ def fast_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def metric(name: str, labels: dict[str, str] | None = None) -> float:
     return REGISTRY.get_sample_value(name, labels or {}) or 0.0
 
-
-def wait_until(cond: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout_s}s")
 
 
 def spec(job_id: str, callback_url: str | None, **task: Any) -> dict[str, Any]:

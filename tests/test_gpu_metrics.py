@@ -12,9 +12,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from dagfold.config import Config
-from dagfold.services.stack import Stack, StackOptions
-from tests.api_support import free_port
+from tests.gpu_support import gpu_stack
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "dagfold.json"
 
@@ -48,9 +46,8 @@ def test_every_gpu_panel_of_the_dashboard_has_data_after_gpu_jobs_ran(tmp_path: 
     wanted = gpu_panel_metrics()
     assert {"dagfold_gpus", "dagfold_gpu_utilization_ratio", "dagfold_allocator_decision_latency_seconds",
             "dagfold_allocator_queue_wait_seconds"} <= wanted, wanted
-    cfg = Config(data_dir=tmp_path / "data", partitions=2, dispatch_partitions=2, api_port=free_port())
-    with Stack(cfg, StackOptions(workers=1, gpu_nodes=1, gpus_per_node=2, gpu_pool="gpu")) as stack:
-        base = f"http://127.0.0.1:{cfg.api_port}"
+    with gpu_stack(tmp_path) as stack:
+        base = f"http://127.0.0.1:{stack.config.api_port}"
         short = {"job_id": "quick", "model": "m", "pool": "gpu", "params": {"steps": 3, "step_s": 0.01},
                  "resources": {"gpus": 1}}
         assert httpx.post(f"{base}/v1/gpu-jobs", json=short, timeout=10).status_code == 202

@@ -9,9 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -20,8 +19,9 @@ from dagfold.artifacts import LocalArtifactStore, output_files, output_prefix, v
 from dagfold.config import Config
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.handlers import HandlerRegistry
-from tests.api_support import free_port
+from tests.api_support import free_port, wait_until
 from tests.callback_support import Receiver
+from tests.gpu_support import gpu_stack
 from tests.s3_support import S3Server
 
 KEY_A, KEY_B = "key-studio-a-0001", "key-studio-b-0002"
@@ -29,25 +29,10 @@ A = {"Authorization": f"Bearer {KEY_A}"}
 B = {"Authorization": f"Bearer {KEY_B}"}
 
 
-def wait_until(get: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        v = get()
-        if v:
-            return v
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout_s}s")
-
 
 @pytest.fixture
 def keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DAGFOLD_API_KEYS", f"{KEY_A}:studio-a,{KEY_B}:studio-b")
-
-
-def gpu_stack(tmp_path: Path, artifacts_url: str = "", gpus: int = 2) -> Stack:
-    cfg = Config(data_dir=tmp_path / "data", partitions=2, dispatch_partitions=2, api_port=free_port(),
-                 artifacts_url=artifacts_url)
-    return Stack(cfg, StackOptions(workers=1, gpu_nodes=1, gpus_per_node=gpus, gpu_pool="gpu"))
 
 
 def returns_its_file(tmp_path: Path, artifacts_url: str) -> None:
@@ -145,7 +130,7 @@ def test_a_preempted_jobs_sse_stream_shows_the_seed_states_in_order(tmp_path: Pa
                "step_s": 0.05}, "resources": {"gpus": 2, "checkpoint": True}}
         assert httpx.post(f"{base}/v1/gpu-jobs", json=low, headers=A, timeout=10).status_code == 202
         wait_until(lambda: httpx.get(f"{base}/v1/gpu-jobs/std", headers=A, timeout=10).json()["status"]
-                   == "RUNNING", "the standard job runs")
+                   == "RUNNING", "the standard job runs", timeout_s=60)
         time.sleep(0.5)
         high = {**low, "job_id": "ent", "tier": "enterprise", "params": {"steps": 4, "step_s": 0.02}}
         assert httpx.post(f"{base}/v1/gpu-jobs", json=high, headers=A, timeout=10).status_code == 202

@@ -20,6 +20,7 @@ from dagfold.log.embedded import EmbeddedLog
 from dagfold.services.worker.exceptions import NonRetryableError
 from dagfold.services.worker.handlers import HandlerRegistry, TaskContext
 from dagfold.services.worker.worker import Worker, WorkerCrashed
+from tests.api_support import wait_until
 
 CFG = Config(partitions=2, dispatch_partitions=2)
 QUEUE = "q"
@@ -100,13 +101,7 @@ def commands(log: EmbeddedLog, job_id: str | None = None, type_: str | None = No
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(pred, what, timeout, interval_s=0.01)
 
 
 def outcome(log: EmbeddedLog, job_id: str, timeout: float = 5.0) -> Record:
