@@ -14,7 +14,7 @@ from dagfold.config import Config
 from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.wfcommons import workflow_spec
-from tests.cli_support import ROOT, UpProcess, dagfold
+from tests.cli_support import ROOT, UpProcess, dagfold, kafka_url
 
 pytestmark = pytest.mark.kafka
 WF = ROOT.parent / "shared" / "data" / "wfcommons"
@@ -33,7 +33,7 @@ def test_montage_runs_to_success_on_kafka(kafka_bootstrap: str, tmp_path: Path) 
 
 
 def test_up_on_kafka_submit_wait_upstream_producer_and_kill9(kafka_bootstrap: str, tmp_path: Path) -> None:
-    url = f"kafka://{kafka_bootstrap}"
+    url = kafka_url(kafka_bootstrap)  # the killed stack's members leave the group after 6 s, not 45 s
     data = tmp_path / "data"
     up = UpProcess(data, log=url, args=("--handlers", "noop,sleep,shell")).start()  # the examples run shell
     try:
