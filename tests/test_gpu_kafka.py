@@ -34,8 +34,8 @@ SECRET = "gpu-e2e-secret"
 class GpuPool:
     """An allocator and ``nodes`` simulated 2-GPU agents of a fresh pool, as processes."""
 
-    def __init__(self, tmp: Path, url: str, nodes: int) -> None:
-        self.tmp, self.url = tmp, url
+    def __init__(self, tmp: Path, url: str, nodes: int, artifacts: Path) -> None:
+        self.tmp, self.url, self.artifacts = tmp, url, artifacts
         self.pool = f"gpu-{uuid.uuid4().hex[:8]}"  # the session broker is shared: a pool of its own
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.faults = {f"n{i}": tmp / f"faults-n{i}" for i in range(nodes)}
@@ -53,7 +53,7 @@ class GpuPool:
     def start_agent(self, node: str) -> None:
         self.start(node, "agent", "--pool", self.pool, "--log", self.url, "--node", node, "--simulate",
                    "--gpus", "2", "--heartbeat-s", "0.3", "--faults-file", str(self.faults[node]),
-                   "--artifacts", str(self.tmp / "data" / "artifacts"),  # the API's (UpProcess(tmp / "data"))
+                   "--artifacts", str(self.artifacts),  # the API's: where it reads the outputs from
                    "--work-dir", str(self.tmp / "work" / node), "--metrics-port", str(self.metrics[node]))
 
     def scrape(self, name: str) -> str:
@@ -74,11 +74,13 @@ class GpuPool:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-@pytest.fixture
-def up(kafka_bootstrap: str, tmp_path: Path) -> Iterator[UpProcess]:
+@pytest.fixture(scope="module")
+def up(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    """One `dagfold up` for this file's tests: each runs its own pool of agents and its own jobs, and only
+    reads through the API (the faults are the agents', never the stack's)."""
     os.environ["DAGFOLD_CALLBACK_SECRET"] = SECRET  # inherited by `dagfold up`: it signs callbacks
     try:
-        u = UpProcess(tmp_path / "data", log=f"kafka://{kafka_bootstrap}").start()
+        u = UpProcess(tmp_path_factory.mktemp("gpu-up") / "data", log=f"kafka://{kafka_bootstrap}").start()
     finally:
         os.environ.pop("DAGFOLD_CALLBACK_SECRET", None)
     try:
@@ -129,7 +131,7 @@ def final_output(up: UpProcess, job_id: str) -> str:
 
 def test_gpu_jobs_survive_a_killed_and_a_throttled_agent_and_call_back_once(
         up: UpProcess, kafka_bootstrap: str, tmp_path: Path) -> None:
-    pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=4)
+    pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=4, artifacts=up.data / "artifacts")
     with Receiver() as rx:
         try:
             jobs = [submit_gpu(up, pool.pool, 150, rx.url(f"/hook/{i}")) for i in range(3)]
@@ -187,7 +189,7 @@ def _processes_of(alloc_id: str) -> list[int]:
 
 def test_an_agent_stopped_past_its_lease_is_fenced_when_it_comes_back(
         up: UpProcess, kafka_bootstrap: str, tmp_path: Path) -> None:
-    pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=2)
+    pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=2, artifacts=up.data / "artifacts")
     try:
         job = submit_gpu(up, pool.pool, 150)
         node = wait_running(up, job)[job]
