@@ -11,23 +11,17 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import tests.test_dashboard_browser as base
-from tests.test_dashboard_browser import Stack, shot
+from tests.cli_support import UpProcess
+from tests.test_dashboard_browser import shot
 
+# the stack is the session's `dagfold up` (tests/conftest.py): these tests submit their own jobs and act on them
 browser = base.browser
 page = base.page
+stack = base.stack
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    s = Stack(tmp_path_factory.mktemp("dash-task-actions"))
-    yield s
-    s.stop()
-
-
-def _failing_job(stack: Stack, marker: Path) -> str:
+def _failing_job(stack: UpProcess, marker: Path) -> str:
     job = f"panel-{uuid.uuid4().hex[:8]}"
     stack.submit({"id": job, "tasks": [
         {"id": "prepare", "handler": "noop"},
@@ -38,7 +32,7 @@ def _failing_job(stack: Stack, marker: Path) -> str:
     return job
 
 
-def _open_task(page: Any, stack: Stack, job: str, task: str, state: str) -> None:
+def _open_task(page: Any, stack: UpProcess, job: str, task: str, state: str) -> None:
     page.goto(f"{stack.url}/ui/#/jobs/{job}")
     page.wait_for_function(f"window.__dagfold.graph !== null && window.__dagfold.stateOf('{task}') === '{state}'")
     pos = page.evaluate(f"window.__dagfold.nodeScreenPos('{task}')")
@@ -46,7 +40,7 @@ def _open_task(page: Any, stack: Stack, job: str, task: str, state: str) -> None
     page.wait_for_selector(f"#task-title:text-is('{task}')")
 
 
-def test_retry_and_mark_succeeded_from_the_task_panel(stack: Stack, page: Any, tmp_path: Path) -> None:
+def test_retry_and_mark_succeeded_from_the_task_panel(stack: UpProcess, page: Any, tmp_path: Path) -> None:
     marker = tmp_path / "input-restored"
     job = _failing_job(stack, marker)
 
