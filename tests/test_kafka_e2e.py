@@ -29,7 +29,8 @@ def test_montage_runs_to_success_on_kafka(kafka_bootstrap: str, tmp_path: Path) 
         job = stack.wait_job(job_id, timeout_s=300)
         assert job is not None and job["state"] == "succeeded", job
         assert job["counts"]["succeeded"] == 1738
-        assert stack.runner.folded >= 2 * 1738  # every start and success went through the log
+        # the submission and every task's report went through the log (a noop reports once: its outcome)
+        assert stack.runner.folded >= 1 + 1738
 
 
 def test_up_on_kafka_submit_wait_upstream_producer_and_kill9(kafka_bootstrap: str, tmp_path: Path) -> None:
