@@ -22,11 +22,15 @@ TERMINAL = {"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"}
 # Kafka consumers of the tests: a member that died (kill -9) leaves its group within seconds instead of
 # librdkafka's default 45 s session timeout, so that its partitions move (and a restart's rebalance ends) soon.
 TEST_CONSUMER_CONFIG = {"session.timeout.ms": 6000, "heartbeat.interval.ms": 500}
+# A killed instance's open transaction holds back every read_committed reader of its partitions until the
+# broker aborts it: librdkafka's default transaction timeout is 60 s; the tests' processes use 15 s.
+TEST_PRODUCER_CONFIG = {"transaction.timeout.ms": 15000}
 
 
 def kafka_url(bootstrap: str) -> str:
-    """The log URL of the broker ``bootstrap`` for every process a test starts, with the test consumer settings."""
-    return f"kafka://{bootstrap}?" + "&".join(f"consumer.{k}={v}" for k, v in TEST_CONSUMER_CONFIG.items())
+    """The log URL of the broker ``bootstrap`` for every process a test starts, with the test client settings."""
+    return f"kafka://{bootstrap}?" + "&".join([*(f"consumer.{k}={v}" for k, v in TEST_CONSUMER_CONFIG.items()),
+                                               *(f"producer.{k}={v}" for k, v in TEST_PRODUCER_CONFIG.items())])
 
 
 def free_port() -> int:
