@@ -118,6 +118,11 @@ def wait_until(get: Callable[[], Any], what: str = "condition", timeout_s: float
     raise AssertionError(f"{what}: not within {timeout_s}s")
 
 
+def wait_js(page: Any, expr: str, timeout: float = 30) -> Any:
+    """The first truthy value of the JavaScript ``expr`` in a Playwright ``page``."""
+    return wait_until(lambda: page.evaluate(expr), f"{expr} stayed falsy", timeout, 0.1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 import tests.test_dashboard_browser as base
+from tests.api_support import wait_js
 from tests.cli_support import UpProcess
 from tests.test_dashboard_browser import ROOT, shot
 
@@ -24,16 +25,6 @@ page = base.page
 stack = base.stack
 
 
-def _wait_js(page: Any, expr: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = page.evaluate(expr)
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{expr} stayed falsy")
-
-
 def test_large_montage_is_readable_at_fit_zoom(stack: UpProcess, page: Any) -> None:
     from dagfold.wfcommons import workflow_spec
 
@@ -43,7 +34,7 @@ def test_large_montage_is_readable_at_fit_zoom(stack: UpProcess, page: Any) -> N
     job_id = stack.submit(spec)
     stack.wait(job_id, timeout=120)
     page.goto(f"{stack.url}/ui/#/jobs/{job_id}")
-    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
+    wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
     page.evaluate("window.__dagfold.graph.fit(); window.__dagfold.graph.draw()")
     # node boxes are a few pixels tall at fit zoom: each layer's header names its groups instead
     assert page.evaluate("window.__dagfold.graph.groupLabels") >= 3  # the wide layers; narrow ones on hover
@@ -65,17 +56,17 @@ def test_gantt_has_task_names_and_the_job_page_fits_900px(stack: UpProcess, page
     stack.wait(job_id)
     page.set_viewport_size({"width": 900, "height": 900})
     page.goto(f"{stack.url}/ui/#/jobs/{job_id}")
-    _wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 4")
+    wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 4")
     page.evaluate("window.__dagfold.timeline.fit(); window.__dagfold.timeline.draw()")
     assert page.evaluate("window.__dagfold.timeline.rowLabels") == 4
     rows = page.evaluate("window.__dagfold.timeline.rows")
     assert rows[0] == "extract" and rows[-1] == "load" and set(rows) == {"extract", "transform", "side", "load"}
     assert "gantt-demo" in page.inner_text("#job-head")
-    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.criticalIds")
+    wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.criticalIds")
     # the longest chain by attempt times: through the 0.4 s transform, not the noop side branch
     assert page.evaluate("window.__dagfold.graph.criticalIds") == ["extract", "transform", "load"]
     page.click("#grid-toggle")  # the grid: one row per task, a cell per attempt
-    _wait_js(page, "window.__dagfold.gridRows === 4")
+    wait_js(page, "window.__dagfold.gridRows === 4")
     assert page.locator("#grid tr[data-task] i.cell").count() == 4
     assert page.evaluate("document.documentElement.scrollWidth") <= 900  # no horizontal scroll at 900 px
     shot(page, "dashboard-900px.png", full=True)

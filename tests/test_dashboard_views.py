@@ -26,6 +26,7 @@ from dagfold.services.scheduler.spec import load_spec_text, parse_spec, to_job_s
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.capabilities import parse_handler_list
 from dagfold.services.worker.handlers import default_registry
+from tests.api_support import wait_js
 from tests.cli_support import free_port
 from tests.test_dashboard_browser import ROOT, shot
 
@@ -75,16 +76,6 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Local]:
         yield Local(st, f"http://127.0.0.1:{port}")
 
 
-def _wait_js(page: Any, expr: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = page.evaluate(expr)
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{expr} stayed falsy")
-
-
 def test_the_cycle_example_shows_its_graph_with_the_cycle_in_red(local: Local, page: Any) -> None:
     spec = to_job_spec(load_spec_text((ROOT / "examples" / "cycle.yaml").read_text()))
     job_id = spec["job_id"]
@@ -92,7 +83,7 @@ def test_the_cycle_example_shows_its_graph_with_the_cycle_in_red(local: Local, p
     job = local.wait_job(job_id, {"rejected"})
     assert job["code"] == "cycle"
     page.goto(f"{local.url}/ui/#/jobs/{job_id}")
-    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 4")
+    wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 4")
     g = page.evaluate("(() => { const g = window.__dagfold.graph; g.fit(); g.draw();"
                       " return {ids: g.data.ids, marked: g.rejected.marked_edges, drawn: g.drawnMarked}; })()")
     ids, m = g["ids"], g["marked"]
@@ -118,7 +109,7 @@ def test_task_groups_collapse_and_expand_on_the_large_montage(local: Local, page
     job_id = r.json()["job_id"]
     local.wait_job(job_id, {"running"})
     page.goto(f"{local.url}/ui/#/jobs/{job_id}")
-    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
+    wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
     drawn = "(() => { const g = window.__dagfold.graph; g.draw(); return [g.drawnNodes, g.nodeCount]; })()"
     page.evaluate("window.__dagfold.graph.fit()")
     assert page.evaluate(drawn) == [1738, 1738]  # every task a node, all on screen at fit zoom
@@ -141,7 +132,7 @@ def test_task_groups_collapse_and_expand_on_the_large_montage(local: Local, page
 
     assert "groups=" in page.evaluate("location.hash")  # the collapsed groups are in the address: a reload keeps them
     page.reload()
-    _wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
+    wait_js(page, "window.__dagfold.graph && window.__dagfold.graph.data.ids.length === 1738")
     assert page.evaluate(drawn) == [nodes, nodes]
 
     page.click("#dag-expand")
@@ -179,7 +170,7 @@ def test_gantt_rows_grouped_by_worker_and_by_task_type(local: Local, page: Any, 
     assert len(workers) == 2, pairs  # the held tasks ran side by side
 
     page.goto(f"{local.url}/ui/#/jobs/{job_id}")
-    _wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 5")
+    wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 5")
     page.select_option("#gantt-group", "worker")
     lines = page.evaluate("window.__dagfold.timeline.lines")
     headers = [ln["header"] for ln in lines if "header" in ln]
@@ -202,7 +193,7 @@ def test_gantt_rows_grouped_by_worker_and_by_task_type(local: Local, page: Any, 
 
     assert "rows=worker" in page.evaluate("location.hash")  # the choice is in the address: a reload keeps it
     page.reload()
-    _wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 5")
+    wait_js(page, "window.__dagfold.timeline && window.__dagfold.timeline.rows.length === 5")
     assert page.input_value("#gantt-group") == "worker"
     assert len(page.evaluate("window.__dagfold.timeline.lines")) == len(pairs) + len(workers)
 
@@ -224,7 +215,7 @@ def test_dead_letters_show_hostile_records_as_text(local: Local, page: Any) -> N
     local.produce(hostile_key, default_codec().encode(submit_job(spec, source="upstream")))
     local.produce(b"raw", b"<script>window.__pwned=2</script>" + b"\x00" * 300)
     page.goto(f"{local.url}/ui/#/deadletters")
-    _wait_js(page, "document.querySelectorAll('#deadletters tbody tr').length >= 2")
+    wait_js(page, "document.querySelectorAll('#deadletters tbody tr').length >= 2")
     table = page.locator("#deadletters")
     text = table.inner_text()
     assert "<img src=x onerror=" in text  # the key, in the reason, as text
