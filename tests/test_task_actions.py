@@ -145,6 +145,21 @@ def test_refusals_are_rejection_events_that_change_nothing() -> None:
         codec.encode(ev, validate_record=True)
 
 
+def test_an_oversized_reason_from_the_log_is_refused_and_changes_nothing() -> None:
+    """A producer on ``commands`` is not bound by the API's 2,000-character limit: the fold applies it."""
+    h = failed_chain()
+    digest = h.digest()
+    for field in ("reason", "requested_by"):
+        cmd = {"type": "dagfold.command.RetryTask", "job_id": "J", "task_id": "bad", "requested_by": "alice",
+               "reason": "fixed", "requested_at_ms": 0, field: "x" * 100_000}
+        n = len(h.events)
+        h.process(cmd)
+        [e] = h.events[n:]
+        assert (kinds([e]), e["code"]) == (["TaskActionRejected"], "invalid_command")
+        assert len(e["requested_by"]) <= 2000 and len(e["reason"]) < 200
+    assert h.digest() == digest
+
+
 def test_cancelled_job_is_refused_with_a_pointer_to_redrive() -> None:
     h = FoldHarness()
     h.submit(spec({"id": "C", "tasks": [{"id": "a"}]}))

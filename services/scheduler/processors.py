@@ -23,6 +23,7 @@ from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.outputs import Output
 from dagfold.processor.fold import FoldContext
+from dagfold.rules import MAX_REASON_LEN
 from dagfold.services.allocator import commands as alloc_cmds
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import (
@@ -320,13 +321,17 @@ def rerun(ctx: Ctx, job_id: str, task_ids: list[str], tenant: str, after: str) -
 
 def _refuse(ctx: Ctx, cmd: Record, action: str, code: str, reason: str) -> None:
     ctx.event("TaskActionRejected", cmd["job_id"], task_id=cmd["task_id"], action=action, code=code,
-              reason=reason, requested_by=cmd.get("requested_by") or "")
+              reason=reason, requested_by=(cmd.get("requested_by") or "")[:MAX_REASON_LEN])
 
 
 def _action_target(ctx: Ctx, cmd: Record, action: str) -> tuple[Mapping[str, Any], Mapping[str, Any]] | None:
     """The job and task an operator's command acts on, or None after a TaskActionRejected saying why
     (the rules of ``lifecycle.task_action_refusal``, the API's too)."""
     job_id, task_id = cmd["job_id"], cmd["task_id"]
+    for name in ("reason", "requested_by"):  # copied into events: bounded as the API bounds them
+        if len(cmd.get(name) or "") > MAX_REASON_LEN:
+            _refuse(ctx, cmd, action, "invalid_command", f"{name} longer than {MAX_REASON_LEN} characters")
+            return None
     j = read_job(ctx.txn, job_id)
     t = read_task(ctx.txn, job_id, task_id) if j is not None else None
     why = task_action_refusal(action, job_id, j["state"] if j is not None else None, task_id,
