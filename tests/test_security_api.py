@@ -296,6 +296,10 @@ def test_the_loser_of_a_job_id_race_sees_its_own_submission_rejected(tenants: Ap
     assert (status["state"], status["status"], status["code"], status["task"]) == (
         "rejected", "FAILED", "job_id_taken", None)
     assert c.get("/v1/gpu-jobs/g", headers=H["acme"]).json()["tenant"] == "acme"
+    for route in ("/v1/jobs/g/events", "/v1/gpu-jobs/g/events"):  # its own stream: the rejection, then end
+        frames = c.get(route, headers=H["beta"]).text
+        assert '"code":"job_id_taken"' in frames and 'event: end\ndata: {"job_id":"g","state":"rejected"}' in frames
+        assert "acme" not in frames and "TaskDispatched" not in frames, frames
     assert c.get("/v1/jobs/g/tasks", headers=H["beta"]).status_code == 404  # nothing more of acme's job
     assert c.get("/v1/jobs?tenant=beta", headers=H["beta"]).json()["jobs"] == []
 

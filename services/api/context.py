@@ -121,10 +121,15 @@ class ApiContext:
         try:
             return self.job_for(job_id, principal)
         except ApiError:
-            claim = self.rm.rejected_claim(principal.tenant, job_id) if principal.tenant is not None else None
+            claim = self.own_rejected_claim(job_id, principal)
             if claim is None:
                 raise
             return claim
+
+    def own_rejected_claim(self, job_id: str, principal: Principal) -> dict[str, Any] | None:
+        """The caller's own submission of ``job_id`` rejected ``job_id_taken`` (it lost the race for the ID to
+        another tenant's job), as a rejected job summary; None if there is none (or the caller is an admin)."""
+        return self.rm.rejected_claim(principal.tenant, job_id) if principal.tenant is not None else None
 
 
 

@@ -39,7 +39,7 @@ from dagfold.services.api.routes_jobs import (
     submit_spec,
 )
 from dagfold.services.api.routes_outputs import output_links
-from dagfold.services.api.sse import stream_response
+from dagfold.services.api.sse import claim_response, stream_response
 from dagfold.services.scheduler.processors import is_gpu
 from dagfold.services.scheduler.spec import (
     GpuType,
@@ -220,7 +220,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
             job, task = gpu_job_for(job_id, principal)
         except ApiError:
             # the caller's own submission that lost the race for this job ID to another tenant's job
-            claim = ctx.rm.rejected_claim(principal.tenant, job_id) if principal.tenant is not None else None
+            claim = ctx.own_rejected_claim(job_id, principal)
             if claim is None:
                 raise
             return {"job_id": job_id, "state": "rejected", "status": "FAILED", "tenant": claim["tenant"],
@@ -271,7 +271,13 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         timeout_s: Annotated[float | None, Query(gt=0, le=86400, description="close after this long")] = None,
         last_event_id: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
-        _, task = await run_in_threadpool(gpu_job_for, job_id, principal)
+        try:
+            _, task = await run_in_threadpool(gpu_job_for, job_id, principal)
+        except ApiError:
+            claim = await run_in_threadpool(ctx.own_rejected_claim, job_id, principal)
+            if claim is None:
+                raise
+            return claim_response(claim)
         return stream_response(ctx.rm, job_id, last_event_id or after, request.is_disconnected,
                                poll_s=ctx.sse_poll_s, max_s=timeout_s, progress_task=task["task_id"])
 

@@ -26,7 +26,7 @@ from dagfold.services.api.auth import Principal
 from dagfold.services.api.context import ApiContext, parse_time_ms
 from dagfold.services.api.errors import ApiError
 from dagfold.services.api.graph import graph_json, layout, rejected_graph_json
-from dagfold.services.api.sse import stream_response
+from dagfold.services.api.sse import claim_response, stream_response
 from dagfold.services.scheduler.processors import spec_hash, still_skipped
 from dagfold.services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
 from dagfold.services.scheduler.validation import validate_job_spec
@@ -386,7 +386,13 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         timeout_s: Annotated[float | None, Query(gt=0, le=86400, description="close after this long")] = None,
         last_event_id: Annotated[str | None, Header()] = None,
     ) -> StreamingResponse:
-        await run_in_threadpool(ctx.job_for, job_id, principal)
+        try:
+            await run_in_threadpool(ctx.job_for, job_id, principal)
+        except ApiError:
+            claim = await run_in_threadpool(ctx.own_rejected_claim, job_id, principal)
+            if claim is None:
+                raise
+            return claim_response(claim)
         return stream_response(ctx.rm, job_id, last_event_id or after, request.is_disconnected,
                                poll_s=ctx.sse_poll_s, max_s=timeout_s)
 

@@ -90,6 +90,21 @@ async def job_stream(rm: ReadModel, job_id: str, cursor: str | None, is_disconne
         metrics.SSE_STREAMS.dec()
 
 
+def claim_response(claim: dict[str, Any]) -> StreamingResponse:
+    """The SSE response for the caller's own submission that lost the race for its job ID to another tenant's
+    job (``ApiContext.job_summary_for``): one ``job`` frame with the rejected submission, then ``end``; never a
+    frame of the other tenant's job."""
+    job_id = claim["job_id"]
+
+    async def frames() -> AsyncIterator[str]:
+        yield "retry: 2000\n\n"
+        yield _frame("job", claim)
+        yield _frame("end", {"job_id": job_id, "state": claim["state"]})
+
+    return StreamingResponse(frames(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def stream_response(rm: ReadModel, job_id: str, cursor: str | None, is_disconnected: Callable[[], Any], *,
                     poll_s: float, max_s: float | None, progress_task: str | None = None) -> StreamingResponse:
     """The SSE response of a job route: a bad cursor is a 400 here, before the stream starts
