@@ -62,6 +62,23 @@ def test_rest_submit_wait_status_and_idempotency_on_a_running_stack(tmp_path: Pa
         with pytest.raises(ClientError) as err:
             client.submit(cyc)
         assert err.value.status == 422 and "x" in err.value.reason
+        # acting on a job: a failed task marked succeeded lets its downstream run; then a redrive of the
+        # succeeded job and a retry of its succeeded task are refused with the API's codes
+        broken = Job()
+        broken.task("b", after=[broken.task("a", "shell", args={"cmd": "exit 3"})])
+        client.submit(broken)
+        assert client.wait(broken.id, timeout_s=60, poll_s=0.05).state == "failed"
+        client.mark_task_succeeded(broken.id, "a", reason="done by hand")
+        healed = client.wait(broken.id, timeout_s=60, poll_s=0.05)
+        assert healed.state == "succeeded" and healed.counts["succeeded"] == 2, healed
+        with pytest.raises(ClientError) as err:
+            client.redrive(broken.id)
+        assert (err.value.status, err.value.code) == (409, "not_redrivable")
+        with pytest.raises(ClientError) as err:
+            client.retry_task(broken.id, "a")
+        assert err.value.status == 409
+        with pytest.raises(JobNotFound):
+            client.retry_task("no-such-job", "a")
         # the example script, over REST
         p = subprocess.run([sys.executable, "examples/client_sdk.py", "--api", f"http://127.0.0.1:{port}",
                             "--timeout", "60"], cwd=ROOT, capture_output=True, text=True, timeout=120)

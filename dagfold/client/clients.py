@@ -1,7 +1,8 @@
 """Submitting jobs and following them: over the REST API, or straight to Kafka.
 
 Both clients have the same four calls: ``submit(job) -> Submission``, ``status(job_id) ->
-JobStatus``, ``wait(job_id) -> JobStatus`` and ``close()``. Submissions are idempotent: a
+JobStatus``, ``wait(job_id) -> JobStatus`` and ``close()``; the REST client also acts on jobs
+(``cancel``, ``redrive``, ``retry_task``, ``mark_task_succeeded``). Submissions are idempotent: a
 ``Job`` carries its ID from construction (or from its idempotency key), so retrying a
 ``submit`` (both clients retry transient failures themselves) never makes a second job.
 """
@@ -160,7 +161,25 @@ class RestClient:
             time.sleep(poll_s)
 
     def cancel(self, job_id: str, reason: str = "cancelled by user") -> None:
-        r = self._call("POST", f"/v1/jobs/{path_segment(job_id)}/cancel", json={"reason": reason})
+        self._post(f"/v1/jobs/{path_segment(job_id)}/cancel", {"reason": reason})
+
+    def retry_task(self, job_id: str, task_id: str, reason: str = "") -> None:
+        """Run a failed, skipped or cancelled task again with a fresh retry budget (and its skipped
+        downstream); the job's history records ``reason``."""
+        self._post(f"/v1/jobs/{path_segment(job_id)}/tasks/{path_segment(task_id)}/retry", {"reason": reason})
+
+    def mark_task_succeeded(self, job_id: str, task_id: str, reason: str = "") -> None:
+        """Record a failed, skipped or cancelled task as succeeded without running it."""
+        self._post(f"/v1/jobs/{path_segment(job_id)}/tasks/{path_segment(task_id)}/mark-succeeded",
+                   {"reason": reason})
+
+    def redrive(self, job_id: str) -> None:
+        """Re-run a finished job's failed, skipped and cancelled tasks."""
+        self._post(f"/v1/jobs/{path_segment(job_id)}/redrive", None)
+
+    def _post(self, path: str, body: dict[str, Any] | None) -> None:
+        """An accepted (202) action, else ``ClientError`` with the API's code (``JobNotFound`` for 404)."""
+        r = self._call("POST", path, json=body) if body is not None else self._call("POST", path)
         if r.status_code >= 400:
             raise self._error(r)
 
