@@ -80,4 +80,9 @@ def test_retry_and_mark_succeeded_from_the_task_panel(stack: UpProcess, page: An
     page.wait_for_function("window.__dagfold.stateOf('report') === 'succeeded'", timeout=30_000)
     page.wait_for_selector("#job-state .badge.succeeded", timeout=10_000)
     assert "marked succeeded by anonymous, not run" in page.locator("#history").inner_text()
+    # the graph badges the marked task (live, from the event), and again when the page is loaded afresh
+    page.wait_for_function("window.__dagfold.isMarkedRun('load') === true", timeout=10_000)
+    assert page.evaluate("window.__dagfold.isMarkedRun('report')") is False  # it ran
+    _open_task(page, stack, other, "load", "succeeded")
+    page.wait_for_function("window.__dagfold.isMarkedRun('load') === true", timeout=10_000)
     shot(page, "task-marked.png")

@@ -130,6 +130,8 @@ def test_cli_mark_succeeded_by_prefix_then_one_line_errors_and_replay_equals_liv
     tasks = stack.tasks(job)
     assert tasks["load"]["state"] == "succeeded" and tasks["load"]["marked_by"] == "acme"
     assert tasks["report"]["state"] == "succeeded" and tasks["report"]["attempt"] == 1
+    graph = stack.call("GET", f"/v1/jobs/{job}/graph", "acme").json()  # the drawing badges the marked task
+    assert [graph["ids"][i] for i in graph["marked"]] == ["load"]
     marked = next(h for h in stack.history(job) if h["type"] == "TaskMarkedSucceeded")
     assert marked["detail"] == "marked succeeded by acme, not run: loaded by hand"
     shown = dagfold("tasks", job, *cli)

@@ -115,9 +115,12 @@ class LayoutCache:
                 self._items.popitem(last=False)
 
 
-def graph_json(lay: Layout, states: dict[str, str]) -> dict[str, Any]:
+def graph_json(lay: Layout, states: dict[str, str], marked: set[str] | None = None) -> dict[str, Any]:
+    """The drawing of a job: the layout, each task's state, and ``marked``, the tasks recorded as succeeded by
+    an operator without running (indexes into ``ids``)."""
     return {"ids": lay.ids, "layer": lay.layer, "pos": lay.pos, "layers": lay.layers, "edges": lay.edges,
-            "states": [states.get(t, "pending") for t in lay.ids]}
+            "states": [states.get(t, "pending") for t in lay.ids],
+            "marked": [i for i, t in enumerate(lay.ids) if t in marked] if marked else []}
 
 
 def rejected_graph_json(graph: dict[str, Any] | None) -> dict[str, Any]:

@@ -362,15 +362,18 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         cache_key = f"{job_id}\x00{job['created_ms']}"
         lay = ctx.layouts.get(cache_key)
         states: dict[str, str] = {}
+        marked: set[str] = set()
         deps: list[tuple[str, list[str]]] = []
         for t in ctx.rm.iter_tasks(job_id):
             states[t["task_id"]] = t["state"]
+            if t["state"] == "succeeded" and t.get("marked_by") is not None:
+                marked.add(t["task_id"])
             if lay is None:
                 deps.append((t["task_id"], t.get("depends_on") or []))
         if lay is None:
             lay = layout(deps)
             ctx.layouts.put(cache_key, lay)
-        return JSONResponse({"job_id": job_id, "state": job["state"], **graph_json(lay, states)})
+        return JSONResponse({"job_id": job_id, "state": job["state"], **graph_json(lay, states, marked)})
 
     @r.get(
         "/v1/jobs/{job_id}/events",

@@ -235,6 +235,7 @@ class DagView extends PanZoom {
     this.group = data.ids.map(taskGroup);
     this.index = new Map(data.ids.map((id, i) => [id, i]));
     this.states = data.states.slice();
+    this.markedRun = new Set(data.marked || []);  // succeeded by an operator's word, not run: a dashed outline
     // A rejected job's refused graph: the offending edges (parent * n + child) and tasks, drawn in red.
     const rj = (this.rejected = data.rejected || null), n = data.ids.length;
     this.markedEdges = new Set();
@@ -340,6 +341,12 @@ class DagView extends PanZoom {
     this.ty = this.h / 2;
     this.redraw();
   }
+  markRun(id) {  // a TaskMarkedSucceeded arrived
+    const i = this.index.get(id);
+    if (i === undefined || this.markedRun.has(i)) return;
+    this.markedRun.add(i);
+    this.redraw();
+  }
   setState(id, state) {
     const i = this.index.get(id);
     if (i === undefined || !state || this.states[i] === state) return;
@@ -387,7 +394,7 @@ class DagView extends PanZoom {
     const mem = this.vMembers[v], i = this.vTask[v];
     if (mem) return `${this.group[i]} ×${mem.length} (collapsed)\n${this.memberCounts(mem).map(([st, k]) => `${st} ${k}`).join(", ")}\nclick to expand`;
     if (this.rejected) return `${this.data.ids[i]}\n${this.states[i] === "missing" ? "not defined in the spec" : this.markedTasks.has(i) ? "named by the rejection" : "as submitted"}`;
-    return `${this.data.ids[i]}\n${this.states[i]}`;
+    return `${this.data.ids[i]}\n${this.states[i]}${this.markedRun.has(i) ? " (marked by an operator, not run)" : ""}`;
   }
   // The critical path: the chain of tasks whose attempt times add up to the longest, by the layers'
   // topological order (a parent is always in an earlier layer). O(tasks + edges), once per attempts load.
@@ -546,6 +553,12 @@ class DagView extends PanZoom {
         for (const i of set) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
         ctx.setLineDash(dash); ctx.strokeStyle = MARK_COLOR; ctx.lineWidth = 2 / this.sx; ctx.stroke();
       }
+      ctx.setLineDash([]);
+    }
+    if (this.markedRun.size) {  // marked succeeded, not run: a dark dashed outline over the succeeded colour
+      ctx.beginPath();
+      for (const i of this.markedRun) { const [x, y] = this.nodeXY(i); ctx.rect(x, y - NODE_H / 2, NODE_W, NODE_H); }
+      ctx.setLineDash([3 / this.sx, 2 / this.sx]); ctx.strokeStyle = "#4b5563"; ctx.lineWidth = 2 / this.sx; ctx.stroke();
       ctx.setLineDash([]);
     }
     if (this.critical && this.critical.size > 1) {  // the critical path: its edges and nodes outlined
@@ -1070,6 +1083,7 @@ async function pageJob(jobId, signal, params = new URLSearchParams()) {
     if (kind === "history") {
       histCount++;
       if (graph && data.task_id && data.task_state) graph.setState(data.task_id, data.task_state);
+      if (graph && data.type === "TaskMarkedSucceeded" && data.task_id) graph.markRun(data.task_id);
       if (data.type === "JobRedriven" || data.type === "JobAccepted" || data.type === "TaskReopened") restartGraph();
       const tr = document.createElement("tr");
       tr.innerHTML = `<td class="small">${fmtTime(data.ts_ms)}</td><td>${esc(data.type)}</td>
@@ -1252,6 +1266,7 @@ function route() {
   else if (name === "deadletters") pageDeadLetters(current.signal);  // static/deadletters.js
   else pageJobs(params, current.signal);
 }
+hooks.isMarkedRun = (id) => (hooks.graph ? hooks.graph.markedRun.has(hooks.graph.index.get(id)) : null);
 hooks.stateOf = (id) => (hooks.graph ? hooks.graph.states[hooks.graph.index.get(id)] ?? null : null);
 hooks.nodeScreenPos = (id) => (hooks.graph ? hooks.graph.screenPos(id) : null);
 hooks.focus = (id) => { if (hooks.graph) hooks.graph.focus(id); };
