@@ -7,6 +7,7 @@ Frozen dataclasses: a process builds its config once (from CLI flags,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -126,6 +127,31 @@ class SchedulerOptions:
     batch_max_records: int = 2000
     poll_timeout_s: float = 0.05
     limits: Limits = field(default_factory=Limits)
+    # A runnable attempt no worker has leased this long after its dispatch is dispatched again (its
+    # dispatch record may have been lost between the log and a worker: TaskRedispatched), then after
+    # twice as long, up to REDISPATCH_MAX_FACTOR times this; 0 turns it off. Keep it well above the
+    # queue's normal wait: a duplicate record is harmless (one lease per attempt) but not free.
+    redispatch_after_s: float = 60.0
+    # per queue, replacing redispatch_after_s for that queue's tasks (e.g. a queue with a deep backlog)
+    redispatch_after_s_by_queue: Mapping[str, float] = field(default_factory=dict)
+
+    def redispatch_after_ms(self, queue: str) -> int:
+        """The queue's re-dispatch interval in ms; 0 when re-dispatch is off for it."""
+        s = self.redispatch_after_s_by_queue.get(queue, self.redispatch_after_s)
+        return max(int(s * 1000), 0)
+
+
+# A re-dispatched attempt's next re-dispatch waits twice as long as the last, up to this many intervals.
+REDISPATCH_MAX_FACTOR = 8
+
+
+def parse_queue_seconds(text: str) -> dict[str, float]:
+    """``queue=seconds,queue=seconds`` (the setting ``redispatch_after_s_by_queue``) as a dict."""
+    out: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        queue, _, seconds = item.partition("=")
+        out[queue.strip()] = float(seconds)
+    return out
 
 
 # Config fields set from dagfold.settings (the table of every setting), by setting name
@@ -167,7 +193,10 @@ class Config:
                   dispatch_partitions=s.dispatch_partitions, allocator_partitions=s.allocator_partitions,
                   replication=s.replication, events_retention_ms=s.events_retention_ms,
                   commands_retention_ms=s.commands_retention_ms, api_host=s.api_host, api_port=s.port,
-                  artifacts_url=s.artifacts)
+                  artifacts_url=s.artifacts,
+                  scheduler=SchedulerOptions(redispatch_after_s=s.redispatch_after_s,
+                                             redispatch_after_s_by_queue=parse_queue_seconds(
+                                                 s.redispatch_after_s_by_queue)))
         clean = {k: v for k, v in overrides.items() if v is not None and k not in _SETTING_OF}
         return replace(cfg, **clean)  # type: ignore[arg-type]
 

@@ -67,6 +67,11 @@ WORKER_LOSSES = Counter(
     "final=true means the task reached its limit of worker losses and failed with worker_lost.",
     ["final"],
 )
+TASK_REDISPATCHES = Counter(
+    "dagfold_task_redispatches_total",
+    "Runnable attempts no worker had leased at their re-dispatch time, sent again (TaskRedispatched): "
+    "a dispatch record lost on the way to a worker, or a queue waiting longer than the re-dispatch interval.",
+)
 TASK_FAILURES = Counter(
     "dagfold_task_failures_total",
     "TaskFailed events emitted by the scheduler; final=true means the task failed for good.",
@@ -214,6 +219,8 @@ def record_scheduler_events(events: Iterable[Mapping[str, Any]]) -> None:
             TASK_RETRIES.inc()
         elif short == "TaskFailed":
             TASK_FAILURES.labels("true" if ev.get("final", True) else "false").inc()
+        elif short == "TaskRedispatched":
+            TASK_REDISPATCHES.inc()
         elif short == "LeaseReclaimed":
             WORKER_LOSSES.labels("true" if ev.get("final") else "false").inc()
             if str(ev.get("reason", "")).startswith("lease_expired"):

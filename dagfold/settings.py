@@ -73,6 +73,14 @@ class Settings(BaseSettings):
                                   "they are the audit log)", ge=-1)
     commands_retention_ms: int = _s(7 * 24 * 3600 * 1000, "retention of commands, dispatch and control, ms",
                                     ge=-1)
+    # -- scheduler
+    redispatch_after_s: float = _s(60.0, "a runnable task no worker took this many seconds after its dispatch is "
+                                   "dispatched again (a lost dispatch record), then after twice as long, up to 8x; "
+                                   "0: never. Keep it well above the queues' normal wait", group="scheduler", ge=0)
+    redispatch_after_s_by_queue: str = _s("", "per queue, replacing redispatch_after_s: `queue=seconds,queue=seconds`",
+                                          group="scheduler",
+                                          pattern=r"^(\s*[A-Za-z0-9._-]+\s*=\s*[0-9]+(\.[0-9]+)?\s*"
+                                                  r"(,\s*[A-Za-z0-9._-]+\s*=\s*[0-9]+(\.[0-9]+)?\s*)*)?$")
     # -- API
     api_host: str = _s("127.0.0.1", "address the API listens on (`dagfold up`)", group="api", min_length=1)
     port: int = _s(8080, "port of the API and dashboard (`dagfold up`)", "--port", group="api", ge=1, le=65535)

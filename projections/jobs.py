@@ -411,6 +411,18 @@ def _task_dispatched(txn: ReadModelTxn, ev: Record, partition: int, offset: int)
     ctx.save(ev["ts_ms"])
 
 
+def _task_redispatched(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """The same attempt sent again (its dispatch record may have been lost): counted apart, per task, job
+    and tenant; the task stays runnable. O(1): the task, its job and the tenant's usage."""
+    ctx = _task_ctx(txn, ev)
+    if ctx is None or ctx.job is None or ctx.task is None:
+        return
+    ctx.task["redispatches"] = ctx.task.get("redispatches", 0) + 1
+    ctx.job["redispatches"] = ctx.job.get("redispatches", 0) + 1
+    ops.record_redispatch(txn, ctx.job["tenant"])
+    ctx.save(ev["ts_ms"])
+
+
 def _task_allocated(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.task is None:
@@ -679,6 +691,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobRejected": _job_rejected,
     "dagfold.event.SubmissionDeduplicated": _history_only,
     "dagfold.event.TaskDispatched": _task_dispatched,
+    "dagfold.event.TaskRedispatched": _task_redispatched,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
     "dagfold.event.TaskCheckpointing": _task_checkpointing,
@@ -723,6 +736,9 @@ def _detail(kind: str, ev: Record) -> str:
         return f"repeated submission with idempotency key {g('idempotency_key')!r}"
     if kind == "TaskDispatched":
         return f"queue {g('queue')}"
+    if kind == "TaskRedispatched":
+        return (f"queue {g('queue')}: not leased in time, dispatched again ({g('redispatches')}x)"
+                + _within("; next in ", g("next_redispatch_at_ms"), g("ts_ms")))
     if kind == "TaskAllocated":
         resume = g("resume_checkpoint")
         return f"{g('alloc_id')} on {', '.join(g('node_ids') or [])}" + (f", resumes from {resume}" if resume else "")

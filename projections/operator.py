@@ -61,7 +61,7 @@ def _usage(txn: ReadModelTxn, tenant: str) -> tuple[bytes, Record]:
     u = txn.get(k)
     if u is None:
         u = {"tenant": tenant, "jobs": dict.fromkeys(JOB_STATES, 0), "tasks": dict.fromkeys(TASK_STATES, 0),
-             "retries": 0, "failures": 0, "lease_expiries": 0, "worker_losses": 0}
+             "retries": 0, "failures": 0, "lease_expiries": 0, "worker_losses": 0, "redispatches": 0}
     return k, u
 
 
@@ -222,6 +222,13 @@ def record_worker_loss(txn: ReadModelTxn, tenant: str, reason: str) -> None:
     u["worker_losses"] = u.get("worker_losses", 0) + 1
     if reason.startswith("lease_expired"):
         u["lease_expiries"] += 1
+    txn.put(k, u)
+
+
+def record_redispatch(txn: ReadModelTxn, tenant: str) -> None:
+    """A TaskRedispatched event: a dispatch record sent again, counted apart from retries and losses."""
+    k, u = _usage(txn, tenant)
+    u["redispatches"] = u.get("redispatches", 0) + 1
     txn.put(k, u)
 
 

@@ -7,7 +7,9 @@ world around the fold:
 * workers that succeed, fail (retryably or not, with exit codes), crash before
   or after TaskStarted (never report, never heartbeat), hang (heartbeat
   forever), or are slow (heartbeat late, report late);
-* a network that reorders, delays, duplicates and drops their reports;
+* a network that reorders, delays, duplicates and drops their reports, and
+  dispatch records that never reach any worker (the re-dispatch timer sends
+  the same attempt again);
 * a timer that fires late, twice, out of order or not at all (a dropped fire
   comes back at the next scan, as in the runner), plus injected stale and
   duplicate ``TimerFired`` commands, stale reports of old attempts, reports
@@ -31,7 +33,8 @@ Invariants checked (see each ``check_*``):
    job counters match the task states; no timer survives a finished task;
 6. retries honour max_attempts, non-retryable exit codes, and the deterministic
    backoff (``retry_at_ms - ts_ms == backoff_ms(...)``, never dispatched
-   early); timeouts never fire before they are due;
+   early); timeouts never fire before they are due; an attempt is re-dispatched
+   only while runnable and unleased, when due, at doubling intervals;
 7. replaying the events gives the same state (``replayed_digest() == digest()``);
 8. every record the fold emitted validates against its Avro schema.
 
@@ -67,7 +70,7 @@ RULES = ["all_success", "all_done", "one_success", "one_failed", "none_failed", 
 POLICIES = ["fail_fast", "skip_downstream", "allow_partial"]
 NOOP_EVENTS = {"ReportIgnored", "LeaseRejected", "SubmissionDeduplicated", "TaskActionRejected"}
 TIMER_STATE = {"lease": "running", "start_to_close": "running", "schedule_to_start": "runnable",
-               "backoff": "retrying"}
+               "backoff": "retrying", "redispatch": "runnable"}
 
 # Examples per property in the default run (total 1,050); --slow multiplies them.
 EXAMPLES = {"chaos_small": 520, "chaos_large": 30, "stale": 150, "rules": 250, "backoff": 100}
@@ -149,6 +152,8 @@ class World:
     redrives: bool
     lease_timeout_s: float
     steps_per_task: int
+    p_lose_record: float = 0.0  # a dispatch record that never reaches any worker (re-dispatch recovers it)
+    redispatch_after_s: float = 60.0
 
 
 worlds = st.builds(
@@ -162,6 +167,8 @@ worlds = st.builds(
     redrives=st.booleans(),
     lease_timeout_s=st.sampled_from([1.0, 10.0, 60.0]),
     steps_per_task=st.integers(3, 10),
+    p_lose_record=st.sampled_from([0.0, 0.0, 0.1]),
+    redispatch_after_s=st.sampled_from([5.0, 60.0]),
 )
 
 
@@ -354,6 +361,8 @@ class Sim:
     def take(self) -> None:
         rnd = self.rnd
         d = self.queue.pop(rnd.randrange(len(self.queue)) if rnd.random() < 0.3 else 0)
+        if rnd.random() < self.world.p_lose_record:
+            return  # archived by the queue, or held by a worker killed before it did anything: gone
         kind = rnd.choices(["ok", "fail", "crash_before_start", "crash", "hang", "slow"],
                            weights=self.world.behaviour_weights)[0]
         if kind == "crash_before_start":
@@ -553,6 +562,8 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
     successes: Counter[tuple[str, str]] = Counter()
     lost: Counter[tuple[str, str]] = Counter()  # attempts of this run whose worker was lost
     reclaimed: set[tuple[str, str]] = set()  # a LeaseReclaimed (not final) awaits its TaskDispatched
+    leased: set[tuple[str, str]] = set()  # attempts leased and not ended
+    redispatch_due: dict[tuple[str, str], int | None] = {}  # when the runnable attempt may be re-dispatched
     job_state: dict[str, str] = {}
     fail_fast_until_end: dict[str, int] = {}  # job -> cause offset of the final failure
 
@@ -579,6 +590,11 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             assert e["attempt"] == attempt.get(k, 0) + 1, f"{k}: attempt {e['attempt']} after {attempt.get(k)}"
             attempt[k] = e["attempt"]
             dispatched_ts[k] = e["ts_ms"]
+            leased.discard(k)
+            every = opts.redispatch_after_ms(tspec[k][1]["queue"])
+            gpu = bool((tspec[k][1]["resources"] or {}).get("gpus"))
+            assert e["redispatch_at_ms"] == (None if gpu or not every else e["ts_ms"] + every)
+            redispatch_due[k] = e["redispatch_at_ms"]
             if k in reclaimed:
                 reclaimed.discard(k)  # a lost worker's attempt runs again at once
             elif k in retry_due:
@@ -594,6 +610,7 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             assert run_dispatches[k] - lost[k] <= policy_of(k)["max_attempts"], f"{k}: more attempts than max_attempts"
         elif typ == "LeaseReclaimed":
             assert e["attempt"] == attempt[k] and k not in outcome
+            leased.discard(k)
             if e["reason"].startswith("lease_expired"):
                 assert e["ts_ms"] >= lease[k], f"{k}: lease expired early"
             lost[k] += 1
@@ -602,8 +619,17 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             assert nxt["task_id"] == k[1] and short(nxt) == ("TaskFailed" if e["final"] else "TaskDispatched")
             if not e["final"]:
                 reclaimed.add(k)
+        elif typ == "TaskRedispatched":  # the same attempt again: only runnable, unleased, and when due
+            assert e["attempt"] == attempt[k] and k not in outcome and k not in leased, f"{k} re-dispatched"
+            due = redispatch_due.get(k)
+            assert due is not None and e["ts_ms"] >= due, f"{k} re-dispatched at {e['ts_ms']}, due {due}"
+            every = opts.redispatch_after_ms(tspec[k][1]["queue"])
+            assert e["next_redispatch_at_ms"] == e["ts_ms"] + every * min(2 ** e["redispatches"], 8)
+            redispatch_due[k] = e["next_redispatch_at_ms"]
         elif typ == "LeaseGranted":
-            assert e["attempt"] == attempt[k]
+            assert e["attempt"] == attempt[k] and k not in leased
+            leased.add(k)
+            redispatch_due[k] = None
             lease[k] = e["lease_deadline_ms"]
             granted_ts[k] = e["ts_ms"]
         elif typ == "LeaseExtended":
@@ -611,6 +637,8 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             lease[k] = e["lease_deadline_ms"]
         elif typ == "TaskFailed":
             assert e["attempt"] == attempt[k]
+            leased.discard(k)
+            redispatch_due[k] = None
             reason, pol, to = e["reason"], policy_of(k), timeouts_of(k)
             if reason.startswith("lease_expired"):
                 assert e["ts_ms"] >= lease[k], f"{k}: lease expired early"
@@ -645,6 +673,7 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
         elif typ == "TaskSucceeded":
             assert e["attempt"] == attempt[k] and k not in outcome
             successes[k] += 1
+            leased.discard(k)
             assert successes[k] == 1, f"{k} succeeded twice"
             outcome[k] = "succeeded"
         elif typ == "TaskSkipped":
@@ -655,6 +684,8 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             outcome[k] = "skipped"
         elif typ == "TaskCancelled":
             assert k not in outcome
+            leased.discard(k)
+            redispatch_due[k] = None
             outcome[k] = "cancelled"
             retry_due.pop(k, None)
         elif typ in ("JobSucceeded", "JobFailed", "JobCancelled"):
@@ -714,7 +745,7 @@ def check_replay(h: FoldHarness) -> None:
 
 def run_scenario(docs: list[dict[str, Any]], world: World, seed: int) -> Sim:
     specs = [to_spec(d) for d in docs]
-    opts = SchedulerOptions(lease_timeout_s=world.lease_timeout_s)
+    opts = SchedulerOptions(lease_timeout_s=world.lease_timeout_s, redispatch_after_s=world.redispatch_after_s)
     h = FoldHarness(opts)
     sim = Sim(h, random.Random(seed), world, specs)
     for spec in specs:
@@ -783,7 +814,8 @@ def prop_stale_reports(doc: dict[str, Any], world: World, seed: int, data: st.Da
     """After some chaos, every report of an old attempt, of a non-holder, and every duplicate or stale
     timer fire leaves ``h.digest()`` unchanged."""
     spec = to_spec(doc)
-    h = FoldHarness(SchedulerOptions(lease_timeout_s=world.lease_timeout_s))
+    h = FoldHarness(SchedulerOptions(lease_timeout_s=world.lease_timeout_s,
+                                     redispatch_after_s=world.redispatch_after_s))
     sim = Sim(h, random.Random(seed), world, [spec])
     sim.deliver({"type": "dagfold.command.SubmitJob", "spec": spec, "submitted_at_ms": h.now_ms, "source": "t"})
     sim.chaos(data.draw(st.integers(0, 150), label="chaos steps"))

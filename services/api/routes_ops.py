@@ -84,6 +84,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                 "tenant": name, "jobs": u["jobs"], "tasks": u["tasks"], "running_tasks": running,
                 "open_jobs": u["jobs"].get("running", 0), "retries": u["retries"], "failures": u["failures"],
                 "lease_expiries": u["lease_expiries"], "worker_losses": u.get("worker_losses", 0),
+                "redispatches": u.get("redispatches", 0),
                 "gpus": g.get("gpus", 0) if cluster_on else None,
                 "gpus_queued": g.get("queued_gpus", 0) if cluster_on else None,
                 "share": {

@@ -168,9 +168,19 @@ def _task_dispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) ->
     t["attempt"] = e["attempt"]
     t["worker"] = None
     t["alloc"] = None
+    t.pop("redisp", None)
     _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start",
                _timeout_due(e, t, "schedule_to_start_s"), e["attempt"])
+    # logs written before re-dispatch existed decode with null here: no timer
+    _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", e.get("redispatch_at_ms"), e["attempt"])
+
+
+@_on_task
+def _task_redispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    """A new record for the same runnable attempt: counted (the next interval doubles), timer re-armed."""
+    t["redisp"] = e["redispatches"]
+    _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", e["next_redispatch_at_ms"], e["attempt"])
 
 
 @_on_task
@@ -179,6 +189,7 @@ def _lease_granted(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> N
     t["worker"] = e["worker_id"]
     t["lease_ms"] = e["lease_deadline_ms"]
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start", None, e["attempt"])
+    _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "lease", e["lease_deadline_ms"], e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "start_to_close",
                _timeout_due(e, t, "start_to_close_s"), e["attempt"])
@@ -335,6 +346,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobRejected": _no_state,
     "dagfold.event.SubmissionDeduplicated": _no_state,
     "dagfold.event.TaskDispatched": _task_dispatched,
+    "dagfold.event.TaskRedispatched": _task_redispatched,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
     "dagfold.event.TaskCheckpointing": _no_state,

@@ -18,7 +18,14 @@ from typing import Any
 import fastavro
 
 from dagfold.codec import Record, default_codec
-from dagfold.config import ALLOCATOR_COMMANDS, CONTROL, EVENTS, SchedulerOptions, dispatch_topic
+from dagfold.config import (
+    ALLOCATOR_COMMANDS,
+    CONTROL,
+    EVENTS,
+    REDISPATCH_MAX_FACTOR,
+    SchedulerOptions,
+    dispatch_topic,
+)
 from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.outputs import Output
@@ -133,8 +140,11 @@ def dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt:
     there, and is dispatched to node agents when the grant comes back
     (``task_allocation``). It resumes from the task's latest known checkpoint.
     """
-    ctx.event("TaskDispatched", job_id, task_id=task_id, attempt=attempt, queue=t["queue"])
-    if is_gpu(t):
+    gpu = is_gpu(t)
+    every = 0 if gpu else ctx.opts.redispatch_after_ms(t["queue"])
+    ctx.event("TaskDispatched", job_id, task_id=task_id, attempt=attempt, queue=t["queue"],
+              redispatch_at_ms=ctx.now_ms + every if every else None)
+    if gpu:
         j = read_job(ctx.txn, job_id)
         tier = j["tier"] if j is not None else "standard"
         req = alloc_cmds.from_resources(t["queue"], job_id, task_id, attempt, tenant, tier, t["resources"],
@@ -142,6 +152,12 @@ def dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt:
         req["resume_checkpoint"] = t.get("ckpt")
         ctx.emit(ALLOCATOR_COMMANDS, t["queue"], req)
         return
+    send_dispatch_record(ctx, job_id, task_id, t, attempt, tenant)
+
+
+def send_dispatch_record(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt: int,
+                         tenant: str) -> None:
+    """Put a reference to the attempt on its queue (a dispatch, or a re-dispatch of the same attempt)."""
     # keyed by tenant: the queue hands records out round-robin across partitions, so a tenant's backlog
     # on its partition delays another tenant's records by one record per round, not by its length
     # (any free worker takes any record: the dispatch topic is a queue, dagfold.log.base)
@@ -150,6 +166,22 @@ def dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt:
         "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
         "idempotency_key": f"{job_id}/{task_id}", "lease_timeout_s": lease_timeout_ms(ctx, t) / 1000,
         "start_to_close_s": (t["timeouts"] or {}).get("start_to_close_s"), "dispatched_at_ms": ctx.now_ms})
+
+
+def redispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], tenant: str) -> None:
+    """The attempt is runnable and unleased at its re-dispatch time: its record may never reach a worker
+    (archived by the queue after its last delivery, lost with a worker killed while it held it), and
+    nothing else would dispatch it again. Send a new record for the same attempt and re-arm the timer at
+    twice the last interval (up to REDISPATCH_MAX_FACTOR times the queue's setting), so a deep backlog
+    costs a waiting task a few duplicate records, not one per interval. A duplicate is harmless: the
+    attempt is leased once (a second TaskStarted gets LeaseRejected and a StopTask, an instant task's
+    second outcome ReportIgnored)."""
+    n = t.get("redisp", 0) + 1
+    every = ctx.opts.redispatch_after_ms(t["queue"])
+    nxt = ctx.now_ms + every * min(2 ** n, REDISPATCH_MAX_FACTOR) if every else None
+    ctx.event("TaskRedispatched", job_id, task_id=task_id, attempt=t["attempt"], queue=t["queue"],
+              redispatches=n, next_redispatch_at_ms=nxt)
+    send_dispatch_record(ctx, job_id, task_id, t, t["attempt"], tenant)
 
 
 def propagate(ctx: Ctx, job_id: str, task_id: str, outcome: str) -> None:
@@ -588,6 +620,8 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
     elif kind == "start_to_close" and t["state"] == "running":
         stop_attempt(ctx, job_id, task_id, t, "start_to_close_timeout")
         fail_attempt(ctx, job_id, task_id, t, worker=t["worker"] or "", reason="start_to_close_timeout")
+    elif kind == "redispatch" and t["state"] == "runnable" and not is_gpu(t):
+        redispatch(ctx, job_id, task_id, t, j["tenant"])
     elif kind == "schedule_to_start" and t["state"] == "runnable":
         stop_attempt(ctx, job_id, task_id, t, "schedule_to_start_timeout")
         fail_attempt(ctx, job_id, task_id, t, worker="", reason="schedule_to_start_timeout", retryable=False)

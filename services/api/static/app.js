@@ -832,7 +832,7 @@ function jobHeader(job) {
     </div>
     <div class="muted small">tenant <b>${esc(job.tenant)}</b> · tier ${esc(job.tier)} · policy ${esc(job.failure_policy)} ·
       created ${fmtTime(job.created_ms)}${job.duration_ms != null ? ` · took ${fmtDur(job.duration_ms)}` : ""} · retries ${job.retries || 0}
-      ${job.redrives ? ` · redriven ${job.redrives}×` : ""}</div>
+      ${job.redrives ? ` · redriven ${job.redrives}×` : ""}${job.redispatches ? ` · <span id="job-redispatches" title="dispatch records sent again: no worker had taken the task in time">re-dispatched ${job.redispatches}×</span>` : ""}</div>
     <div class="row" style="align-items:center;margin-top:6px"><div class="grow">${stackBar(job)}</div><span class="small">${(job.progress || 0).toFixed(1)}% of ${job.total_tasks} tasks</span></div>
     <div class="chips" id="counts">${countsChips(job)}</div>
     ${job.reason ? `<div class="${job.state === "failed" || job.state === "rejected" ? "error-box" : "muted"}" id="job-reason">${esc(job.code ? job.code + ": " : "")}${esc(job.reason)}</div>` : ""}`;
@@ -954,7 +954,7 @@ async function showTask(jobId, taskId, onChange = null) {
         <dt>state</dt><dd id="task-state">${badge(t.state)}${marked ? ` <span class="badge" id="task-marked" style="background:#4b5563" title="recorded as succeeded by an operator, not run">marked</span>` : ""}</dd>
         ${marked ? `<dt>marked by</dt><dd id="task-marked-by">${esc(t.marked_by || "an operator")}${t.marked_reason ? `: ${esc(t.marked_reason)}` : ""} <span class="muted small">(not run)</span></dd>` : ""}
         ${t.retried_by != null ? `<dt>retried by</dt><dd id="task-retried-by">${esc(t.retried_by || "an operator")}</dd>` : ""}
-        <dt>attempt</dt><dd>${t.attempt}${t.retries ? ` (${t.retries} retries)` : ""}</dd>
+        <dt>attempt</dt><dd>${t.attempt}${t.retries ? ` (${t.retries} retries)` : ""}${t.redispatches ? ` <span class="muted small" id="task-redispatches">re-dispatched ${t.redispatches}×</span>` : ""}</dd>
         <dt>handler</dt><dd class="mono">${esc(t.handler)}</dd>
         <dt>queue</dt><dd>${esc(t.queue)}</dd>
         <dt>worker</dt><dd class="mono">${esc(t.worker_id || "")}</dd>

@@ -1,0 +1,231 @@
+"""Re-dispatch of a runnable attempt whose dispatch record never reached a worker (virtual time).
+
+A dispatch record can be lost between the log and a worker (the queue archives it after its last
+delivery; a worker killed -9 while it held it). Before the re-dispatch timer nothing dispatched such an
+attempt again: its job stayed running for ever (``test_a_lost_dispatch_record_is_dispatched_again``
+fails on that code: no second record, the job never ends).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import fastavro
+from fastavro.schema import load_schema
+
+from dagfold.codec import MAGIC, default_codec, schema_fingerprint
+from dagfold.config import Config, SchedulerOptions
+from dagfold.services.scheduler import keys
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+
+EVERY_MS = 60_000
+SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
+
+
+def spec_of(text: str) -> dict[str, Any]:
+    return to_job_spec(load_spec_text(text))
+
+
+def timers(h: FoldHarness) -> list[tuple[int, str, str, str]]:
+    """The scheduler's whole timer table (due, job, task, kind)."""
+    end = keys.TIMER_PREFIX[:-1] + bytes([keys.TIMER_PREFIX[-1] + 1])
+    return [keys.parse_timer(k) for k, _ in h.store.range(keys.TIMER_PREFIX, end)]
+
+
+def redispatched(h: FoldHarness) -> list[dict[str, Any]]:
+    return [e for e in h.events if e["type"] == "dagfold.event.TaskRedispatched"]
+
+
+def test_a_lost_dispatch_record_is_dispatched_again_and_the_job_finishes() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [{id: a}, {id: b, depends_on: [a]}]"))
+    lost = h.dispatched.popleft()  # never delivered to any worker
+    assert not h.dispatched
+    h.advance(EVERY_MS - 1)
+    assert not h.dispatched and h.task("J", "a")["state"] == "runnable"
+    h.advance(1)
+    assert len(h.dispatched) == 1
+    again = h.dispatched[0]
+    assert {k: again[k] for k in ("job_id", "task_id", "attempt")} == {"job_id": "J", "task_id": "a",
+                                                                       "attempt": lost["attempt"]}
+    assert [(e["attempt"], e["redispatches"]) for e in redispatched(h)] == [(1, 1)]
+    h.run_all()
+    assert h.job("J")["state"] == "succeeded"
+    assert timers(h) == []
+    assert h.replayed_digest() == h.digest()
+
+
+def test_a_leased_attempt_is_never_redispatched() -> None:
+    h = FoldHarness(SchedulerOptions(lease_timeout_s=30))
+    h.submit(spec_of("id: J\ntasks: [{id: a}]"))
+    d = h.dispatched.popleft()
+    h.report("Started", d)
+    assert [k for *_, k in timers(h)] == ["lease"]  # LeaseGranted cleared the redispatch timer
+    for _ in range(30):  # 10 minutes of a long task, heartbeating
+        h.advance(20_000)
+        h.report("Heartbeat", d)
+    assert not redispatched(h) and not h.dispatched
+    h.report("Succeeded", d)
+    assert h.job("J")["state"] == "succeeded" and timers(h) == []
+
+
+def test_the_interval_doubles_up_to_eight_times() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [{id: a}]"))
+    start = h.now_ms
+    h.dispatched.clear()
+    for _ in range(6 * 8):  # 48 minutes in steps of 1 minute; every record is lost
+        h.advance(EVERY_MS)
+        h.dispatched.clear()
+    at = [(e["ts_ms"] - start) // EVERY_MS for e in redispatched(h)]
+    assert at == [1, 3, 7, 15, 23, 31, 39, 47]  # +1, +2, +4, +8, then +8 (the cap)
+    assert [e["redispatches"] for e in redispatched(h)] == list(range(1, 9))
+    assert all(e["attempt"] == 1 for e in redispatched(h))
+    assert [e["next_redispatch_at_ms"] - e["ts_ms"] for e in redispatched(h)][:4] == [
+        2 * EVERY_MS, 4 * EVERY_MS, 8 * EVERY_MS, 8 * EVERY_MS]
+    assert h.replayed_digest() == h.digest()
+
+
+def test_a_duplicate_record_is_harmless_one_lease_per_attempt() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [{id: slow, handler: sleep}, {id: instant}]"))
+    originals = list(h.dispatched)
+    h.dispatched.clear()
+    h.advance(EVERY_MS)  # both records were only late, not lost: now each attempt has two
+    copies = list(h.dispatched)
+    h.dispatched.clear()
+    assert len(copies) == 2
+    slow = [d for d in originals if d["task_id"] == "slow"][0]
+    slow2 = [d for d in copies if d["task_id"] == "slow"][0]
+    h.report("Started", slow, "w1")
+    h.report("Started", slow2, "w2")
+    assert h.event_types()[-1] == "LeaseRejected"
+    assert [(c["worker_id"], c["task_id"]) for c in h.controls] == [("w2", "slow")]  # w2 is told to stop
+    assert h.task("J", "slow")["worker"] == "w1"
+    inst = [d for d in originals if d["task_id"] == "instant"][0]
+    inst2 = [d for d in copies if d["task_id"] == "instant"][0]
+    h.report("Succeeded", inst, "w3")  # an instant task reports once, without a start
+    h.report("Succeeded", inst2, "w4")
+    assert h.event_types()[-1] == "ReportIgnored"
+    assert h.event_types().count("TaskSucceeded") == 1
+    assert h.event_types().count("LeaseGranted") == 2  # slow by w1, instant by w3
+    h.report("Succeeded", slow, "w1")
+    assert h.job("J")["state"] == "succeeded" and timers(h) == []
+    assert h.replayed_digest() == h.digest()
+
+
+def test_timers_are_cleared_when_the_job_is_cancelled_or_fails() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: C\ntasks: [{id: a}, {id: b}]"))
+    assert sorted(k for *_, k in timers(h)) == ["redispatch", "redispatch"]
+    h.dispatched.clear()
+    h.advance(EVERY_MS)  # re-dispatched once each, re-armed
+    h.process({"type": "dagfold.command.CancelJob", "job_id": "C", "reason": "test", "requested_at_ms": h.now_ms})
+    assert h.job("C")["state"] == "cancelled" and timers(h) == []
+    h.dispatched.clear()
+
+    h.submit(spec_of("id: F\nfailure_policy: fail_fast\ntasks: [{id: a}, {id: b}]"))
+    a = [d for d in h.dispatched if d["task_id"] == "a"][0]
+    h.dispatched.clear()
+    h.report("Failed", a)  # b's record was lost; the job ends (fail_fast cancels b)
+    assert h.job("F")["state"] == "failed" and timers(h) == []
+    assert h.advance(10 * EVERY_MS) == 0 and len(redispatched(h)) == 2  # C's, before its cancel
+    assert h.replayed_digest() == h.digest()
+
+
+def test_a_retry_arms_a_fresh_timer_for_the_next_attempt() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [{id: a, retry: {max_attempts: 2, initial_interval_s: 1, jitter: false}}]"))
+    h.dispatched.clear()
+    h.advance(EVERY_MS)
+    d = h.dispatched.popleft()
+    h.report("Started", d)
+    h.report("Failed", d)
+    h.advance(1000)  # backoff: attempt 2 dispatched, its timer starts at the first interval again
+    d2 = h.dispatched.popleft()
+    assert d2["attempt"] == 2 and [k for *_, k in timers(h)] == ["redispatch"]
+    assert timers(h)[0][0] == h.now_ms + EVERY_MS
+    h.advance(EVERY_MS)
+    assert [(e["attempt"], e["redispatches"]) for e in redispatched(h)] == [(1, 1), (2, 1)]
+    assert h.replayed_digest() == h.digest()
+
+
+def test_the_interval_is_a_setting_per_queue_and_zero_turns_it_off() -> None:
+    h = FoldHarness(SchedulerOptions(redispatch_after_s=0, redispatch_after_s_by_queue={"fast": 5}))
+    h.submit(spec_of("id: J\ntasks: [{id: a}, {id: b, queue: fast}]"))
+    h.dispatched.clear()
+    h.advance(5000)
+    assert [e["task_id"] for e in redispatched(h)] == ["b"]
+    for _ in range(3600):  # an hour in steps of a second
+        h.advance(1000)
+    at = [(e["ts_ms"] - h.now_ms) // 1000 + 3605 for e in redispatched(h)]
+    assert at[:5] == [5, 15, 35, 75, 115] and len(at) == 4 + (3605 - 75) // 40  # b: every 40 s; a: never
+    assert {e["task_id"] for e in redispatched(h)} == {"b"}
+
+    cfg = Config.from_env()
+    assert cfg.scheduler.redispatch_after_s == 60.0
+
+
+def test_the_settings_reach_the_scheduler(monkeypatch: Any) -> None:
+    monkeypatch.setenv("DAGFOLD_REDISPATCH_AFTER_S", "2.5")
+    monkeypatch.setenv("DAGFOLD_REDISPATCH_AFTER_S_BY_QUEUE", "slow=600, fast=1")
+    opts = Config.from_env().scheduler
+    assert opts.redispatch_after_ms("default") == 2500
+    assert (opts.redispatch_after_ms("slow"), opts.redispatch_after_ms("fast")) == (600_000, 1000)
+
+
+def test_a_gpu_task_is_not_redispatched() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: G\ntasks: [{id: train, resources: {gpus: 1}}]"))
+    assert timers(h) == []
+    h.advance(10 * EVERY_MS)
+    assert not redispatched(h)
+
+
+def test_the_events_are_valid_avro_and_old_dispatched_events_decode() -> None:
+    codec = default_codec()
+    h = FoldHarness()
+    outs = h.submit(spec_of("id: J\ntasks: [{id: a}]"))
+    h.advance(EVERY_MS)
+    for o in outs + [o for o in h.events]:
+        rec = o.record if hasattr(o, "record") else o
+        assert codec.decode(codec.encode(rec, validate_record=True))["type"] == rec["type"]
+    # a TaskDispatched written before the field existed (its schema kept in history) reads as "never"
+    old = load_schema(str(SCHEMAS / "history" / "v1-dispatched-no-redispatch" / "dagfold.event.TaskDispatched.avsc"))
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, old, {"job_id": "J", "task_id": "a", "attempt": 1, "ts_ms": 1,
+                                          "cause_offset": 0, "queue": "default"})
+    rec = codec.decode(MAGIC + schema_fingerprint(old) + buf.getvalue())
+    assert rec["queue"] == "default" and rec["redispatch_at_ms"] is None
+
+
+def test_the_read_model_shows_and_counts_redispatches_apart(tmp_path: Path) -> None:
+    from dagfold.projections import OperatorModel, ReadModel, ReadModelStore
+    from dagfold.projections.jobs import apply
+
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntenant: acme\ntasks: [{id: a}]"))
+    h.dispatched.clear()
+    h.advance(EVERY_MS)
+    h.advance(2 * EVERY_MS)
+    h.run_all()
+    store = ReadModelStore(tmp_path / "read")
+    try:
+        txn = store.txn()
+        for i, e in enumerate(h.events):
+            apply(txn, e, 0, i)
+        store.commit(txn)
+        rm, ops = ReadModel(store), OperatorModel(store)
+        job = rm.get_job("J")
+        assert job is not None and job["state"] == "succeeded" and job["redispatches"] == 2
+        assert job["retries"] == 0 and (rm.get_task("J", "a") or {}).get("redispatches") == 2
+        usage = ops.tenant("acme")
+        assert usage is not None and usage["redispatches"] == 2 and usage["worker_losses"] == 0
+        details = [x["detail"] for x in rm.get_history("J").items if x["type"] == "TaskRedispatched"]
+        assert details == ["queue default: not leased in time, dispatched again (1x); next in 2min",
+                           "queue default: not leased in time, dispatched again (2x); next in 4min"]
+    finally:
+        store.close()
