@@ -20,6 +20,7 @@ from dagfold.config import Config, SchedulerOptions
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.harness import FoldHarness
 from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+from dagfold.state import PartitionStore
 
 EVERY_MS = 60_000
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
@@ -229,3 +230,54 @@ def test_the_read_model_shows_and_counts_redispatches_apart(tmp_path: Path) -> N
                            "queue default: not leased in time, dispatched again (2x); next in 4min"]
     finally:
         store.close()
+
+
+def test_the_live_scheduler_redispatches_through_the_log(tmp_path: Path) -> None:
+    """On the embedded log: the runtime's due-timer scan writes TimerFired(redispatch) to the commands
+    topic, the fold answers with TaskRedispatched and a second record on dispatch.default; a report
+    for the attempt then runs the job to its end and leaves no timer behind."""
+    from dagfold.commands import submit_job
+    from dagfold.config import COMMANDS, EVENTS, dispatch_topic
+    from dagfold.exceptions import LogError
+    from dagfold.log import TopicPartition
+    from dagfold.log.embedded import EmbeddedLog
+    from tests.runner_support import Running, wait_for
+
+    def decoded(log: EmbeddedLog, topic: str) -> list[dict[str, Any]]:
+        try:
+            return [codec.decode(r.value) for p in range(log.partitions(topic))
+                    for r in log.read(TopicPartition(topic, p), 0, 1_000_000)]
+        except LogError:  # dispatch.<queue> is created at its first record
+            return []
+
+    codec = default_codec()
+    cfg = Config(data_dir=tmp_path / "data", partitions=2, scheduler=SchedulerOptions(redispatch_after_s=0.3))
+    log = EmbeddedLog(tmp_path / "log")
+    log.create_topics(cfg.core_topics())
+    r = Running(log, cfg)
+    try:
+        p = log.producer("test")
+        p.send(COMMANDS, b"J", codec.encode(submit_job(spec_of("id: J\ntasks: [{id: a}]"))))
+        p.flush()
+        wait_for(lambda: len(decoded(log, dispatch_topic("default"))) >= 2)  # the first one "lost"
+        records = decoded(log, dispatch_topic("default"))
+        assert {(d["task_id"], d["attempt"]) for d in records} == {("a", 1)}
+        fired = [c for c in decoded(log, COMMANDS) if c["type"] == "dagfold.command.TimerFired"]
+        assert fired and {c["timer"] for c in fired} == {"redispatch"}
+        report = {"type": "dagfold.command.TaskSucceeded", "job_id": "J", "task_id": "a", "attempt": 1,
+                  "worker_id": "w1", "ts_ms": 0, "result_json": None, "stdout_tail": "", "stderr_tail": ""}
+        p.send(COMMANDS, b"J", codec.encode(report))
+        p.flush()
+        wait_for(lambda: any(e["type"] == "dagfold.event.JobSucceeded" for e in decoded(log, EVENTS)))
+        types = [e["type"].rsplit(".", 1)[-1] for e in decoded(log, EVENTS)]
+        assert types[:3] == ["JobAccepted", "TaskDispatched", "TaskRedispatched"]
+        assert r.error is None
+    finally:
+        r.close()
+        log.close()
+    for p in range(cfg.partitions):  # no timer left in the scheduler's state
+        store = PartitionStore(cfg.data_dir / "scheduler" / f"p{p:04d}")
+        try:
+            assert list(store.range(keys.TIMER_PREFIX, keys.TIMER_PREFIX + b"\xff")) == []
+        finally:
+            store.close()
