@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                "removed after a run without violations)")
     ap.add_argument("--min-faults", type=int, default=None, help="override the profile's minimum")
     ap.add_argument("--inject-s", type=float, default=None, help="override the profile's injection time")
+    ap.add_argument("--max-inject-s", type=float, default=None,
+                    help="override the profile's limit on injection time (it injects past --inject-s until "
+                         "--min-faults, up to this)")
     ap.add_argument("--jobs", type=int, default=None, help="override the number of generated jobs")
     a = ap.parse_args(argv)
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1, 2**31)
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         prof = replace(prof, min_faults=a.min_faults)
     if a.inject_s is not None:
         prof = replace(prof, inject_s=a.inject_s, max_inject_s=max(prof.max_inject_s, a.inject_s))
+    if a.max_inject_s is not None:
+        prof = replace(prof, max_inject_s=max(a.max_inject_s, prof.inject_s))
     if a.jobs is not None:
         prof = replace(prof, generated_jobs=a.jobs)
     print(f"chaos: seed {seed} (reproduce with --seed {seed})", flush=True)
