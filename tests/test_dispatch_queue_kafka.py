@@ -105,3 +105,61 @@ def test_a_deep_backlog_of_slow_tasks_loses_none_to_the_delivery_limit(klog: Log
     finally:
         _stop(workers)
     assert sorted({r["job_id"] for r in _commands(klog, STARTED)}) == sorted(jobs)
+
+
+def test_committed_dispatch_records_between_aborted_transactions_all_reach_the_queue(klog: Log) -> None:
+    """Several schedulers write one dispatch partition in their own transactions; a killed or fenced one
+    leaves an open transaction that is aborted later (by its successor's init, or by the coordinator),
+    with other schedulers' committed transactions in between. The queue (a read_committed share group)
+    must hand out every committed record and none of the aborted ones."""
+    from dagfold.log.base import Ack
+
+    queue = f"q{uuid.uuid4().hex[:6]}"
+    topic = dispatch_topic(queue)
+    klog.create_topics([Config(log_url=klog.url, partitions=1).dispatch_spec(queue)])
+    enc = default_codec().encode
+
+    def rec(name: str) -> bytes:
+        return enc(codec.make("dagfold.dispatch.TaskDispatch", job_id=name, task_id="t", attempt=1,
+                              handler="noop", args_json="{}", idempotency_key=f"{name}/t", lease_timeout_s=30.0,
+                              dispatched_at_ms=0))
+
+    committed: list[str] = []
+    ida, idb = f"a-{uuid.uuid4().hex[:6]}", f"b-{uuid.uuid4().hex[:6]}"
+    for round_ in range(3):
+        a = klog.transactional_producer(ida)  # fences (and aborts) the previous round's open transaction
+        b = klog.transactional_producer(idb)
+        a.begin()
+        for i in range(3):
+            a.send(topic, b"tenant", rec(f"aborted-{round_}-{i}"))
+        a.inner._p.flush(10)  # type: ignore[attr-defined]  # noqa: SLF001 - on the log, not committed: a producer killed mid-transaction
+        b.begin()
+        for i in range(2):
+            b.send(topic, b"tenant", rec(f"b-{round_}-{i}"))
+            committed.append(f"b-{round_}-{i}")
+        b.commit({}, None)
+        a.send(topic, b"tenant", rec(f"aborted-{round_}-late"))
+        a.inner._p.flush(10)  # type: ignore[attr-defined]  # noqa: SLF001
+        b.begin()
+        b.send(topic, b"tenant", rec(f"b-{round_}-after"))
+        committed.append(f"b-{round_}-after")
+        b.commit({}, None)
+        b.close()
+        if round_ == 2:
+            a.abort()
+        a.inner._open = False  # type: ignore[attr-defined]  # noqa: SLF001 - left open: the next round's producer with this id aborts it
+    klog.transactional_producer(ida).close()
+
+    qc = klog.queue_consumer(f"dagfold-queue.{queue}", "probe", max_records=64, lock_ms=15_000, max_deliveries=10)
+    qc.subscribe([topic])
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline and sorted(set(seen)) != sorted(committed):
+            for r in qc.poll(0.5):
+                seen.append(default_codec().decode(r.value)["job_id"])
+                qc.acknowledge(r, Ack.ACCEPT)
+            qc.commit()
+    finally:
+        qc.close()
+    assert sorted(set(seen)) == sorted(committed), f"seen {seen}"

@@ -391,3 +391,66 @@ def test_a_partition_taken_over_during_its_previous_owners_commit_misses_none_of
         new_owner.close()
         old_owner.close()
     assert verify(new_cfg.data_dir, _replayed(log, tmp_path), PARTS) == []
+
+
+class _StalledReader:
+    """A reader of the events topic that gets nothing while ``stalled`` is set: what a Kafka reader
+    (read_committed) gets while another instance's open transaction holds the last stable offset
+    back, until the coordinator aborts it."""
+
+    def __init__(self, inner: Any, stalled: Any) -> None:
+        self.inner, self.stalled = inner, stalled
+
+    def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> Any:
+        if self.stalled.is_set():
+            time.sleep(min(timeout_s, 0.05))
+            return []
+        return self.inner.poll(max_records, timeout_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_catch_up_that_cannot_reach_the_end_is_retried_before_anything_is_folded(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted scheduler whose catch-up found the events partition unreadable for a while (an
+    open transaction of a killed instance, a leader moving) went on from part of its events: the job
+    was unknown to it, the worker's TaskStarted got LeaseRejected (unknown job or task) and a
+    StopTask, the worker accepted its dispatch record, and the task was never run (the chaos run's
+    g00019). Now the catch-up raises, and the partition is caught up before any command is folded."""
+    import shutil
+    import threading
+
+    from dagfold.log import reader
+    from dagfold.processor import catchup
+
+    log, cfg = env
+    s = Running(log, cfg)
+    try:
+        send(log, "J", submit_job(to_job_spec(load_spec_text("id: J\ntasks: [{id: a}]"))))
+        wait_for(lambda: types(log, "J") == ["JobAccepted", "TaskDispatched"])
+    finally:
+        s.close()
+    shutil.rmtree(cfg.data_dir / "scheduler")  # restarted on an empty state: rebuilt from the events
+
+    stalled = threading.Event()
+    stalled.set()
+    real_consumer, real_read = log.consumer, reader.read_to_end
+
+    def consumer(group_id: str | None, client_id: str = "dagfold") -> Any:
+        c = real_consumer(group_id, client_id)
+        return _StalledReader(c, stalled) if client_id.startswith(f"reader-{EVENTS}-") else c
+
+    monkeypatch.setattr(log, "consumer", consumer)
+    monkeypatch.setattr(catchup, "read_to_end", lambda *a, **kw: real_read(*a, **{**kw, "max_idle_s": 0.3}))
+    s = Running(log, cfg)
+    try:
+        send(log, "J", report("TaskStarted", "J", "a"))
+        time.sleep(1.5)  # catch-up gave up (at least) once meanwhile
+        assert types(log, "J") == ["JobAccepted", "TaskDispatched"]  # nothing folded on a partial state
+        stalled.clear()
+        wait_for(lambda: "LeaseGranted" in types(log, "J"))
+        assert "LeaseRejected" not in types(log, "J")
+        assert s.error is None
+    finally:
+        s.close()

@@ -15,6 +15,9 @@ from dagfold.state.store import applied_events_offset
 
 log = logging.getLogger("dagfold.processor")
 
+# How long a catch-up waits for more events to become readable before it gives up (and is retried).
+CATCH_UP_IDLE_S = 30.0
+
 
 def _every(event: Record) -> bool:
     return True
@@ -26,11 +29,15 @@ def catch_up(log_: Log, store: Store, fold: Fold, tp: TopicPartition,
 
     Each polled batch is one state write batch with its last offset, so an interrupted catch-up
     resumes. ``accepts`` skips events of other owners sharing the partition (the allocator's
-    pools). Returns how many events were applied.
+    pools). Returns how many events were applied. Raises ``LogError`` when the end is not
+    reached (an open transaction of a killed or stopped instance holds the last stable offset
+    back past ``CATCH_UP_IDLE_S``): a fold that went on from part of its events would take
+    decisions on a state without them (a job accepted there is "unknown"), and its next commit
+    would move the applied offset past them for good. The caller retries.
     """
     codec = default_codec()
     applied = 0
-    for recs in read_to_end(log_, tp, applied_events_offset(store) + 1):
+    for recs in read_to_end(log_, tp, applied_events_offset(store) + 1, max_idle_s=CATCH_UP_IDLE_S, strict=True):
         txn = PartitionTransaction(store)
         for r in recs:
             try:

@@ -30,7 +30,9 @@ past an aborted batch must never poll on.
 A crash between 3 and 4 is the UNKNOWN case seen from a restart: on assignment each
 partition's store is caught up from its events first, after the group's committed offsets
 were read (on Kafka that read waits for a previous owner's pending transaction: see
-``_on_assign``). Timers go through the log
+``_on_assign``). A catch-up that cannot reach the events' end (another instance's open
+transaction holds the last stable offset back) leaves its partition to the same
+reconciliation: nothing is folded on part of the events. Timers go through the log
 (``timers``): due-timer scans write timer commands, folded like any other command.
 """
 
@@ -175,12 +177,22 @@ class PartitionProcessor:
             store = self._open_store(tp.partition)
             try:
                 fold = self.spec.fold_for(tp.partition, store)
-                n = catch_up(self.log, store, fold, self._events_tp(tp.partition), self.spec.accepts)
+                try:
+                    n = catch_up(self.log, store, fold, self._events_tp(tp.partition), self.spec.accepts)
+                except LogError:
+                    # Not at the end of its events: nothing of the partition is folded until the
+                    # reconciliation (before the next poll) has caught it up and rewound it.
+                    log.warning("%s partition %d not caught up with its events; retried before folding",
+                                self.spec.service, tp.partition, exc_info=True,
+                                extra={"topic": tp.topic, "partition": tp.partition})
+                    self._unreconciled.add(tp.partition)
+                    n = -1
             except BaseException:
                 store.close()
                 raise
-            log.info("%s partition %d restored (%d events applied)", self.spec.service, tp.partition, n,
-                     extra={"topic": tp.topic, "partition": tp.partition})
+            if n >= 0:
+                log.info("%s partition %d restored (%d events applied)", self.spec.service, tp.partition, n,
+                         extra={"topic": tp.topic, "partition": tp.partition})
             self.stores[tp.partition] = store
             self.folds[tp.partition] = fold
             if self.timers is not None:
