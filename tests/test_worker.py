@@ -606,3 +606,25 @@ def test_a_failed_append_of_a_last_delivery_is_retried(elog: EmbeddedLog, start:
     assert outcome(elog, "job-a")["type"] == SUCCEEDED and outcome(elog, "job-b")["type"] == SUCCEEDED
     assert w.tasks_requeued == 2 and wrapped.flushes >= 3  # the failed one, the copies, the outcomes
     wait_for(lambda: sum(committed(elog).values()) == 4, what="held records and copies done")
+
+
+def test_a_batch_taken_as_the_worker_stops_is_given_back_whole(elog: EmbeddedLog) -> None:
+    """Stopped between a poll and its batch: the worker runs nothing of it and releases every record,
+    instant ones included (they were left acquired and unacknowledged: held from other workers until
+    their lock ran out, and the worker's next poll refused)."""
+    for i in range(2):
+        dispatch(elog, f"job-n{i}")  # noop: instant
+    dispatch(elog, "job-s", "s", handler="sleep", args={"seconds": 0.01})
+    w = Worker(elog, QUEUE, "w1", HandlerRegistry.with_builtins(), config=CFG, max_batch=8, poll_timeout_s=0.05)
+    try:
+        w._consumer.subscribe([dispatch_topic(QUEUE)])
+        records = wait_for(lambda: w._consumer.poll(0.1), what="the batch")
+        assert len(records) == 3
+        stop = threading.Event()
+        stop.set()
+        w._process_batch(records, stop)
+        assert w.tasks_run == 0 and w.tasks_released == 3
+        assert w._consumer.poll(0.1) is not None  # nothing of the batch is left unacknowledged
+        assert not commands(elog)
+    finally:
+        w.close()

@@ -414,9 +414,10 @@ class Worker:
                 slow.append((rec, d, handler))
         self._slow = bool(slow) or len(records) < held  # records at their limit: take one at a time
         run_now = slow[:1] if not stop.is_set() else []
-        if stop.is_set():
+        give_back = [rec for rec, _, _ in slow[len(run_now):]]
+        if stop.is_set():  # stopping: run nothing, give every record back (instant ones too)
+            give_back += [rec for rec, _, _ in instant]
             instant = []
-        give_back = [rec for rec, _, _ in slow[len(run_now):]] + [rec for rec, _, _ in instant if stop.is_set()]
         try:
             for rec, d, handler in instant:
                 self._start(d, report=False)  # its outcome is the one report (the scheduler grants, then ends)
