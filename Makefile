@@ -11,7 +11,7 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
 install: $(STAMP)
 
@@ -71,6 +71,13 @@ bench-hostile: install
 SWEEP_GPUS ?= 1000
 bench-gpu-sweep: install
 	$(BIN)/python -m dagfold sim day --gpus $(SWEEP_GPUS) --sweep 0.7,0.85,0.95,1.1 --out bench/results/gpu-day-sweep.json
+
+# The deployed GPU path at 10,000 GPUs: 1,250 simulated 8-GPU hosts over Kafka driving the real allocator and
+# scheduler (bench/results/gpu-fleet.json; needs a quiet machine: about FLEET_SECONDS + 3 minutes, at most 20)
+FLEET_HOSTS ?= 1250
+FLEET_SECONDS ?= 120
+bench-gpu-fleet: install kafka-fetch
+	timeout -s INT -k 60 1200 $(BIN)/python -m bench.fleet --hosts $(FLEET_HOSTS) --seconds $(FLEET_SECONDS)
 
 # dagfold run --log kafka://... 50 times in a row on one broker: time and RSS per run (about 8 minutes)
 bench-kafka-runs: install kafka-fetch

@@ -27,6 +27,7 @@ Measured (``bench/results/gpu-fleet.json``, docs/gpu-scheduling.md §7.5):
   allocator's NodeDrained(lost), and until every job it ran was granted again elsewhere.
 
     .venv/bin/python -m bench.fleet [--hosts 1250] [--seconds 120] [--rate 20] [--lease-s 30]
+    make bench-gpu-fleet [FLEET_HOSTS=1250 FLEET_SECONDS=120]   # the same under `timeout`
     .venv/bin/python -m bench.fleet --drain 10 [--hosts 1250]   # heartbeat capacity from a backlog
 """
 
@@ -205,6 +206,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
     from dagfold.services.scheduler.runner import SchedulerRunner
     from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 
+    load_before = [round(x, 1) for x in os.getloadavg()]
     work = Path(tempfile.mkdtemp(prefix="fleet-"))
     port = int(os.environ.get("BENCH_KAFKA_PORT", "0")) or free_base_port(range(20150, 29150, 100))
     broker = _start_broker(LocalKafka(port, work / "kafka"))
@@ -335,6 +337,8 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
                           if lost and last_hb else None,
                           "kill_to_all_regranted_s": round(max(regrant) - kill_at, 2)
                           if regrant and kill_at and len(regrant) == len(moved) else None},
+            "jobs_per_s": rate,
+            "load_average_before": load_before,
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -433,7 +437,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hosts", type=int, default=1250)
     ap.add_argument("--seconds", type=float, default=120.0)
-    ap.add_argument("--rate", type=float, default=20.0, help="jobs submitted per second")
+    ap.add_argument("--rate", type=float, default=None,
+                    help="jobs submitted per second (default 20 per 1,250 hosts: the same offered load at any size)")
     ap.add_argument("--hb-s", type=float, default=1.0)
     ap.add_argument("--lease-s", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=42)
@@ -446,7 +451,8 @@ def main() -> None:
         res = drain(a.hosts, a.drain, a.lease_s, [0.0, None, 0.0, None])
         a.out = a.out or str(ROOT / "bench" / "results" / "gpu-fleet-drain.json")
     else:
-        res = run(a.hosts, a.seconds, a.rate, a.hb_s, a.lease_s, a.seed)
+        rate = a.rate if a.rate is not None else max(1.0, round(20.0 * a.hosts / 1250, 2))
+        res = run(a.hosts, a.seconds, rate, a.hb_s, a.lease_s, a.seed)
         a.out = a.out or str(ROOT / "bench" / "results" / "gpu-fleet.json")
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))
