@@ -142,14 +142,17 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
             ctx.fence(nid, "", 0, f"fenced: {why}; re-register")
         return
     ckpts = []
+    listed = set()
     for s in cmd["allocations"]:
-        a = st.allocs.get(s["alloc_id"])
-        if a is None or a.epoch != s["epoch"] or nid not in (p.node for p in a.parts):
-            ctx.fence(nid, s["alloc_id"], s["epoch"], "fenced: allocation is not current")
+        aid = s["alloc_id"]
+        listed.add(aid)
+        a = st.allocs.get(aid)
+        if a is None or a.epoch != s["epoch"] or (a.parts[0].node != nid and all(p.node != nid for p in a.parts)):
+            ctx.fence(nid, aid, s["epoch"], "fenced: allocation is not current")
             continue
-        if s["last_checkpoint_ms"] is not None and s["last_checkpoint_ms"] != a.last_ckpt_ms:
-            ckpts.append({"alloc_id": a.id, "last_checkpoint_ms": s["last_checkpoint_ms"],
-                          "checkpoint_uri": s["checkpoint_uri"]})
+        ck = s["last_checkpoint_ms"]
+        if ck is not None and ck != a.last_ckpt_ms:
+            ckpts.append({"alloc_id": aid, "last_checkpoint_ms": ck, "checkpoint_uri": s["checkpoint_uri"]})
     health = cmd["health"]
     perf = cmd["perf"]
     if perf is not None and not (math.isfinite(perf) and perf >= 0):
@@ -166,7 +169,7 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
         # Nothing new and the lease is fresh: no event, no state write (options.lease_renew_s). What a
         # heartbeat tells beyond its state is still acted on: unknown processes are fenced (above) and
         # processes missing long after their grant are requeued (below).
-        if _end_orphans(ctx, n, {s["alloc_id"] for s in cmd["allocations"]}):
+        if _end_orphans(ctx, n, listed):
             schedule(ctx)
         return
     newly = set(cordoned) - set(n.cordoned)
@@ -184,7 +187,7 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
                 _move_off(ctx, a, deadline, f"GPU cordoned on node {nid}: {why}", f"GPU cordoned: {why}")
     if restored:
         schedule(ctx)  # a GPU came back
-    if _end_orphans(ctx, n, {s["alloc_id"] for s in cmd["allocations"]}):
+    if _end_orphans(ctx, n, listed):
         schedule(ctx)
     if n.state == "up" and health in DRAIN_HEALTH:
         detail = cmd["detail"] or health

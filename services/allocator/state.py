@@ -142,6 +142,10 @@ class PoolState:
         self._put(keys.ckpt(a.id), [a.last_ckpt_ms, a.last_ckpt_uri])
 
     def put_perf(self, gpu_type: str, value: float) -> None:
+        """The fleet average of a GPU type; written only when it changed (a steady fleet's heartbeats leave the
+        average as it is, and a write that changes nothing is a put and an encode per heartbeat)."""
+        if self.perf.get(gpu_type) == value:
+            return
         self.perf[gpu_type] = value
         self._put(keys.perf(gpu_type), value)
 
