@@ -8,8 +8,9 @@ read back:
   model of the task state machine (``EventModel``): a task dispatched before its
   trigger rule was satisfied by earlier events of its upstreams (``dispatch
   before dependencies``), and any other step the state machine does not allow,
-  such as a second success or a lease on an attempt that is not runnable
-  (``illegal transition``);
+  such as a second success, a lease on an attempt that is not runnable, a
+  re-dispatch of a leased attempt, or a report refused as "unknown job or task"
+  after the job's JobAccepted (``illegal transition``);
 * the read model (the API): every submitted job is there and terminal (``lost
   job``), in the state its spec implies (``wrong outcome``); a finished job has
   no unfinished task (``task never finished``);
@@ -56,6 +57,7 @@ VIOLATION_KINDS = (LOST_JOB, TASK_NEVER_FINISHED, WRONG_OUTCOME, DUPLICATE_EFFEC
                    ILLEGAL_TRANSITION, REPLAY_DIFFERS, DANGLING, DEAD_LETTER)
 
 TASK_TERMINAL = frozenset({"succeeded", "failed", "skipped", "cancelled"})
+UNKNOWN_JOB = "unknown job or task"  # the fold's reason for a report about a job it does not hold
 JOB_TERMINAL = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
 
 
@@ -125,6 +127,13 @@ class EventModel:
                 deps={t["task_id"]: (list(dict.fromkeys(t["depends_on"])), t["trigger_rule"]) for t in spec["tasks"]},
                 state={t["task_id"]: "pending" for t in spec["tasks"]},
                 attempt={t["task_id"]: 0 for t in spec["tasks"]}, worker={})
+            return
+        if name in ("LeaseRejected", "ReportIgnored") and job_id in self.jobs and e.get("reason") == UNKNOWN_JOB:
+            # the job's JobAccepted is earlier in this partition: the scheduler folded the report on a
+            # state behind its own log (a catch-up taken as complete that was not), and the worker,
+            # told to stop, dropped the attempt's dispatch record
+            self._bad(ILLEGAL_TRANSITION, e, f"{name}: {UNKNOWN_JOB!r} after the job's JobAccepted (the "
+                                             "scheduler's state was behind its log)")
             return
         if name in ("JobRejected", "SubmissionDeduplicated", "ReportIgnored", "LeaseRejected", "TaskActionRejected"):
             return  # recorded for the audit; they change nothing

@@ -129,6 +129,23 @@ def test_event_model_flags_a_second_success_and_a_lease_on_a_finished_task() -> 
     assert kinds.count(checks.ILLEGAL_TRANSITION) >= 2
 
 
+def test_event_model_flags_a_redispatch_of_a_leased_attempt_and_a_report_refused_as_unknown() -> None:
+    h = run_in_fold(with_expectation(JobPlan("R", "generated", {"id": "R", "tasks": [
+        {"id": "a", "handler": "chaos_effect"}]})))
+    events = h.events
+    lease = next(i for i, e in enumerate(events) if e["type"].endswith("LeaseGranted"))
+    redispatch = {**events[lease], "type": "dagfold.event.TaskRedispatched", "queue": "default",
+                  "redispatches": 1, "next_redispatch_at_ms": None}
+    findings, _ = model_of([*events[:lease], redispatch, *events[lease:]])
+    assert findings.violations == []  # runnable and unleased: legal
+    findings, _ = model_of([*events[:lease + 1], redispatch, *events[lease + 1:]])
+    assert [v.kind for v in findings.violations] == [checks.ILLEGAL_TRANSITION]
+    refused = {**events[lease], "type": "dagfold.event.LeaseRejected", "reason": checks.UNKNOWN_JOB}
+    findings, _ = model_of([*events[:lease], refused, *events[lease:]])
+    assert [v.kind for v in findings.violations] == [checks.ILLEGAL_TRANSITION]
+    assert "behind its log" in findings.violations[0].detail
+
+
 def test_side_effect_check_flags_duplicates_and_missing_effects(tmp_path: Path) -> None:
     from chaos.handlers import ExternalSystem
     from dagfold.services.worker import TaskContext
