@@ -27,8 +27,11 @@ def test_record_scheduler_events() -> None:
     failed_retried = value("dagfold_task_failures_total", {"final": "false"})
     lost = value("dagfold_worker_losses_total", {"final": "false"})
     dispatched = value("dagfold_scheduler_events_emitted_total", {"type": "TaskDispatched"})
+    redispatched = value("dagfold_task_redispatches_total")
     metrics.record_scheduler_events([
         make("dagfold.event.TaskDispatched", job_id="j", task_id="a", attempt=1, ts_ms=1, queue="q"),
+        make("dagfold.event.TaskRedispatched", job_id="j", task_id="a", attempt=1, ts_ms=2, queue="q",
+             redispatches=1, next_redispatch_at_ms=3),
         make("dagfold.event.LeaseReclaimed", job_id="j", task_id="a", attempt=1, worker_id="w", ts_ms=2,
              reason="lease_expired: no heartbeat", losses=1, final=False),
         make("dagfold.event.TaskFailed", job_id="j", task_id="a", attempt=2, worker_id="w", ts_ms=2,
@@ -45,6 +48,7 @@ def test_record_scheduler_events() -> None:
     assert value("dagfold_task_failures_total", {"final": "false"}) == failed_retried + 1  # the task's own
     assert value("dagfold_worker_losses_total", {"final": "false"}) == lost + 1  # the worker's, apart
     assert value("dagfold_scheduler_events_emitted_total", {"type": "TaskDispatched"}) == dispatched + 1
+    assert value("dagfold_task_redispatches_total") == redispatched + 1  # apart from dispatches and retries
 
 
 def test_worker_and_fold_helpers() -> None:
