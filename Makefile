@@ -10,6 +10,9 @@ PORT    ?= 8080
 KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
+# make test on 3 pytest-xdist workers (the tests mostly wait on processes and brokers; each worker starts its
+# own broker, S3 server and `dagfold up`; tests/conftest.py groups and orders them). PYTEST_XDIST= : one process
+PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
 .PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
@@ -41,7 +44,7 @@ screenshots: install browser
 	$(BIN)/python -m tests.screenshots --out docs/img
 
 test: install kafka-fetch s3-fetch browser
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 kafka-up: kafka-fetch
 	KAFKA_PORT=$(KAFKA_PORT) KAFKA_BROKERS=$(BROKERS) deploy/kafka/kafka.sh start

@@ -29,12 +29,56 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        longest_files_first(items)
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow")
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# --------------------------------------------------------------------------
+# Parallel runs: `make test` runs pytest-xdist, `-n 3 --dist loadfile --no-loadscope-reorder`
+#
+# Each worker is a pytest session of its own: its own Kafka broker, S3 server and `dagfold up`
+# (the session fixtures below) and tmp_path folders. A test file is the unit a worker takes: a
+# module-scoped fixture starts once, and test_chaos.py's two 3-broker runs never overlap.
+# (--dist loadgroup would hand out single tests, but its xdist_group marks do nothing under
+# pytest 9.2 with pytest-xdist 3.8.0: xdist renames item._nodeid, which pytest no longer reads.)
+# The longest files go first, so that none of them ends the run alone; the order changes nothing
+# else (each test starts what it needs), and a run without xdist keeps the collection order.
+# --------------------------------------------------------------------------
+
+# longest first (from `make test`'s durations); the other files keep their collection order
+LONG_FIRST = (
+    "tests/test_chaos.py",
+    "tests/test_gpu_kafka.py",
+    "tests/test_kafka_e2e.py",
+    "tests/test_fold_properties.py",
+    "tests/test_replay_window.py",
+    "tests/test_scale_out.py",
+    "tests/test_gpu_props.py",
+    "tests/test_failure_scenarios.py",
+    "tests/test_worker_loss.py",
+    "tests/test_cli_embedded.py",
+    "tests/test_wfcommons.py",
+    "tests/test_kafka_runs.py",
+    "tests/test_schemathesis.py",
+    "tests/test_replay_audit.py",
+    "tests/test_kafka_security.py",
+    "tests/test_java_producer.py",
+    "tests/test_sim_small.py",
+)
+
+
+def longest_files_first(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
 
 
 # --------------------------------------------------------------------------
