@@ -42,7 +42,7 @@ from chaos import checks, commitfaults
 from chaos.cluster import BrokerCluster
 from chaos.faults import BROKER_KILL, KILL_KINDS, NEW_KINDS, SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, FaultPlan, Injector
 from chaos.handlers import EFFECTS_ENV, LEDGER_ENV
-from chaos.procs import ROOT, Proc
+from chaos.procs import ROOT, Proc, terminate_all
 from chaos.workload import JobPlan, plan_workload
 from dagfold.codec import default_codec
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, SCHEDULER_GROUP
@@ -281,7 +281,7 @@ class ChaosRun:
                 last = time.monotonic()
             if open_ == 0:
                 return True
-            time.sleep(2)
+            time.sleep(1)
         return False
 
     # -- the end: quiesce, consolidate, replay -------------------------------------------------------------
@@ -350,8 +350,7 @@ class ChaosRun:
             time.sleep(1)
         info["command lag before consolidation"] = lag
         keep, others = self.schedulers[0], self.schedulers[1:]
-        for s in others:
-            s.terminate()
+        terminate_all(others)
         if not keep.alive():
             keep.start()
         # Late or stuck? s1 gets 180 s, and longer (up to 600 s) while its stores still move: taking
@@ -487,8 +486,8 @@ class ChaosRun:
         finally:
             stop.set()
             self.submit_stop.set()
-            for p in reversed(self.procs):
-                p.terminate(20)
+            terminate_all(self.procs, 20)
+            for p in self.procs:
                 p.close()
             with contextlib.suppress(Exception):
                 self.cluster.stop()
@@ -583,8 +582,7 @@ class ChaosRun:
     def check_allocator(self, log: Log, findings: checks.Findings) -> dict[str, Any]:
         """The pool's state in the store of its last allocator equals the state rebuilt from its events,
         and no request was granted twice (zombies' late writes changed nothing)."""
-        for p in [self.agent, *self.allocators]:
-            p.terminate(20)
+        terminate_all([self.agent, *self.allocators], 20)
         tp = TopicPartition(ALLOCATOR_EVENTS, log.partition_for(POOL.encode(), log.partitions(ALLOCATOR_EVENTS)))
         opts = AllocatorOptions(pool=POOL)
         rebuilt = MemoryStore()
