@@ -177,6 +177,10 @@ def _container_kafka() -> Iterator[str]:
 def kafka_bootstrap() -> Iterator[str]:
     """``host:port`` of a Kafka broker shared by the whole session (never skipped)."""
     external = os.environ.get("DAGFOLD_TEST_KAFKA")
+    if external and int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        pytest.fail(f"DAGFOLD_TEST_KAFKA={external} is one broker for every pytest-xdist worker, whose stacks "
+                    "would share its topics and consumer groups: run in one process (make test PYTEST_XDIST=, "
+                    "or pytest -n 0)")
     if external:
         yield external
     elif _docker_answers():
