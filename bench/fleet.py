@@ -288,6 +288,9 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
                     child.stdin.flush()
             time.sleep(0.02)
         measured_s = time.monotonic() - t0
+        # what the fleet had sent when the window closed (it goes on heartbeating while the lost host's lease
+        # runs out below, so its final counts cover more than the window)
+        sent_in_window = json.loads(state_file.read_text())["sent"] if state_file.exists() else {"heartbeats": 0}
         time.sleep(lease_s + 5)  # let the lost host's lease run out and its jobs move
         fleet = json.loads(state_file.read_text())
         assert child.stdin is not None
@@ -319,7 +322,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
             "jobs_submitted": n_jobs, "fleet_sent": fleet["sent"],
             "heartbeats_recorded": len(hb), "heartbeats_recorded_per_s": round(len(hb) / span, 1) if span else None,
             "heartbeats_offered_per_s": round(hosts / hb_s, 1),
-            "heartbeats_sent_per_s": round(fleet["sent"]["heartbeats"] / measured_s, 1),
+            "heartbeats_sent_per_s": round(sent_in_window["heartbeats"] / measured_s, 1),
             # every allocator command (heartbeats most of them) folded and committed, and appended, per second
             "commands_folded_per_s": round((folded[-1][1] - folded[0][1]) / (folded[-1][0] - folded[0][0]), 1)
             if len(folded) > 1 else None,
