@@ -256,12 +256,14 @@ def fold_per_command(spec: dict[str, Any]) -> dict[str, float]:
     return {"events_per_s": len(h.events) / dt, "commands_per_s": h.offset / dt, "tasks_per_s": len(spec["tasks"]) / dt}
 
 
-def fold_batched(spec: dict[str, Any], batch: int = 2000, started: bool = True) -> dict[str, float]:
+def fold_batched(spec: dict[str, Any], batch: int = 2000, started: bool = True,
+                 cache_values: int = SchedulerFold.CACHE_VALUES) -> dict[str, float]:
     """The fold as the runner drives it: every command of a poll in one transaction. ``started``:
     each task reports TaskStarted, then TaskSucceeded (a slow handler); without, only its outcome
-    (what a worker sends for an instant handler such as noop)."""
+    (what a worker sends for an instant handler such as noop). ``cache_values``: decoded values the
+    store keeps between transactions, as the runner configures it (0: none)."""
     fold = SchedulerFold()
-    store = MemoryStore()
+    store = MemoryStore(cache_values)
     now = 1_000_000
     offset = 0
     events = 0

@@ -91,7 +91,10 @@ class ProcessorSpec:
     * ``on_committed(outputs)``: metrics after a transaction committed;
     * ``former_group``: a group this configuration committed to before ``group`` (manual
       ``partitions`` only): a partition whose store already holds events but on which ``group``
-      committed nothing yet starts where ``former_group`` stood (an upgrade moves on from there).
+      committed nothing yet starts where ``former_group`` stood (an upgrade moves on from there);
+    * ``cache_values``: how many decoded state values each partition's store keeps between
+      transactions (``dagfold.state.store.ValueCache``; 0: none). Only for a fold that never
+      mutates a stored value in place.
     """
 
     service: str
@@ -113,6 +116,7 @@ class ProcessorSpec:
     on_committed: Callable[[Sequence[tuple[int, Output]]], None] | None = None
     clock: Callable[[], int] = now_ms
     former_group: str | None = None
+    cache_values: int = 0
 
 
 @dataclass(slots=True)
@@ -150,8 +154,8 @@ class PartitionProcessor:
 
     # -- partition ownership ----------------------------------------------------
     def _open_store(self, partition: int) -> Store:
-        path = self.spec.store_path
-        return PartitionStore(path(partition)) if path is not None else MemoryStore()
+        path, n = self.spec.store_path, self.spec.cache_values
+        return PartitionStore(path(partition), cache_values=n) if path is not None else MemoryStore(n)
 
     def _events_tp(self, partition: int) -> TopicPartition:
         return TopicPartition(self.spec.events, self.spec.events_partition(partition))

@@ -8,6 +8,7 @@ what makes a replayed store byte-for-byte equal to the live one.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,9 +26,39 @@ META_PREFIX = b"\x00meta|"
 APPLIED_EVENTS = b"applied_events"
 
 
+class ValueCache:
+    """The decoded values of a store's recently read or committed keys, kept between transactions.
+
+    Without it every transaction decodes (and on RocksDB first reads) each key it touches again,
+    although the previous transaction had the value in hand: a task is dispatched in one batch and
+    reported on in the next. Only for a fold whose stored values are replaced, never mutated (the
+    scheduler's appliers copy before they change a record), since a cached object is handed to every
+    later transaction. Filled only with committed values: a value read from the store, or written
+    by a transaction that committed; a dropped transaction leaves it as it was. At most
+    ``max_entries`` keys: past that the oldest quarter (by first insertion) is dropped, so the
+    bookkeeping per get is one dict lookup (an LRU would reorder on every hit).
+    """
+
+    __slots__ = ("max_entries", "values")
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self.values: dict[bytes, Any] = {}
+
+    def remember(self, values: dict[bytes, Any]) -> None:
+        v = self.values
+        v.update(values)
+        if len(v) > self.max_entries:
+            for k in list(itertools.islice(v, len(v) - self.max_entries * 3 // 4)):
+                del v[k]
+
+
 class Store(Protocol):
     """Backing storage of one partition's fold state (a read model has its own,
-    ``dagfold.projections.store.ReadModelStore``). Values are replaced, never mutated."""
+    ``dagfold.projections.store.ReadModelStore``). Values are replaced, never mutated.
+    ``values``: decoded values kept between transactions, or None (``ValueCache``)."""
+
+    values: ValueCache | None
 
     def raw_get(self, key: bytes) -> bytes | None: ...
 
@@ -41,8 +72,9 @@ class Store(Protocol):
 class MemoryStore:
     """A dict-backed store for the simulator, tests and property checks."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_values: int = 0) -> None:
         self.data: dict[bytes, bytes] = {}
+        self.values = ValueCache(cache_values) if cache_values > 0 else None
 
     def raw_get(self, key: bytes) -> bytes | None:
         return self.data.get(key)
@@ -65,7 +97,8 @@ class MemoryStore:
 class PartitionStore:
     """RocksDB (rocksdict, raw mode) holding one partition's state."""
 
-    def __init__(self, path: Path, read_only: bool = False) -> None:
+    def __init__(self, path: Path, read_only: bool = False, cache_values: int = 0) -> None:
+        self.values = ValueCache(cache_values) if cache_values > 0 else None
         opts = Options(raw_mode=True)
         try:
             if read_only:
@@ -135,6 +168,8 @@ class PartitionTransaction:
 
     def __init__(self, store: Store) -> None:
         self._store = store
+        self._shared = store.values
+        self._read: dict[bytes, Any] = {}  # decoded from the store here: for the shared cache on commit
         self._cache: dict[bytes, Any] = {}
         self._dirty: set[bytes] = set()
         self._undo: list[tuple[bytes, Any, bool]] | None = None
@@ -143,8 +178,14 @@ class PartitionTransaction:
     def get(self, key: bytes) -> Any:
         v = self._cache.get(key, _MISSING)
         if v is _MISSING:
-            raw = self._store.raw_get(key)
-            v = None if raw is None else _dec.decode(raw)
+            shared = self._shared
+            if shared is not None:
+                v = shared.values.get(key, _MISSING)
+            if v is _MISSING:
+                raw = self._store.raw_get(key)
+                v = None if raw is None else _dec.decode(raw)
+                if shared is not None:
+                    self._read[key] = v
             self._cache[key] = v
         return v
 
@@ -205,3 +246,7 @@ class PartitionTransaction:
         if puts:
             self._store.write(puts)
         self._open = False
+        if self._shared is not None:
+            # what was read stands where this transaction did not overwrite it
+            self._read.update((k, self._cache[k]) for k in self._dirty)
+            self._shared.remember(self._read)

@@ -17,6 +17,11 @@ from dagfold.state import PartitionTransaction
 class SchedulerFold:
     """Processes commands of one partition; all state goes through the transaction."""
 
+    #: decoded state values a partition's store keeps between transactions (``ValueCache``): the
+    #: appliers copy a record before changing it, so a cached value is never changed in place.
+    #: About 1-2 kB each (a task record): 16k keys hold a few batches' working set per partition.
+    CACHE_VALUES = 16_384
+
     def __init__(self, opts: SchedulerOptions | None = None) -> None:
         self.opts = opts or SchedulerOptions()
 

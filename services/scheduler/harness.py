@@ -26,7 +26,7 @@ from dagfold.state.store import state_digest
 class FoldHarness:
     opts: SchedulerOptions = field(default_factory=SchedulerOptions)
     now_ms: int = 1_000_000
-    store: MemoryStore = field(default_factory=MemoryStore)
+    store: MemoryStore = field(default_factory=lambda: MemoryStore(SchedulerFold.CACHE_VALUES))
     events: list[Record] = field(default_factory=list)
     dispatched: deque[Record] = field(default_factory=deque)
     controls: list[Record] = field(default_factory=list)

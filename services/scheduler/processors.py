@@ -454,10 +454,10 @@ def not_current(t: Mapping[str, Any] | None, j: Mapping[str, Any] | None, attemp
     return None
 
 
-def _report_target(ctx: Ctx, cmd: Record, report: str) -> Mapping[str, Any] | None:
-    """The task if ``cmd`` comes from the current lease holder; else record why not and return None."""
+def _report_target(ctx: Ctx, cmd: Record, report: str, t: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``t`` (the command's task, as the caller read it) if ``cmd`` comes from the current lease holder;
+    else record why not and return None."""
     job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
-    t = read_task(ctx.txn, job_id, task_id)
     if t is None:
         why = "unknown job or task"
     elif attempt != t["attempt"]:
@@ -505,7 +505,7 @@ def task_heartbeat(ctx: Ctx, cmd: Record) -> None:
                   worker_id=cmd["worker_id"], report="heartbeat",
                   reason=f"progress must be a finite number in [0, 1], got {progress!r}")
         return
-    t = _report_target(ctx, cmd, "heartbeat")
+    t = _report_target(ctx, cmd, "heartbeat", read_task(ctx.txn, cmd["job_id"], cmd["task_id"]))
     if t is None:
         return
     ctx.event("LeaseExtended", cmd["job_id"], task_id=cmd["task_id"], attempt=cmd["attempt"],
@@ -513,7 +513,7 @@ def task_heartbeat(ctx: Ctx, cmd: Record) -> None:
               progress=cmd["progress"])
 
 
-def _start_if_unstarted(ctx: Ctx, cmd: Record) -> None:
+def _start_if_unstarted(ctx: Ctx, cmd: Record) -> Mapping[str, Any] | None:
     """An outcome for the current attempt while it is still runnable: a worker that finished the task
     before its start report went out (an instant handler such as ``noop``) reports once, and the
     lease is granted here first. The events are those of a start and an outcome (LeaseGranted, then
@@ -522,11 +522,12 @@ def _start_if_unstarted(ctx: Ctx, cmd: Record) -> None:
     t = read_task(ctx.txn, cmd["job_id"], cmd["task_id"])
     if t is not None and t["state"] == "runnable" and t["attempt"] == cmd["attempt"] and not is_gpu(t):
         task_started(ctx, cmd)
+        t = read_task(ctx.txn, cmd["job_id"], cmd["task_id"])
+    return t  # the task as it stands now
 
 
 def task_succeeded(ctx: Ctx, cmd: Record) -> None:
-    _start_if_unstarted(ctx, cmd)
-    if _report_target(ctx, cmd, "succeeded") is None:
+    if _report_target(ctx, cmd, "succeeded", _start_if_unstarted(ctx, cmd)) is None:
         return
     job_id, task_id = cmd["job_id"], cmd["task_id"]
     ctx.event("TaskSucceeded", job_id, task_id=task_id, attempt=cmd["attempt"], worker_id=cmd["worker_id"],
@@ -582,7 +583,7 @@ def reclaim_lease(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], *, 
 
 def task_released(ctx: Ctx, cmd: Record) -> None:
     """The holder gives the attempt back (shutting down, drained): a worker loss, not a failure."""
-    t = _report_target(ctx, cmd, "released")
+    t = _report_target(ctx, cmd, "released", read_task(ctx.txn, cmd["job_id"], cmd["task_id"]))
     if t is None:
         return
     reclaim_lease(ctx, cmd["job_id"], cmd["task_id"], t, worker=cmd["worker_id"],
@@ -590,8 +591,7 @@ def task_released(ctx: Ctx, cmd: Record) -> None:
 
 
 def task_failed(ctx: Ctx, cmd: Record) -> None:
-    _start_if_unstarted(ctx, cmd)
-    t = _report_target(ctx, cmd, "failed")
+    t = _report_target(ctx, cmd, "failed", _start_if_unstarted(ctx, cmd))
     if t is None:
         return
     fail_attempt(ctx, cmd["job_id"], cmd["task_id"], t, worker=cmd["worker_id"], reason=cmd["reason"],

@@ -76,7 +76,8 @@ def scheduler_spec(config: Config, instance_id: str = "0",
         events_partition=_same_partition, timers=SCHEDULER_TIMERS,
         store_path=lambda p: config.data_dir / "scheduler" / f"p{p:04d}", topic_for=topic_for,
         create_topics=config.core_topics(), batch_max_records=config.scheduler.batch_max_records,
-        poll_timeout_s=config.scheduler.poll_timeout_s, on_committed=_record_events)
+        poll_timeout_s=config.scheduler.poll_timeout_s, on_committed=_record_events,
+        cache_values=SchedulerFold.CACHE_VALUES)
 
 
 class SchedulerRunner(PartitionProcessor):
