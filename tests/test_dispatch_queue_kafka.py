@@ -15,6 +15,7 @@ import pytest
 from dagfold import codec
 from dagfold.codec import Record, default_codec
 from dagfold.config import COMMANDS, Config, dispatch_topic
+from dagfold.exceptions import LogError
 from dagfold.log.base import Log, TopicPartition
 from dagfold.log.factory import open_log
 from dagfold.services.worker.handlers import HandlerRegistry
@@ -163,3 +164,49 @@ def test_committed_dispatch_records_between_aborted_transactions_all_reach_the_q
     finally:
         qc.close()
     assert sorted(set(seen)) == sorted(committed), f"seen {seen}"
+
+
+def test_the_scheduler_writes_dispatch_records_without_transaction_markers(klog: Log, tmp_path: Any) -> None:
+    """A commit marker in a dispatch topic is a record a share group acquires: librdkafka 2.16 never
+    acknowledged one fetched without a record beside it, so it stayed acquired until the delivery
+    limit archived it (10 x 15 s), holding the share partition's start offset; 2,000 offsets behind
+    it the broker acquired nothing more and every worker waited (docs/benchmarks.md, the Kafka
+    stall). Dispatch records now go out before the scheduler's transaction: no markers, offsets
+    without gaps."""
+    from dagfold.commands import submit_job
+    from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+    from tests.runner_support import Running
+
+    cfg = Config(log_url=klog.url, data_dir=tmp_path / "data", partitions=1)
+    s = Running(klog, cfg)
+    topic = dispatch_topic("default")
+    tp = TopicPartition(topic, 0)
+    try:
+        p = klog.producer("test")
+        for n in (1, 2, 3):  # one SubmitJob at a time, so one scheduler transaction each
+            spec = to_job_spec(load_spec_text(f"id: m{n}\ntasks: [{{id: a}}, {{id: b}}, {{id: c}}]"))
+            p.send(COMMANDS, f"m{n}".encode(), default_codec().encode(submit_job(spec)))
+            p.flush()
+            _wait(lambda n=n: _dispatched(klog) >= 3 * n, 60, f"job m{n}'s dispatch records")
+        p.close()
+    finally:
+        s.close()
+    assert s.error is None
+    c = klog.consumer(None)
+    c.assign({tp: 0})
+    offsets: list[int] = []
+    deadline = time.monotonic() + 10
+    while len(offsets) < 9 and time.monotonic() < deadline:
+        offsets += [r.offset for r in c.poll(timeout_s=0.2)]
+    c.close()
+    assert offsets == list(range(9))  # a marker after each job's three records would leave gaps
+    assert klog.end_offsets([tp])[tp] == 9
+
+
+def _dispatched(log: Log) -> int:
+    """Records and markers in dispatch.default (0 before the scheduler created it)."""
+    tp = TopicPartition(dispatch_topic("default"), 0)
+    try:
+        return log.end_offsets([tp])[tp]
+    except LogError:
+        return 0

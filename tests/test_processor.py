@@ -16,7 +16,7 @@ import pytest
 
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
-from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, EVENTS, Config
+from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, EVENTS, Config, dispatch_topic
 from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
 from dagfold.log import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog, EmbeddedTransactionalProducer
@@ -130,6 +130,43 @@ def test_a_commit_that_failed_without_committing_is_redone_once(
     finally:
         s.close()
     assert verify(cfg.data_dir, _replayed(log, tmp_path), PARTS) == []
+
+
+def dispatch_records(log: EmbeddedLog, job: str) -> list[dict[str, Any]]:
+    topic = dispatch_topic("default")
+    out = []
+    for p in range(log.partitions(topic)):
+        out += [codec.decode(r.value) for r in log.read(TopicPartition(topic, p), 0, 1_000_000)]
+    return [d for d in out if d["job_id"] == job]
+
+
+def test_a_dispatch_record_is_durable_before_its_transaction_commits_and_written_again_when_it_aborts(
+        env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dispatch records carry no transaction (Kafka: no commit marker for a share group to acquire):
+    written at least once, before the commit. An aborted commit redoes the batch, which dispatches
+    the same attempt again; the lease decides which report counts."""
+    log, cfg = env
+    fault = FaultyCommit(monkeypatch, "before", TransactionAbortedError)
+    seen_at_commit: list[int] = []
+    faulty = EmbeddedTransactionalProducer.commit
+
+    def commit(producer: EmbeddedTransactionalProducer, offsets: Any, consumer: Any = None) -> Any:
+        if producer._buf:
+            seen_at_commit.append(len(dispatch_records(log, "D")))
+        return faulty(producer, offsets, consumer)
+
+    monkeypatch.setattr(EmbeddedTransactionalProducer, "commit", commit)
+    s = Running(log, cfg)
+    try:
+        send(log, "D", submit_job(to_job_spec(load_spec_text("id: D\ntasks: [{id: a}]"))))
+        wait_for(lambda: types(log, "D") == ["JobAccepted", "TaskDispatched"])
+        assert fault.left == 0
+        assert seen_at_commit[:2] == [1, 2]  # durable before each of the two commits (aborted, redone)
+        assert [(d["task_id"], d["attempt"]) for d in dispatch_records(log, "D")] == [("a", 1), ("a", 1)]
+        run_job_to_the_end(log, "D")
+        assert types(log, "D").count("LeaseGranted") == 1 and "LeaseRejected" not in types(log, "D")
+    finally:
+        s.close()
 
 
 def _replayed(log: EmbeddedLog, tmp_path: Path) -> Path:

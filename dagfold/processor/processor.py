@@ -50,7 +50,7 @@ from dagfold.clock import now_ms
 from dagfold.codec import Record, default_codec
 from dagfold.config import DEADLETTER
 from dagfold.exceptions import CodecError, FencedError, LogError
-from dagfold.log.base import Log, LogRecord, TopicPartition, TopicSpec
+from dagfold.log.base import Log, LogRecord, Producer, TopicPartition, TopicSpec
 from dagfold.outputs import Output, dead_letter
 from dagfold.processor.catchup import catch_up
 from dagfold.processor.fold import Fold
@@ -75,6 +75,10 @@ def _no_topic(topic: str) -> TopicSpec | None:
     return None
 
 
+def _never(topic: str) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class ProcessorSpec:
     """One configuration of the runtime: which fold, which topics, which timers, where outputs go.
@@ -88,6 +92,11 @@ class ProcessorSpec:
     * ``partitions``: None joins ``group`` and takes what it assigns; a list reads just those;
     * ``store_path(partition)``: None keeps state in memory (tests, simulations);
     * ``topic_for(name)``: the spec of an output topic to create on first use (dispatch queues);
+    * ``before_commit(name)``: outputs to this topic are written outside the log transaction, by an
+      idempotent producer, and are durable before the transaction commits (at least once: an
+      aborted or unknown commit redoes the batch, which writes them again). For records whose
+      reader fences duplicates and that must carry no transaction markers (dispatch queues, read
+      by Kafka share groups: docs/semantics.md, Dispatch);
     * ``on_committed(outputs)``: metrics after a transaction committed;
     * ``former_group``: a group this configuration committed to before ``group`` (manual
       ``partitions`` only): a partition whose store already holds events but on which ``group``
@@ -110,6 +119,7 @@ class ProcessorSpec:
     partitions: Sequence[int] | None = None
     store_path: Callable[[int], Path] | None = None
     topic_for: Callable[[str], TopicSpec | None] = _no_topic
+    before_commit: Callable[[str], bool] = _never
     create_topics: Sequence[TopicSpec] = ()
     batch_max_records: int = 500
     poll_timeout_s: float = 0.05
@@ -148,6 +158,7 @@ class PartitionProcessor:
         # the transactional producer first: its initialisation fences an older instance
         self.producer = log_.transactional_producer(spec.transactional_id)
         self.consumer = log_.consumer(spec.group, client_id=client_id)
+        self.early_producer: Producer | None = None  # outputs of spec.before_commit topics, created on first use
         self.timer_producer = log_.producer(f"{client_id}-timer") if spec.timers is not None else None
         self.timers = TimerScanner(spec.timers, self.timer_producer) \
             if spec.timers is not None and self.timer_producer is not None else None
@@ -345,12 +356,19 @@ class PartitionProcessor:
     def _commit_log(self, b: _Batch) -> dict[TopicPartition, int] | None:
         """The batch's log transaction; None if it failed (and what that meant was handled)."""
         events = self.spec.events
+        early = self.spec.before_commit
         txn: LogTransaction | None = None
         try:
             txn = LogTransaction(self.producer)
+            before: list[Output] = []
             for p, o in b.outputs:
+                if early(o.topic):
+                    before.append(o)
+                    continue
                 part = self.spec.events_partition(p) if o.topic == events else None
                 txn.send(o.topic, o.key.encode(), self.codec.encode(o.record), partition=part)
+            if before:
+                self._write_before_commit(txn, before)
             return txn.commit(b.offsets, self.consumer)
         except FencedError:
             raise
@@ -371,6 +389,25 @@ class PartitionProcessor:
                     log.exception("%s: rewinding failed; retried before the next poll", self.spec.service)
                     self._unreconciled.update(partitions)
             return None
+
+    def _write_before_commit(self, txn: LogTransaction, outputs: list[Output]) -> None:
+        """Write ``outputs`` durably outside ``txn``; if that fails, abort ``txn`` (nothing of the batch
+        committed: it is redone, and writes them again) and raise."""
+        try:
+            if self.early_producer is None:
+                self.early_producer = self.log.producer(f"{self.client_id}-early")
+            for o in outputs:
+                self.early_producer.send(o.topic, o.key.encode(), self.codec.encode(o.record))
+            self.early_producer.flush()
+        except LogError:
+            txn.abort()
+            producer, self.early_producer = self.early_producer, None  # a fresh one for the redo
+            if producer is not None:
+                try:
+                    producer.close()
+                except Exception:
+                    log.debug("closing the failed producer failed", exc_info=True)
+            raise
 
     # -- after a failed transaction -------------------------------------------------
     def _reload(self, partitions: Iterable[int]) -> None:
@@ -447,6 +484,8 @@ class PartitionProcessor:
         closers = [self.consumer.close, self.producer.close]
         if self.timer_producer is not None:
             closers.append(self.timer_producer.close)
+        if self.early_producer is not None:
+            closers.append(self.early_producer.close)
         for close in closers:
             try:
                 close()

@@ -82,6 +82,12 @@ class LogTransaction:
         self.status = TxnStatus.COMMITTED
         return last
 
+    def abort(self) -> None:
+        """Give up an open transaction (the caller failed before ``commit``): nothing is committed."""
+        if self.status is not TxnStatus.OPEN:
+            raise ProcessorError(f"abort of a {self.status.value} transaction")
+        self._abort()
+
     def _abort(self) -> None:
         self.status = TxnStatus.ABORTED
         try:

@@ -75,6 +75,9 @@ def scheduler_spec(config: Config, instance_id: str = "0",
         transactional_id=f"dagfold-scheduler-{instance_id}", fold_for=fold_for, admit=admit,
         events_partition=_same_partition, timers=SCHEDULER_TIMERS,
         store_path=lambda p: config.data_dir / "scheduler" / f"p{p:04d}", topic_for=topic_for,
+        # dispatch records go out before the commit, at least once (docs/semantics.md, Dispatch):
+        # a share group's client (librdkafka 2.16) can leave a transaction marker unacknowledged
+        before_commit=lambda topic: topic.startswith(DISPATCH_PREFIX),
         create_topics=config.core_topics(), batch_max_records=config.scheduler.batch_max_records,
         poll_timeout_s=config.scheduler.poll_timeout_s, on_committed=_record_events,
         cache_values=SchedulerFold.CACHE_VALUES)
