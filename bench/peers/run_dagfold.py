@@ -35,7 +35,6 @@ from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
 from dagfold.exceptions import LogError
 from dagfold.log import TopicPartition
-from dagfold.log.kafka import KafkaLog
 from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 
@@ -136,8 +135,10 @@ def main() -> None:
             groups: dict[str, int] = {}
             if split:
                 groups[SCHEDULER_GROUP] = 1
-            assert isinstance(stack.log, KafkaLog)
-            if groups and not stack.log.wait_groups_stable(groups):
+            lg: Any = stack.log  # a KafkaLog, or a NamespacedLog over one (a log URL with ?prefix=)
+            ns = getattr(lg, "ns", None)
+            groups = {ns.group(g) if ns is not None else g: n for g, n in groups.items()}
+            if groups and not lg.wait_groups_stable(groups):
                 raise RuntimeError(f"consumer groups not stable: {groups}")
         run_id = f"{os.getpid()}-{int(time.time() * 1000)}"
         warm = job_spec(load("warmup"), f"warmup-{run_id}")
