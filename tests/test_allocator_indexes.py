@@ -6,7 +6,8 @@ victim search. On random histories with GPU shares, CPU/memory, gangs, tiers,
 preemption and drains, every index must equal what a scan of the views gives, a fold
 opened on the committed store must rebuild the same indexes, and the victim search
 must return what the straightforward search (kept here as the reference) returns, and frag placement
-through its incremental per-shape rankings must choose the hosts a plain score of every host chooses.
+through its incremental per-shape rankings must choose the hosts a plain score of every host chooses,
+whether the rankings score signatures one by one or vectorised (numpy) in batches.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import random
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 
-from dagfold.services.allocator import passes
+from dagfold.services.allocator import passes, placement
 from dagfold.services.allocator.capacity import l1_fits, signature
 from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.services.allocator.harness import AllocatorHarness
 from dagfold.services.allocator.model import AllocView, RequestView
 from dagfold.services.allocator.options import AllocatorOptions
-from dagfold.services.allocator.placement import after_sig, feasible_shapes, place
+from dagfold.services.allocator.placement import after_sig, feasible_shapes, frag_scores, place
 from dagfold.services.allocator.preemption import find_victims, lost_work_gpu_min, share_excess
 from dagfold.services.allocator.profile import for_type, usable
 from dagfold.services.allocator.reservations import Exclusions, excluded_for, part_fits
@@ -99,7 +101,8 @@ def reference_frag_hosts(st: PoolState, r: RequestView, excluded: set[str]) -> l
             continue
         groups = for_type(n.gpu_type, st.groups)
         after = after_sig(sig, g, milli, cpu, mem)
-        score = usable(sig, groups) - usable(after, groups) + st.opts.frag_pack_weight * sum(after[2])
+        lost = usable(sig, groups) - usable(after, groups)
+        score = lost / st.weight_scale + st.opts.frag_pack_weight * sum(after[2])
         options.append(((score, sig[0], sig[1], n.gpu_type, sig[2]), nid))
     options.sort()
     return [nid for _, nid in options[:r.hosts]] if len(options) >= r.hosts else []
@@ -119,6 +122,17 @@ def check_indexes(st: PoolState) -> None:
     for t in set(by_full) | set(st.capacity.by_full):
         got, want = st.capacity.by_full.get(t, []), by_full.get(t, [])
         assert got[:len(want)] == want and not any(got[len(want):]), t
+    # the live signatures, as rows (vectorised scoring) and by birth (rankings' catch-up)
+    cap = st.capacity
+    cap.arrays()
+    live = {(n.gpu_type, *signature(n)) for n in st.nodes.values() if n.state == "up"}
+    assert {cap.at[i] for i in np.flatnonzero(cap.alive)} == live == set(cap.born.values())
+    assert {v for b in cap.born_full for v in b.values()} == live and cap.n_sigs == len(live)
+    for t, l1, sig in live:
+        i = cap.slot_of[(t, sig)]
+        row = [sig[0], sig[1], *sig[2]]
+        assert list(cap.rows[i]) == row + [0] * (cap.rows.shape[1] - len(row))
+        assert (cap.type_list[cap.row_type[i]], cap.row_full[i], cap.row_part[i]) == (t, *l1)
     for rank, tenants in st.queues.items():
         for tenant, q in tenants.items():
             assert q == sorted((r.seq, r.key) for r in st.requests.values()
@@ -163,6 +177,7 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
         return got
 
     monkeypatch.setattr(passes, "find_victims", checked)
+    monkeypatch.setattr(placement, "BATCH_MIN", rng.choice([1, 4, 10 ** 9]))  # numpy, mixed, one by one
     opts = replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, grace_s=20.0, orphan_grace_s=None,
                    preempt_scan_limit=rng.choice([3, 8, 64]))
     h = AllocatorHarness(opts=opts, commit_every=rng.choice([1, 7]))
@@ -219,3 +234,51 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
     assert fresh.queues == {r: t for r, t in st.queues.items() if t}
     assert h.digest() == h.replayed_digest()
     assert searches[1] > 0 and placed[0] > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_vectorised_scoring_equals_one_by_one_and_the_plain_choice(seed: int, monkeypatch: Any) -> None:
+    """A pool of many distinct host states (GPU shares, CPU, memory, GPU types) under a learned mix of typed
+    and untyped, shared and whole-GPU classes: the batch scorer gives every signature exactly the score
+    that ``usable`` one by one gives, and frag places new shapes on the hosts the plain scoring picks."""
+    rng = random.Random(seed)
+    h = AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, orphan_grace_s=None),
+                         commit_every=64)
+    for k in range(60):
+        h.register(f"n{k:02d}", rng.choice(["A", "B", "C"]), rng.choice([2, 4, 8]),
+                   cpu_milli=rng.choice([32000, 64000, 96000]), memory_mib=rng.choice([128000, 256000]))
+
+    def shape() -> dict[str, Any]:
+        share = rng.random() < 0.5
+        return {"gpus": 1 if share else rng.choice([0, 1, 2, 4, 8]),
+                "gpu_milli": rng.choice([100, 250, 330, 500, 750]) if share else 1000,
+                "gpu_type": rng.choice([[], [], ["A"], ["B", "C"]]), "cpu_milli": rng.choice([1000, 4000, 6000]),
+                "memory_mib": rng.choice([0, 8000, 30000])}
+
+    mix = [shape() for _ in range(25)]
+    for i in range(300):  # a learned profile, and hosts in many states
+        h.request(f"j{i}", wait=False, **rng.choice(mix))
+    st = h.fold.state
+    assert len(st.groups) > 5 and st.capacity.n_sigs > 30
+    scored = 0
+    for k in range(60):
+        s = shape()
+        probe = RequestView(f"probe{k}", {
+            "job_id": f"probe{k}", "task_id": "gpu", "attempt": 1, "tenant": "t", "tier": "standard",
+            "gpus": s["gpus"], "gpu_type": s["gpu_type"], "hosts": 1, "gpu_milli": s["gpu_milli"],
+            "cpu_milli": s["cpu_milli"], "memory_mib": s["memory_mib"], "max_runtime_ms": None, "checkpoint": True,
+            "submitted_ms": 0, "seq": 0, "queued_ms": 0, "resume": None, "grants": 0})
+        g, milli, cpu, mem = probe.gpus, probe.per_gpu_milli(), probe.cpu, probe.mem
+        cands = list(st.capacity.candidate_sigs(probe.gpu_types, g, milli, cpu, mem))
+        monkeypatch.setattr(placement, "BATCH_MIN", 10 ** 9)
+        st.usable_memo.clear()
+        one_by_one = frag_scores(st, cands, g, milli, cpu, mem)
+        monkeypatch.setattr(placement, "BATCH_MIN", 1)
+        st.usable_memo.clear()
+        assert frag_scores(st, cands, g, milli, cpu, mem) == one_by_one  # U(s) computed in the batch
+        assert frag_scores(st, cands, g, milli, cpu, mem) == one_by_one  # U(s) memoised
+        st.rankings.clear()
+        parts = place(st, probe)
+        assert ([p.node for p in parts] if parts else []) == reference_frag_hosts(st, probe, set())
+        scored += len(cands)
+    assert scored > 100

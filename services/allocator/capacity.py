@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from sortedcontainers import SortedList
+import numpy as np
+from sortedcontainers import SortedDict, SortedList
 
 from dagfold.services.allocator.model import FULL, NodeView
 
@@ -55,13 +56,32 @@ class CapacityIndex:
         self.free_milli: dict[str, int] = {}  # per type, over up hosts
         self.version = 0  # bumped by every change (memos of what the index rules out compare it)
         self.by_full: dict[str, list[int]] = {}  # per type: up hosts by their number of whole free GPUs
-        # Signatures in the order they came into being (a signature whose last host left and that comes back
-        # is born again): placement's per-shape rankings catch up on them instead of rescanning the index.
-        # ``births[i]`` is birth number ``births_base + i``; the oldest half is dropped when the log is over
-        # twice the live signatures (a ranking that fell behind the dropped part is rebuilt).
-        self.births: list[tuple[str, L1, Sig]] = []
-        self.births_base = 0
+        # Live signatures by birth number, the order they came into being (a signature whose last host left
+        # and that comes back is born again, with a new number): placement's per-shape rankings catch up on
+        # the signatures born since their last query and still alive (``born_since``) instead of rescanning
+        # the index or walking every birth since (most are dead again by then).
+        # birth number -> (type, level-1 bucket, signature), of every live signature and per number of whole
+        # free GPUs (a shape of g whole GPUs reads only the buckets of g and more)
+        self.born: SortedDict = SortedDict()
+        self.born_full: list[SortedDict] = []
+        self.birth_of: dict[tuple[str, Sig], int] = {}
+        self.births = 0  # birth numbers given so far
         self.n_sigs = 0  # live signatures
+        # The live signatures as rows of arrays too, for placement's vectorised scoring: a slot per live
+        # signature (reused once it dies), its row ``cpu free, memory free, free milli per GPU (sorted, padded
+        # with 0)``, its GPU type (index into ``type_list``) and level-1 bucket; ``at`` maps a slot back.
+        # The arrays are written when read (``arrays``).
+        self.slot_of: dict[tuple[str, Sig], int] = {}
+        self.at: list[tuple[str, L1, Sig] | None] = []
+        self.spare: list[int] = []  # dead slots, reused highest first
+        self.type_ids: dict[str, int] = {}
+        self.type_list: list[str] = []
+        self.rows = np.zeros((0, 2 + 8), dtype=np.float64)
+        self.row_type = np.zeros(0, dtype=np.intp)
+        self.row_full = np.zeros(0, dtype=np.int64)
+        self.row_part = np.zeros(0, dtype=np.int64)
+        self.alive = np.zeros(0, dtype=bool)
+        self.pending: dict[int, bool] = {}  # slots born (True) or dead (False) since the arrays were written
 
     def add(self, n: NodeView) -> None:
         if n.state != "up":
@@ -73,12 +93,13 @@ class CapacityIndex:
         if ids is None:
             ids = sigs[sig] = SortedList()
             self.n_sigs += 1
-            births = self.births
-            births.append((n.gpu_type, l1, sig))
-            if len(births) > 2 * self.n_sigs + 1024:
-                drop = len(births) // 2
-                del births[:drop]
-                self.births_base += drop
+            born = self.born_full
+            while len(born) <= l1[0]:
+                born.append(SortedDict())
+            born[l1[0]][self.births] = self.born[self.births] = (n.gpu_type, l1, sig)
+            self.birth_of[(n.gpu_type, sig)] = self.births
+            self.births += 1
+            self._slot_in(n.gpu_type, l1, sig)
         ids.add(n.id)
         self.where[n.id] = (n.gpu_type, l1, sig)
         self.free_milli[n.gpu_type] = self.free_milli.get(n.gpu_type, 0) + n.free_milli()
@@ -100,10 +121,76 @@ class CapacityIndex:
         if not lst:
             del sigs[sig]
             self.n_sigs -= 1
+            b = self.birth_of.pop((t, sig))
+            del self.born[b]
+            del self.born_full[l1[0]][b]
+            slot = self.slot_of.pop((t, sig))
+            self.at[slot] = None
+            self.spare.append(slot)
+            self.pending[slot] = False
             if not sigs:
                 del by_l1[l1]
         self.free_milli[t] -= sum(sig[2])
         self.by_full[t][l1[0]] -= 1
+
+    def _slot_in(self, t: str, l1: L1, sig: Sig) -> None:
+        slot = self.spare.pop() if self.spare else len(self.at)
+        if slot == len(self.at):
+            self.at.append(None)
+        self.at[slot] = (t, l1, sig)
+        self.slot_of[(t, sig)] = slot
+        self.pending[slot] = True
+        if t not in self.type_ids:
+            self.type_ids[t] = len(self.type_list)
+            self.type_list.append(t)
+
+    def arrays(self) -> None:
+        """Write the slots born or dead since the last call into the arrays (once per vectorised scoring,
+        not per change: a numpy write per field per signature would cost more than the change itself)."""
+        if not self.pending:
+            return
+        n = len(self.at)
+        if n > len(self.alive):  # grow (doubling: amortised O(1) per signature)
+            size = max(64, 2 * len(self.alive), n)
+            grow = size - len(self.alive)
+            self.rows = np.concatenate([self.rows, np.zeros((grow, self.rows.shape[1]))])
+            self.row_type = np.concatenate([self.row_type, np.zeros(grow, dtype=np.intp)])
+            self.row_full = np.concatenate([self.row_full, np.zeros(grow, dtype=np.int64)])
+            self.row_part = np.concatenate([self.row_part, np.zeros(grow, dtype=np.int64)])
+            self.alive = np.concatenate([self.alive, np.zeros(grow, dtype=bool)])
+        born = [i for i, up in self.pending.items() if up]
+        dead = [i for i, up in self.pending.items() if not up]
+        self.pending = {}
+        if dead:
+            self.alive[dead] = False
+        if born:
+            sigs: list[tuple[str, L1, Sig]] = [self.at[i] for i in born]  # type: ignore[misc]  # (born: live)
+            width = max(len(s[2][2]) for s in sigs)
+            if 2 + width > self.rows.shape[1]:  # a host with more GPUs than any before: wider rows
+                self.rows = np.concatenate([self.rows, np.zeros((len(self.rows), 2 + width - self.rows.shape[1]))],
+                                           axis=1)
+            width = self.rows.shape[1] - 2
+            self.rows[born] = [s[2][:2] + s[2][2] + (0,) * (width - len(s[2][2])) for s in sigs]
+            self.row_type[born] = [self.type_ids[s[0]] for s in sigs]
+            self.row_full[born] = [s[1][0] for s in sigs]
+            self.row_part[born] = [s[1][1] for s in sigs]
+            self.alive[born] = True
+
+    def candidate_slots(self, allowed: tuple[str, ...], gpus: int, milli: int, cpu: int, mem: int) -> np.ndarray:
+        """Slots of every live signature that can hold one host-part (``candidate_sigs``, vectorised:
+        a scan of the live signatures, for a shape's first ranking only)."""
+        self.arrays()
+        n = len(self.at)
+        rows = self.rows[:n]
+        ok = self.alive[:n] & (rows[:, 0] >= cpu) & (rows[:, 1] >= mem)
+        if gpus == 1 and milli < FULL:
+            ok &= (self.row_full[:n] >= 1) | (self.row_part[:n] >= milli)
+        elif gpus:
+            ok &= self.row_full[:n] >= gpus
+        if allowed:
+            ids = [self.type_ids[t] for t in dict.fromkeys(allowed) if t in self.type_ids]
+            ok &= np.isin(self.row_type[:n], ids)
+        return np.flatnonzero(ok)
 
     def update(self, n: NodeView) -> None:
         self.remove(n)
@@ -124,6 +211,18 @@ class CapacityIndex:
                 for sig, ids in sigs.items():
                     if sig[0] >= cpu and sig[1] >= mem:
                         yield t, sig, ids
+
+    def born_since(self, birth: int, gpus: int, milli: int) -> list[tuple[str, L1, Sig]]:
+        """The live signatures born at or after birth number ``birth``, of every GPU type; for whole GPUs,
+        only those with at least ``gpus`` whole free GPUs (O(log n + answer); the rest of the fit test is
+        the caller's)."""
+        if not gpus or (gpus == 1 and milli < FULL):
+            return self.born.values()[self.born.bisect_left(birth):]
+        out: list[tuple[str, L1, Sig]] = []
+        for b in self.born_full[gpus:]:
+            if b and b.keys()[-1] >= birth:
+                out += b.values()[b.bisect_left(birth):]
+        return out
 
     def hosts_of(self, t: str, l1: L1, sig: Sig) -> SortedList | None:
         """The up hosts whose free capacity is ``sig`` (None: no host has it now)."""

@@ -27,7 +27,15 @@ from dagfold.services.allocator import keys
 from dagfold.services.allocator.capacity import CapacityIndex
 from dagfold.services.allocator.model import AllocView, NodeView, RequestView
 from dagfold.services.allocator.options import AllocatorOptions
-from dagfold.services.allocator.profile import Class, Groups, TypeGroups, empty_profile, group_classes, to_classes
+from dagfold.services.allocator.profile import (
+    BatchScorer,
+    Class,
+    Groups,
+    TypeGroups,
+    empty_profile,
+    group_classes,
+    to_classes,
+)
 from dagfold.state import PartitionTransaction, Store
 from dagfold.tenants import Entitlements, type_quotas
 
@@ -54,9 +62,11 @@ class PoolState:
         self.profile: dict[str, Any] = empty_profile()
         self.classes: list[Class] = []
         self.groups: Groups = []
+        self.weight_scale = 1  # the groups' integer weights are float weights times this (profile.group_classes)
+        self.scorer: BatchScorer | None = None  # the groups vectorised (a cache, built on first use)
         self.shape_counts: dict[str, int] = {}
         self.perf: dict[str, float] = {}
-        self.usable_memo: dict[tuple[str, Any], float] = {}
+        self.usable_memo: dict[tuple[str, Any], int] = {}
         self.rankings: dict[tuple[Any, ...], Any] = {}  # frag: part shape -> placement.Ranking (a cache)
         self.type_groups: dict[str, TypeGroups] = {}  # GPU type -> the groups its hosts can serve (a cache)
         self.nodes: dict[str, NodeView] = {}
@@ -346,17 +356,20 @@ class PoolState:
 
     def regroup(self) -> None:
         """Recompute the scoring groups (new profile or new inventory); scores are recomputed lazily."""
-        self.groups = group_classes(self.classes, self.type_gpus)
+        self.groups, self.weight_scale = group_classes(self.classes, self.type_gpus,
+                                                       max(self.gpu_types.values(), default=8))
+        self.scorer = None
         self.usable_memo.clear()
         self.rankings.clear()
         self.type_groups.clear()
 
     def register_type(self, n: NodeView, new: bool) -> None:
+        bigger = n.gpus > max(self.gpu_types.values(), default=8)  # the weights' scale may have to shrink
         self.gpu_types[n.gpu_type] = max(self.gpu_types.get(n.gpu_type, 0), n.gpus)
         if new:
             self.type_gpus[n.gpu_type] = self.type_gpus.get(n.gpu_type, 0) + n.gpus
-            if self.classes:
-                self.regroup()
+        if (new or bigger) and self.classes:
+            self.regroup()
         self.max_cpu = max(self.max_cpu, n.cpu)
         self.max_mem = max(self.max_mem, n.mem)
         if new:
