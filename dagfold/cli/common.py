@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -32,7 +31,6 @@ class _App(typer.Typer):
     a malformed --api URL) is one line on stderr and exit 1, never a traceback."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _follow_columns()
         try:
             return super().__call__(*args, **kwargs)
         except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError) as exc:
@@ -48,14 +46,6 @@ app = _App(add_completion=False, no_args_is_help=True,
 # markup (a tenant named "[/bold]" crashed every table); styling goes through Text/style= or markup=True.
 out = Console(soft_wrap=True, markup=False)
 err = Console(stderr=True, soft_wrap=True, markup=False)
-
-
-def _follow_columns() -> None:
-    """COLUMNS as it is at this invocation: rich reads it once, when a console is made, so a process that
-    runs several commands (an embedding program, the test suite's CliRunner) kept the first one's width."""
-    cols = os.environ.get("COLUMNS", "")
-    if cols.isascii() and cols.isdigit() and 0 < int(cols) <= 10_000:
-        out.width = err.width = int(cols)
 
 LogOpt = Annotated[str | None, typer.Option("--log", help="log backend: embedded or kafka://HOST:PORT "
                                              "(default: embedded; env DAGFOLD_LOG)", show_default=False)]
