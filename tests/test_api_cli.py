@@ -56,6 +56,27 @@ def cli(url: str, *args: str, key: str | None = KEY) -> Any:
     return CliRunner().invoke(app, list(args), env=env)
 
 
+def test_each_invocation_in_one_process_follows_its_own_columns(live: tuple[ApiHarness, str]) -> None:
+    """A process that runs several commands follows each invocation's COLUMNS, whatever the environment was when
+    dagfold.cli was imported: a pytest-xdist worker's has COLUMNS=80 and LINES=24 then (the controller's
+    readline sets them), and rich had fixed the CLI's consoles at 80 columns for good."""
+    _, url = live
+    script = ("import json, sys\n"
+              "from typer.testing import CliRunner\n"
+              "from dagfold.cli import app\n"
+              "env = {'DAGFOLD_API': sys.argv[1], 'DAGFOLD_API_KEY': sys.argv[2]}\n"
+              "print(json.dumps([CliRunner().invoke(app, ['jobs'], env={**env, 'COLUMNS': c}).output\n"
+              "                  for c in ('200', '80', '200')]))\n")
+    env = {**os.environ, "COLUMNS": "80", "LINES": "24", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", script, url, KEY], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    wide, narrow, wide_again = json.loads(r.stdout)
+    for table in (wide, wide_again):  # 200 columns: the wide table, with tenant and duration
+        assert "tenant" in table and "duration" in table and max(map(len, table.splitlines())) > 80, table
+    assert "tenant" not in narrow and max(map(len, narrow.splitlines())) <= 80, narrow
+
+
 def test_jobs_status_tasks_attempts(live: tuple[ApiHarness, str]) -> None:
     _, url = live
     r = cli(url, "jobs", "--json")

@@ -38,14 +38,31 @@ class _App(typer.Typer):
             raise SystemExit(1) from None
 
 
+class _Console(Console):
+    """A rich console whose size is the terminal's, or COLUMNS / LINES, as they are at each print.
+
+    rich reads COLUMNS and LINES at each print only if they were unset when the console was made; set then, it
+    keeps that size for good. The CLI's consoles are made when dagfold.cli is imported, so a process that runs
+    several commands (a program embedding the CLI, the tests' CliRunner, whose env= is set per invocation) kept
+    the environment's size at import: under pytest-xdist, 80 columns whatever the invocation asked, because
+    pytest imports readline in the controller, GNU readline sets COLUMNS=80 and LINES=24 in the C environment of
+    a process without a terminal, and every worker inherits them. A `dagfold` process reads the same environment
+    either way."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if kwargs.get("width") is None and kwargs.get("height") is None:
+            self._width = self._height = None  # rich's own "not fixed": size is read at each print
+
+
 app = _App(add_completion=False, no_args_is_help=True,
            help="dagfold: an event-sourced scheduler for DAG and GPU jobs.")
 # soft_wrap: lines are never broken at the console width. Piped to a file or a script, rich
 # assumes 80 columns and split "submitted <long file name>: <job id>" across two lines.
 # markup=False: what the consoles print is data (tenant names, reasons, task IDs) and is never read as rich
 # markup (a tenant named "[/bold]" crashed every table); styling goes through Text/style= or markup=True.
-out = Console(soft_wrap=True, markup=False)
-err = Console(stderr=True, soft_wrap=True, markup=False)
+out = _Console(soft_wrap=True, markup=False)
+err = _Console(stderr=True, soft_wrap=True, markup=False)
 
 LogOpt = Annotated[str | None, typer.Option("--log", help="log backend: embedded or kafka://HOST:PORT "
                                              "(default: embedded; env DAGFOLD_LOG)", show_default=False)]
