@@ -62,10 +62,14 @@ class GpuPool:
     def signal(self, node: str, sig: int) -> None:
         os.kill(self.procs[node].pid, sig)
 
+    def signal_host(self, node: str, sig: int) -> None:
+        """``sig`` to the node's agent and the job processes it started (its process group)."""
+        os.killpg(self.procs[node].pid, sig)
+
     def close(self) -> None:
         for p in self.procs.values():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGCONT)
                 os.killpg(p.pid, signal.SIGTERM)
         for p in self.procs.values():
             try:
@@ -187,15 +191,35 @@ def _processes_of(alloc_id: str) -> list[int]:
     return pids
 
 
+def _stopped_by_its_agent(pid: int) -> bool:
+    """True once ``pid`` got its agent's SIGTERM (pending while the process is stopped) or is gone (SIGKILL)."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                      if ":" in line)
+    except OSError:
+        return True
+    if status["State"].strip()[:1] in ("Z", "X"):
+        return True
+    pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
+    return bool(pending >> (signal.SIGTERM - 1) & 1)
+
+
 def test_an_agent_stopped_past_its_lease_is_fenced_when_it_comes_back(
         up: UpProcess, kafka_bootstrap: str, tmp_path: Path) -> None:
     pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=2, artifacts=up.data / "artifacts")
     try:
         job = submit_gpu(up, pool.pool, 150)
-        node = wait_running(up, job)[job]
-        stale = task(up, job)["allocation"]["alloc_id"]
-        pool.signal(node, signal.SIGSTOP)  # a partition: the host's job keeps running, its agent is silent
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
+        while not ((t := task(up, job)).get("state") == "running" and t.get("allocation")):
+            assert time.monotonic() < deadline, f"the job did not start: {t}"
+            time.sleep(0.1)
+        node, stale = str(t["allocation"]["node_ids"][0]), t["allocation"]["alloc_id"]
+        # As soon as its agent reported the job running, the host freezes, agent and job process (a paused VM),
+        # so that the job is still there when the agent comes back. Before, the test waited for a progress
+        # report (step 98 of 150 by then at load 45) and froze only the agent: whenever the allocator's move
+        # took longer than the rest of the 15 s job, the job had ended by itself and there was nothing to fence.
+        pool.signal_host(node, signal.SIGSTOP)
+        deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             t = task(up, job)
             if t["state"] == "running" and t.get("allocation") and t["allocation"]["alloc_id"] != stale:
@@ -203,12 +227,18 @@ def test_an_agent_stopped_past_its_lease_is_fenced_when_it_comes_back(
             time.sleep(0.2)
         else:
             raise AssertionError(f"the job did not move off the stopped node: {history(up, job)}")
-        assert _processes_of(stale)  # the stale process still runs behind the partition
-        pool.signal(node, signal.SIGCONT)
+        pids = _processes_of(stale)
+        assert pids  # the stale process is still there behind the partition
+        pool.signal(node, signal.SIGCONT)  # the agent comes back; its job process stays stopped until the
+        deadline = time.monotonic() + 60  # agent has stopped it, so that it cannot end by itself meanwhile
+        while not all(_stopped_by_its_agent(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(_stopped_by_its_agent(p) for p in pids)  # fenced: its allocation is over, the agent stops it
+        pool.signal_host(node, signal.SIGCONT)
         deadline = time.monotonic() + 30
         while _processes_of(stale) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _processes_of(stale)  # fenced: its allocation is over, the agent stopped it
+        assert not _processes_of(stale)
         assert up.wait(job, timeout=120)["state"] == "succeeded"
         h = history(up, job)
         assert [e["type"] for e in h].count("TaskSucceeded") == 1
