@@ -63,7 +63,6 @@ COMMIT_KINDS = {"committed-error": COMMIT_COMMITTED_ERROR, "unknown-committed": 
                 "unknown-aborted": COMMIT_UNKNOWN_ABORTED, "broker-restart": BROKER_RESTART_IN_COMMIT}
 NEW_KINDS = (*COMMIT_KINDS.values(), SCHEDULER_SIGSTOP, ALLOCATOR_SIGSTOP)
 KILL_KINDS = (SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, WORKER_KILL, BROKER_KILL, *NEW_KINDS)
-ARM_TIMEOUT_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class Injector:
     def __init__(self, rng: random.Random, plan: FaultPlan, cluster: BrokerCluster, schedulers: list[Proc],
                  scheduler_dirs: dict[str, Path], workers: list[Proc], others: list[Proc], journal: Path,
                  say: Callable[[str], None] = print, fault_dir: Path | None = None,
-                 allocators: list[Proc] | None = None) -> None:
+                 allocators: list[Proc] | None = None, require_kinds: tuple[str, ...] = ()) -> None:
         self.rng = rng
         self.plan = plan
         self.cluster = cluster
@@ -109,10 +108,11 @@ class Injector:
         self._due: dict[str, float] | None = None
         self.fault_dir = fault_dir
         self.allocators = allocators or []
+        self.require_kinds = require_kinds  # the run needs each once: scheduled first, not left to chance
+        self._disarm = threading.Event()  # set by recover(): stop waiting for a commit to take a fault
         self._commit_turn = rng.randrange(len(commitfaults.KINDS))
         self._armed_at = 0.0
         self._armed_kind: str | None = None
-        self._retry_kind: str | None = None
         self._conts: list[tuple[float, int, Proc, int, Proc | None]] = []  # SIGCONT due: (t, seq, proc, pid, successor)
 
     # -- bookkeeping ------------------------------------------------------------
@@ -172,7 +172,9 @@ class Injector:
                 self.kill_worker()
                 due["worker"] = self._next(p.worker_every_s)
             if now >= due["broker"]:
-                if self.kill_broker():
+                if self._broker_reserved_for_commit():
+                    due["broker"] = now + 1.0  # the one broker slot goes to the kill inside a commit first
+                elif self.kill_broker():
                     due["broker"] = self._next(p.broker_every_s)
                 else:
                     due["broker"] = now + 1.0  # not now: a broker is down or the ISR is not complete
@@ -182,9 +184,12 @@ class Injector:
                 # (counted from what commits took: a kind counts when a commit took it, not when armed;
                 # while the brokers are not whole, the other kinds go in turn meanwhile)
                 self.count_commit_faults()
-                self.arm_commit_fault("broker-restart" if not self.counts[BROKER_RESTART_IN_COMMIT]
-                                      and not self._broker_busy and self.cluster.healthy() else None)
-                due["commit"] = self._next(p.commit_every_s)
+                if not self._commit_fault_armed():
+                    self.arm_commit_fault("broker-restart" if not self.counts[BROKER_RESTART_IN_COMMIT]
+                                          and not self._broker_busy and self.cluster.healthy() else None)
+                # While a kind the run requires has not happened, the next is armed as soon as a commit took
+                # the last: on a loaded machine the schedulers commit seldom, and a short run needs each once.
+                due["commit"] = now + 0.5 if self._commit_kinds_missing() else self._next(p.commit_every_s)
             if now >= due["sigstop"]:
                 self.sigstop_scheduler()
                 due["sigstop"] = self._next(p.sigstop_every_s)
@@ -193,9 +198,34 @@ class Injector:
                 due["allocator"] = self._next(p.allocator_sigstop_every_s)
             time.sleep(0.05)
 
+    def _broker_reserved_for_commit(self) -> bool:
+        """A run that requires a broker kill -9 inside a commit gets it before any plain broker kill.
+
+        One broker is down at a time, and on a loaded machine a killed broker takes minutes to be back and
+        whole: a plain broker kill that came first (at a random time) kept the broker busy past a short run's
+        end, so the kind inside a commit never happened (both 3-worker pytest-xdist runs on 2 cores)."""
+        if BROKER_RESTART_IN_COMMIT not in self.require_kinds or self.plan.commit_every_s <= 0:
+            return False
+        self.count_commit_faults()
+        return not self.counts[BROKER_RESTART_IN_COMMIT]
+
+    def _commit_fault_armed(self) -> bool:
+        return self.fault_dir is not None and (self.fault_dir / "next").exists()
+
+    def _commit_kinds_missing(self) -> bool:
+        return any(not self.counts[k] for k in COMMIT_KINDS.values() if k in self.require_kinds)
+
+    def _in_commit_pid(self) -> int | None:
+        """The scheduler inside the commit that took ``broker-restart`` (it waits there for the broker kill)."""
+        try:
+            return int((self.fault_dir / "committing").read_text()) if self.fault_dir is not None else None
+        except (OSError, ValueError):
+            return None
+
     def recover(self, timeout_s: float = 300.0) -> None:
         """Restart everything that is down and wait for the cluster to be whole."""
         deadline = time.monotonic() + timeout_s
+        self._disarm.set()
         self.resume_due(float("inf"))
         if self.fault_dir is not None:  # disarm what no commit took
             (self.fault_dir / "next").unlink(missing_ok=True)
@@ -258,6 +288,8 @@ class Injector:
     def kill_scheduler(self) -> None:
         alive = [s for s in self.schedulers if s.alive()]
         down = len(self.schedulers) - len(alive)
+        # not the one inside the commit that waits for its broker kill: killed there, the fault never counts
+        alive = [s for s in alive if s.pid != self._in_commit_pid()]
         if not alive or down >= self.plan.max_schedulers_down:
             return
         victim = self.rng.choice(alive)
@@ -322,22 +354,18 @@ class Injector:
     # -- issue 13: commit faults and zombies ----------------------------------------------
     def arm_commit_fault(self, kind: str | None = None) -> bool:
         """Arm the next commit-fault kind (in turn), or ``kind``, in the schedulers' shared folder: the
-        first commit with records, of whichever scheduler, takes it. One not taken within
-        ``ARM_TIMEOUT_S`` (no scheduler committed anything) is taken back. True if armed."""
+        first commit with records, of whichever scheduler, takes it; it stays armed until then (recover()
+        takes back what none took). True if armed."""
         folder = self.fault_dir
         if folder is None:
             return False
         now = time.monotonic()
         if (folder / "next").exists():
-            if now - self._armed_at > ARM_TIMEOUT_S and not (folder / "committing").exists():
-                (folder / "next").unlink(missing_ok=True)
-                self.record("disarmed (not taken)", "schedulers")
-                if self._armed_kind != "broker-restart":
-                    self._retry_kind = self._armed_kind  # armed again next: a short run needs each kind
+            # A fault stays armed until a commit takes it. (It was taken back after 8 s without a commit and
+            # armed again seconds later: on a loaded machine, where the schedulers commit seldom, a short run
+            # lost most of its commits that way, and broker-restart lost the broker to a plain broker kill.)
             return False
         broker_free = not self._broker_busy and self.cluster.healthy()
-        if kind is None and self._retry_kind is not None:
-            kind, self._retry_kind = self._retry_kind, None
         if kind is not None:
             if kind == "broker-restart" and not broker_free:
                 return False
@@ -364,9 +392,19 @@ class Injector:
         return True
 
     def _kill_broker_in_commit(self, folder: Path) -> None:
-        """Wait for the armed scheduler to be inside its commit, kill -9 a broker, let it commit."""
-        deadline = time.monotonic() + 30
-        while not (folder / "committing").exists() and time.monotonic() < deadline:
+        """Wait for a scheduler to take the fault and be inside its commit, kill -9 a broker, let it commit.
+
+        Waits as long as the fault is armed (until recover()), not a fixed time: the first commits of a
+        run on a loaded machine come late. Gives up if the fault was taken and no commit says it is inside
+        (``committing``) within 10 s: its taker died first."""
+        taken_at: float | None = None
+        while not (folder / "committing").exists():
+            if self._disarm.is_set():
+                break
+            if not (folder / "next").exists():
+                taken_at = taken_at or time.monotonic()
+                if time.monotonic() - taken_at > 10.0:
+                    break
             time.sleep(0.02)
         if not (folder / "committing").exists():
             (folder / "next").unlink(missing_ok=True)  # no commit took it: disarmed
@@ -377,6 +415,13 @@ class Injector:
         killed = self.cluster.kill9(node)
         (folder / "go.tmp").write_text("killed" if killed else "")
         (folder / "go.tmp").replace(folder / "go")  # whole, never seen half-written
+        # The commit removes both files when it goes on (within its 20 s wait); left there, its process died
+        # first, and a later broker-restart commit would read this "go" as its own broker kill.
+        deadline = time.monotonic() + 25
+        while (folder / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for f in ("go", "committing"):
+            (folder / f).unlink(missing_ok=True)
         if not killed:
             self._broker_busy = False
             return
@@ -385,9 +430,10 @@ class Injector:
 
     def sigstop_scheduler(self) -> None:
         alive = [s for s in self.schedulers if s.alive() and not s.stopped]
-        if len(alive) < 2:
+        victims = [s for s in alive if s.pid != self._in_commit_pid()]  # not the one waiting in its commit
+        if len(alive) < 2 or not victims:
             return  # someone must take its partitions
-        victim = self.rng.choice(alive)
+        victim = self.rng.choice(victims)
         pid = victim.sigstop()
         if pid is None:
             return

@@ -458,7 +458,8 @@ class ChaosRun:
                 ([self.agent] if self.allocators else [])
             injector = Injector(self.rng, prof.plan, self.cluster, self.schedulers, self.scheduler_dirs,
                                 self.workers, others, self.logs / "faults.jsonl", self.say,
-                                fault_dir=self.fault_dir, allocators=self.allocators)
+                                fault_dir=self.fault_dir, allocators=self.allocators,
+                                require_kinds=prof.require_kinds)
             if prof.scenario == "failover":
                 self.failover(injector, submitter)
             else:
