@@ -282,3 +282,19 @@ def test_vectorised_scoring_equals_one_by_one_and_the_plain_choice(seed: int, mo
         assert ([p.node for p in parts] if parts else []) == reference_frag_hosts(st, probe, set())
         scored += len(cands)
     assert scored > 100
+
+
+def test_the_allocator_process_freezes_its_state_and_collects_less_often() -> None:
+    """``tune_gc`` (called by ``dagfold allocator`` after catch-up; ``allocator_gc`` around the simulators'
+    runs): the objects alive then are frozen out of the collector's scans and the young generation is
+    collected at ``GC_THRESHOLD``."""
+    import gc
+
+    from dagfold.services.allocator.runner import GC_THRESHOLD, allocator_gc
+
+    before = gc.get_threshold()
+    state = [{"held": i} for i in range(1000)]  # the caught-up state stands in
+    with allocator_gc():
+        assert gc.get_threshold() == GC_THRESHOLD
+        assert gc.get_freeze_count() >= len(state)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0  # the block's setting is undone

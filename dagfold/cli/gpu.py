@@ -50,7 +50,7 @@ def allocator(pool: str = PoolOpt, log: LogOpt = None, data: DataOpt = None,
     """Run the GPU allocator of one pool (one writer per pool; a newer instance fences an older one)."""
     from dagfold.log import open_log
     from dagfold.services.allocator.options import options_for_pool
-    from dagfold.services.allocator.runner import AllocatorRunner
+    from dagfold.services.allocator.runner import AllocatorRunner, tune_gc
     from dagfold.services.api.auth import AuthConfig, AuthConfigError
 
     _logging(verbose)
@@ -63,6 +63,7 @@ def allocator(pool: str = PoolOpt, log: LogOpt = None, data: DataOpt = None,
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     lg.create_topics(cfg.core_topics())
     runner = AllocatorRunner(lg, options_for_pool(pool, tenants, lease_s=lease_s, grace_s=grace_s), cfg.data_dir)
+    tune_gc()  # caught up: freeze the state, collect less often (decision p99; see runner.GC_THRESHOLD)
     out.print(f"dagfold allocator: pool {pool} on {cfg.log_url}")
     run_until_stopped(runner.run, lg.close)
 

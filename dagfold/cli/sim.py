@@ -56,6 +56,7 @@ def fgd(out: OutOpt,
         data: DataOpt = None, img: ImgOpt = None) -> None:
     """The FGD paper's protocol: resample to 130% of capacity, place one by one, never release."""
     from dagfold.services.allocator import report, sim_fgd
+    from dagfold.services.allocator.runner import allocator_gc
     from dagfold.services.allocator.traces import TRACES, data_dir
 
     traces = list(TRACES) if "all" in trace else trace
@@ -64,8 +65,9 @@ def fgd(out: OutOpt,
             raise typer.BadParameter(f"unknown trace {t!r}; known: {', '.join(TRACES)}")
     try:
         d = data_dir(data)
-        result = sim_fgd.run(d, traces, parse_seeds(seeds), tuple(p for p in policies.split(",") if p),
-                             progress=_say)
+        with allocator_gc():  # the allocator process's GC setting (as in dagfold allocator)
+            result = sim_fgd.run(d, traces, parse_seeds(seeds), tuple(p for p in policies.split(",") if p),
+                                 progress=_say)
     except (AllocatorError, OSError) as exc:
         _say(f"error: {exc}")
         raise typer.Exit(2) from exc

@@ -14,8 +14,10 @@ writes AllocatorTimerFired commands to the pool's partition, as the scheduler do
 
 from __future__ import annotations
 
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dagfold.codec import Record
@@ -29,6 +31,33 @@ from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.timers import due_timers_in_store
 
 SETTINGS = "dagfold.allocator.SetTenantEntitlements"
+# The allocator process's garbage collector (a process setting, never the fold's): a decision allocates
+# many short-lived tuples, and at CPython's default (700, 10, 10) a gen-1/2 pass over the pool's state
+# (1-4 ms) lands inside decisions. FGD protocol, default trace, seed 42, to 100% arrival, two alternations
+# at load average 21-46: decision CPU p99 2.00 / 2.01 ms -> 1.75 / 1.79 ms, p50 unchanged (0.44-0.46 ms).
+GC_THRESHOLD = (50_000, 20, 20)
+
+
+def tune_gc() -> tuple[int, int, int]:
+    """Freeze what the process holds now (the state caught up from the log: never scanned by the collector
+    again) and collect the young generation less often (``GC_THRESHOLD``). Call once, after catch-up.
+    Returns the threshold it replaced."""
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
+    return before
+
+
+@contextmanager
+def allocator_gc() -> Iterator[None]:
+    """``tune_gc`` for a block (the simulators' allocator runs, in a process that goes on after them)."""
+    before = tune_gc()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def store_path(data_dir: Path, pool: str) -> Path:
