@@ -179,7 +179,7 @@ class EventModel:
             elif s == "retrying" and attempt != j.attempt[task] + 1:
                 self._bad(ILLEGAL_TRANSITION, e, f"attempt {attempt} dispatched after attempt {j.attempt[task]}")
             j.state[task], j.attempt[task], j.worker[task] = "runnable", attempt, None
-        elif name == "TaskRedispatched":  # the same attempt sent again: legal only while runnable and unleased
+        elif name in ("TaskRedispatched", "TaskRedispatchDeferred"):  # legal only while runnable and unleased
             if s != "runnable" or attempt != j.attempt[task] or j.worker.get(task) is not None:
                 self._bad(ILLEGAL_TRANSITION, e, f"attempt {attempt} re-dispatched while attempt "
                                                  f"{j.attempt[task]} is {s}")

@@ -573,6 +573,7 @@ class ChaosRun:
                       "lease expiries": model.lease_expiries, "reports ignored": c["ReportIgnored"],
                       "leases rejected": c["LeaseRejected"],
                       "re-dispatches (record not taken in time)": c["TaskRedispatched"],
+                      "re-dispatches deferred (queue still draining older records)": c["TaskRedispatchDeferred"],
                       "events": sum(c.values()),
                       "tasks checked for dangling leases": dangling_checked},
             "side effects": effects,

@@ -739,6 +739,9 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "TaskRedispatched":
         return (f"queue {g('queue')}: not leased in time, dispatched again ({g('redispatches')}x)"
                 + _within("; next in ", g("next_redispatch_at_ms"), g("ts_ms")))
+    if kind == "TaskRedispatchDeferred":
+        return (f"queue {g('queue')}: not leased yet, still queued behind older records; not sent again "
+                f"({g('deferrals')}x)" + _within("; checks again in ", g("next_redispatch_at_ms"), g("ts_ms")))
     if kind == "TaskAllocated":
         resume = g("resume_checkpoint")
         return f"{g('alloc_id')} on {', '.join(g('node_ids') or [])}" + (f", resumes from {resume}" if resume else "")

@@ -626,6 +626,14 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             every = opts.redispatch_after_ms(tspec[k][1]["queue"])
             assert e["next_redispatch_at_ms"] == e["ts_ms"] + every * min(2 ** e["redispatches"], 8)
             redispatch_due[k] = e["next_redispatch_at_ms"]
+        elif typ == "TaskRedispatchDeferred":  # the check re-armed, no record: the same conditions, when due
+            assert e["attempt"] == attempt[k] and k not in outcome and k not in leased, f"{k} deferred"
+            due = redispatch_due.get(k)
+            assert due is not None and e["ts_ms"] >= due, f"{k} checked at {e['ts_ms']}, due {due}"
+            every = opts.redispatch_after_ms(tspec[k][1]["queue"])
+            assert e["queue_leased_ms"] > e["ts_ms"] - every  # the queue was still handing out records
+            assert e["next_redispatch_at_ms"] == e["ts_ms"] + every * min(2 ** e["deferrals"], 8)
+            redispatch_due[k] = e["next_redispatch_at_ms"]
         elif typ == "LeaseGranted":
             assert e["attempt"] == attempt[k] and k not in leased
             leased.add(k)

@@ -59,6 +59,76 @@ def test_a_lost_dispatch_record_is_dispatched_again_and_the_job_finishes() -> No
     assert h.replayed_digest() == h.digest()
 
 
+def deferred(h: FoldHarness) -> list[dict[str, Any]]:
+    return [e for e in h.events if e["type"] == "dagfold.event.TaskRedispatchDeferred"]
+
+
+def test_a_backlog_drained_in_order_gets_no_copies() -> None:
+    """One worker takes a record every 20 s from a queue of 8: the waiting records are late, not lost, and
+    the queue is still handing out records older than theirs, so no copy is sent. (Before: every task still
+    waiting at 60 s got a copy, at 180 s another, ...: in the long chaos run 15,000 copies for 1,600 waiting
+    tasks, which the workers spent their time taking and the fold fencing.)"""
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [" + ", ".join(f"{{id: t{i}}}" for i in range(8)) + "]"))
+    queued = list(h.dispatched)
+    h.dispatched.clear()
+    for d in queued:
+        h.advance(20_000)
+        h.report("Succeeded", d)
+    assert h.job("J")["state"] == "succeeded"
+    assert not redispatched(h) and not h.dispatched
+    assert {e["task_id"] for e in deferred(h)} == {f"t{i}" for i in range(2, 8)}  # t0, t1 taken before 60 s
+    first = [e for e in deferred(h) if e["task_id"] == "t7"][0]
+    assert first["ts_ms"] - h.events[0]["ts_ms"] == EVERY_MS and first["deferrals"] == 1
+    assert first["next_redispatch_at_ms"] - first["ts_ms"] == 2 * EVERY_MS
+    assert timers(h) == []
+    assert h.replayed_digest() == h.digest()
+
+
+def test_a_record_passed_by_a_later_one_is_sent_again() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: A\ntasks: [{id: a}]"))
+    h.dispatched.popleft()  # lost
+    h.advance(10_000)
+    h.submit(spec_of("id: B\ntasks: [{id: b}]"))  # the same tenant: behind a's record on the queue
+    h.advance(10_000)
+    h.report("Succeeded", h.dispatched.popleft())  # b was taken: a's record is not ahead any more
+    h.advance(EVERY_MS - 20_000)
+    assert [e["task_id"] for e in redispatched(h)] == ["a"] and not deferred(h)
+    h.run_all()
+    assert h.job("A")["state"] == "succeeded" and h.replayed_digest() == h.digest()
+
+
+def test_a_lost_record_behind_a_queue_gone_quiet_is_sent_again() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: J\ntasks: [{id: a}, {id: b}]"))
+    ra, rb = h.dispatched.popleft(), h.dispatched.popleft()
+    assert (ra["task_id"], rb["task_id"]) == ("a", "b")
+    h.advance(1_000)
+    h.report("Succeeded", rb)  # taken; a's record (as old) lost
+    h.advance(EVERY_MS - 1_000)  # the queue took a record 59 s ago, none later than a's: wait
+    assert len(deferred(h)) == 1 and not redispatched(h)
+    h.advance(2 * EVERY_MS)  # nothing taken for a whole interval since: a's record is lost
+    assert [(e["task_id"], e["redispatches"]) for e in redispatched(h)] == [("a", 1)]
+    h.run_all()
+    assert h.job("J")["state"] == "succeeded" and h.replayed_digest() == h.digest()
+
+
+def test_another_tenants_progress_does_not_count() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: A\ntenant: acme\ntasks: [{id: a}]"))
+    h.submit(spec_of("id: B\ntenant: other\ntasks: [{id: b}]"))
+    ra = [d for d in h.dispatched if d["job_id"] == "A"][0]
+    rb = [d for d in h.dispatched if d["job_id"] == "B"][0]
+    h.dispatched.clear()
+    h.advance(30_000)
+    h.report("Succeeded", rb)  # other's queue moved; acme's took nothing: a's record is lost
+    h.advance(EVERY_MS - 30_000)
+    assert [e["task_id"] for e in redispatched(h)] == ["a"] and not deferred(h)
+    h.report("Succeeded", ra)
+    assert h.job("A")["state"] == "succeeded"
+
+
 def test_a_leased_attempt_is_never_redispatched() -> None:
     h = FoldHarness(SchedulerOptions(lease_timeout_s=30))
     h.submit(spec_of("id: J\ntasks: [{id: a}]"))

@@ -169,18 +169,43 @@ def _task_dispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) ->
     t["worker"] = None
     t["alloc"] = None
     t.pop("redisp", None)
+    t.pop("redefer", None)
     _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start",
                _timeout_due(e, t, "schedule_to_start_s"), e["attempt"])
     # logs written before re-dispatch existed decode with null here: no timer
     _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", e.get("redispatch_at_ms"), e["attempt"])
+    if e.get("redispatch_at_ms") is not None:
+        t["disp"] = e["ts_ms"]  # when its record went on the queue (queue progress, at its lease)
+    else:
+        t.pop("disp", None)
 
 
 @_on_task
 def _task_redispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
     """A new record for the same runnable attempt: counted (the next interval doubles), timer re-armed."""
     t["redisp"] = e["redispatches"]
+    t["disp"] = e["ts_ms"]
     _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", e["next_redispatch_at_ms"], e["attempt"])
+
+
+@_on_task
+def _task_redispatch_deferred(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    """No new record (the queue is still draining records older than this one's): the check re-armed."""
+    t["redefer"] = e["deferrals"]
+    _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", e["next_redispatch_at_ms"], e["attempt"])
+
+
+def _queue_taken(txn: PartitionTransaction, e: Record, queue: str, dispatched_ms: int) -> None:
+    """A worker took a record of ``queue`` put there at ``dispatched_ms``: the queue's progress for the
+    job's tenant (latest dispatch time taken, and when). Cost: one job read (cached) and one small write
+    per lease, so that a re-dispatch check reads one key instead of guessing from time alone."""
+    j = txn.get(keys.job(e["job_id"]))
+    if j is None:
+        return
+    k = keys.queue_progress(queue, j["tenant"])
+    prev = txn.get(k)
+    txn.put(k, [max(dispatched_ms, prev[0]) if prev else dispatched_ms, e["ts_ms"]])
 
 
 @_on_task
@@ -191,6 +216,9 @@ def _lease_granted(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> N
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "lease", e["lease_deadline_ms"], e["attempt"])
+    disp = t.pop("disp", None)
+    if disp is not None:
+        _queue_taken(txn, e, t["queue"], disp)
     _set_timer(txn, e["job_id"], e["task_id"], t, "start_to_close",
                _timeout_due(e, t, "start_to_close_s"), e["attempt"])
 
@@ -347,6 +375,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.SubmissionDeduplicated": _no_state,
     "dagfold.event.TaskDispatched": _task_dispatched,
     "dagfold.event.TaskRedispatched": _task_redispatched,
+    "dagfold.event.TaskRedispatchDeferred": _task_redispatch_deferred,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
     "dagfold.event.TaskCheckpointing": _no_state,

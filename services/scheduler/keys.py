@@ -12,6 +12,7 @@ forbids control characters), so keys never collide.
 | idempotency| ``i|tenant|key``                 | {job_id, hash} of the first submission  |
 | timers     | ``T|due(16 digits)|job|task|kind`` | attempt; ordered by due time          |
 | tenants    | ``E|tenant``                     | {ent: Entitlements, file: auth file digest} |
+| queue progress | ``Q|queue|tenant``           | [latest dispatch time leased, when]     |
 
 Leases live in the task record (worker, lease deadline) and in the timers table.
 """
@@ -47,6 +48,12 @@ def idempotency(tenant: str, key: str) -> bytes:
 
 def tenant(name: str) -> bytes:
     return f"E{S}{name}".encode()
+
+
+def queue_progress(queue: str, tenant: str) -> bytes:
+    """How far this partition's records of ``tenant`` on ``queue`` have been taken by workers: re-dispatch
+    tells a lost record from one still queued behind a backlog by it (processors.redispatch_due)."""
+    return f"Q{S}{queue}{S}{tenant}".encode()
 
 
 TIMER_PREFIX = f"T{S}".encode()
