@@ -138,7 +138,10 @@ def test_gpu_jobs_survive_a_killed_and_a_throttled_agent_and_call_back_once(
     pool = GpuPool(tmp_path, f"kafka://{kafka_bootstrap}", nodes=4, artifacts=up.data / "artifacts")
     with Receiver() as rx:
         try:
-            jobs = [submit_gpu(up, pool.pool, 150, rx.url(f"/hook/{i}")) for i in range(3)]
+            # 45 s jobs: the faults must come while they run, after the first progress report (one per quarter
+            # lease) that wait_running waits for. 15 s jobs were at step 130 of 150 by then at load 30-45, and a
+            # throttled one ended on its node before the allocator moved it (no TaskRequeued).
+            jobs = [submit_gpu(up, pool.pool, 450, rx.url(f"/hook/{i}")) for i in range(3)]
             nodes = wait_running(up, *jobs)
             assert len(set(nodes.values())) == 3  # 2 GPUs a job, 2 a host: one job per host
             killed, throttled, calm = jobs
