@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     commands_retention_ms: int = _s(7 * 24 * 3600 * 1000, "retention of commands, dispatch and control, ms",
                                     ge=-1)
     # -- scheduler
-    redispatch_after_s: float = _s(60.0, "a runnable task no worker took this many seconds after its dispatch is "
+    redispatch_after_s: float = _s(300.0, "a runnable task no worker took this many seconds after its dispatch is "
                                    "dispatched again (a lost dispatch record), then after twice as long, up to 8x; "
                                    "0: never. Keep it well above the queues' normal wait", group="scheduler", ge=0)
     redispatch_after_s_by_queue: str = _s("", "per queue, replacing redispatch_after_s: `queue=seconds,queue=seconds`",

@@ -23,6 +23,7 @@ from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import PartitionStore
 
 EVERY_MS = 60_000
+OPTS = SchedulerOptions(redispatch_after_s=EVERY_MS / 1000)  # the default is 300 s; a minute reads easier
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
 
 
@@ -41,7 +42,7 @@ def redispatched(h: FoldHarness) -> list[dict[str, Any]]:
 
 
 def test_a_lost_dispatch_record_is_dispatched_again_and_the_job_finishes() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: J\ntasks: [{id: a}, {id: b, depends_on: [a]}]"))
     lost = h.dispatched.popleft()  # never delivered to any worker
     assert not h.dispatched
@@ -68,7 +69,7 @@ def test_a_backlog_drained_in_order_gets_no_copies() -> None:
     the queue is still handing out records older than theirs, so no copy is sent. (Before: every task still
     waiting at 60 s got a copy, at 180 s another, ...: in the long chaos run 15,000 copies for 1,600 waiting
     tasks, which the workers spent their time taking and the fold fencing.)"""
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: J\ntasks: [" + ", ".join(f"{{id: t{i}}}" for i in range(8)) + "]"))
     queued = list(h.dispatched)
     h.dispatched.clear()
@@ -86,7 +87,7 @@ def test_a_backlog_drained_in_order_gets_no_copies() -> None:
 
 
 def test_a_record_passed_by_a_later_one_is_sent_again() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: A\ntasks: [{id: a}]"))
     h.dispatched.popleft()  # lost
     h.advance(10_000)
@@ -100,7 +101,7 @@ def test_a_record_passed_by_a_later_one_is_sent_again() -> None:
 
 
 def test_a_lost_record_behind_a_queue_gone_quiet_is_sent_again() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: J\ntasks: [{id: a}, {id: b}]"))
     ra, rb = h.dispatched.popleft(), h.dispatched.popleft()
     assert (ra["task_id"], rb["task_id"]) == ("a", "b")
@@ -115,7 +116,7 @@ def test_a_lost_record_behind_a_queue_gone_quiet_is_sent_again() -> None:
 
 
 def test_another_tenants_progress_does_not_count() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: A\ntenant: acme\ntasks: [{id: a}]"))
     h.submit(spec_of("id: B\ntenant: other\ntasks: [{id: b}]"))
     ra = [d for d in h.dispatched if d["job_id"] == "A"][0]
@@ -130,7 +131,7 @@ def test_another_tenants_progress_does_not_count() -> None:
 
 
 def test_a_leased_attempt_is_never_redispatched() -> None:
-    h = FoldHarness(SchedulerOptions(lease_timeout_s=30))
+    h = FoldHarness(SchedulerOptions(lease_timeout_s=30, redispatch_after_s=60))
     h.submit(spec_of("id: J\ntasks: [{id: a}]"))
     d = h.dispatched.popleft()
     h.report("Started", d)
@@ -144,7 +145,7 @@ def test_a_leased_attempt_is_never_redispatched() -> None:
 
 
 def test_the_interval_doubles_up_to_eight_times() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: J\ntasks: [{id: a}]"))
     start = h.now_ms
     h.dispatched.clear()
@@ -161,7 +162,7 @@ def test_the_interval_doubles_up_to_eight_times() -> None:
 
 
 def test_a_duplicate_record_is_harmless_one_lease_per_attempt() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: J\ntasks: [{id: slow, handler: sleep}, {id: instant}]"))
     originals = list(h.dispatched)
     h.dispatched.clear()
@@ -189,7 +190,7 @@ def test_a_duplicate_record_is_harmless_one_lease_per_attempt() -> None:
 
 
 def test_timers_are_cleared_when_the_job_is_cancelled_or_fails() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: C\ntasks: [{id: a}, {id: b}]"))
     assert sorted(k for *_, k in timers(h)) == ["redispatch", "redispatch"]
     h.dispatched.clear()
@@ -208,7 +209,7 @@ def test_timers_are_cleared_when_the_job_is_cancelled_or_fails() -> None:
 
 
 def test_a_retry_arms_a_fresh_timer_for_the_next_attempt() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: J\ntasks: [{id: a, retry: {max_attempts: 2, initial_interval_s: 1, jitter: false}}]"))
     h.dispatched.clear()
     h.advance(EVERY_MS)
@@ -237,7 +238,7 @@ def test_the_interval_is_a_setting_per_queue_and_zero_turns_it_off() -> None:
     assert {e["task_id"] for e in redispatched(h)} == {"b"}
 
     cfg = Config.from_env()
-    assert cfg.scheduler.redispatch_after_s == 60.0
+    assert cfg.scheduler.redispatch_after_s == 300.0  # the default
 
 
 def test_the_settings_reach_the_scheduler(monkeypatch: Any) -> None:
@@ -249,7 +250,7 @@ def test_the_settings_reach_the_scheduler(monkeypatch: Any) -> None:
 
 
 def test_a_gpu_task_is_not_redispatched() -> None:
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: G\ntasks: [{id: train, resources: {gpus: 1}}]"))
     assert timers(h) == []
     h.advance(10 * EVERY_MS)
@@ -258,7 +259,7 @@ def test_a_gpu_task_is_not_redispatched() -> None:
 
 def test_the_events_are_valid_avro_and_old_dispatched_events_decode() -> None:
     codec = default_codec()
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     outs = h.submit(spec_of("id: J\ntasks: [{id: a}]"))
     h.advance(EVERY_MS)
     for o in outs + [o for o in h.events]:
@@ -277,7 +278,7 @@ def test_the_read_model_shows_and_counts_redispatches_apart(tmp_path: Path) -> N
     from dagfold.projections import OperatorModel, ReadModel, ReadModelStore
     from dagfold.projections.jobs import apply
 
-    h = FoldHarness()
+    h = FoldHarness(OPTS)
     h.submit(spec_of("id: J\ntenant: acme\ntasks: [{id: a}]"))
     h.dispatched.clear()
     h.advance(EVERY_MS)
