@@ -205,7 +205,9 @@ def _queue_taken(txn: PartitionTransaction, e: Record, queue: str, dispatched_ms
         return
     k = keys.queue_progress(queue, j["tenant"])
     prev = txn.get(k)
-    txn.put(k, [max(dispatched_ms, prev[0]) if prev else dispatched_ms, e["ts_ms"]])
+    if prev is None or dispatched_ms > prev[0] or e["ts_ms"] != prev[1]:
+        # a batch's commands share one time: after its first lease most leave the value as it is
+        txn.put(k, [max(dispatched_ms, prev[0]) if prev else dispatched_ms, e["ts_ms"]])
 
 
 @_on_task
