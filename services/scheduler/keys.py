@@ -24,7 +24,9 @@ from functools import lru_cache
 S = "\x1f"
 
 
+@lru_cache(maxsize=1 << 12)
 def job(job_id: str) -> bytes:
+    """Cached: a command reads its job several times (and each lease once more for queue progress)."""
     return f"j{S}{job_id}".encode()
 
 
@@ -38,6 +40,7 @@ def task(job_id: str, task_id: str) -> bytes:
     return f"t{S}{job_id}{S}{task_id}".encode()
 
 
+@lru_cache(maxsize=1 << 16)
 def dependents(job_id: str, task_id: str) -> bytes:
     return f"d{S}{job_id}{S}{task_id}".encode()
 
