@@ -155,7 +155,11 @@ class ChaosRun:
         env = dict(os.environ)
         env.update({"DAGFOLD_REPLICATION": "3", "DAGFOLD_PARTITIONS": str(PARTITIONS),
                     LEDGER_ENV: str(self.dir / "ledger.sqlite"), EFFECTS_ENV: str(self.dir / "effects.sqlite"),
-                    "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "COLUMNS": "200"})
+                    "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), "COLUMNS": "200",
+                    # a worker killed every 2-4 s loses dispatch records far more often than production does,
+                    # and the short run's drain (150 s) is shorter than the default interval (300 s): re-dispatch
+                    # after 60 s, as both long runs of 1 December evening did
+                    "DAGFOLD_REDISPATCH_AFTER_S": "60"})
         return env
 
     def _proc(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
