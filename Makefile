@@ -11,8 +11,8 @@ KAFKA_PORT ?= 9092
 BROKERS ?= 1
 PYTEST_ARGS ?=
 # make test runs on 3 pytest-xdist workers, a test file at a time, the longest files first (each worker starts
-# its own broker, S3 server and `dagfold up`; tests/conftest.py orders the files): 11 min 45 s of tests on
-# 2 cores against about 19 in one process (fresh clone of e279f43: 11 min 13 s of tests, 744 collected). Its summary
+# its own broker, S3 server and `dagfold up`; tests/conftest.py orders the files): 11 min 13 s of tests on
+# 2 cores (fresh clone of e279f43, 744 collected) against about 19 min in one process. Its summary
 # says 712 passed: under xdist schemathesis's 34 operations report under 2 node IDs (all 34 run; `-v` lists
 # each PASSED), so 744 - 32. `make test PYTEST_XDIST=` runs it in one process (as
 # DAGFOLD_TEST_KAFKA, one broker for every test, requires).
