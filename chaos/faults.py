@@ -276,7 +276,9 @@ class Injector:
                     proc.expect_exit_until = 0.0
                     proc.down_on_purpose = True
                     continue
-                errors = [ln.strip() for ln in tail.splitlines() if ln[:1].isalpha() and "Error" in ln.split(":")[0]]
+                # a traceback's last line ("LogError: ...") or the CLI's one-line error ("error: ...")
+                errors = [ln.strip() for ln in tail.splitlines()
+                          if ln[:1].isalpha() and ("Error" in ln.split(":")[0] or ln.startswith("error:"))]
                 self.unexpected.append({"t": round(time.monotonic() - self.t0, 3), "process": proc.name,
                                         "exit_code": code, "reason": errors[-1][:300] if errors else "",
                                         "tail": tail})

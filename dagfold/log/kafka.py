@@ -87,6 +87,27 @@ _SETTLING_CODES = frozenset(
 )
 
 
+# An admin request that met a broker going down, or a controller that moved: asked again, it succeeds
+# once the client's metadata names a live broker (librdkafka flags few of them retriable).
+_UNREACHABLE_CODES = frozenset(
+    {
+        KafkaError._TRANSPORT,
+        KafkaError._TIMED_OUT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.NOT_CONTROLLER,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    }
+)
+
+
+def _transient(err: KafkaError | None) -> bool:
+    """Whether an admin request that failed with ``err`` may succeed when asked again."""
+    return err is not None and (err.retriable() or err.code() in _SETTLING_CODES or err.code() in _UNREACHABLE_CODES)
+
+
 def _ck(tp: TopicPartition, offset: int | None = None) -> _CkTP:
     return _CkTP(tp.topic, tp.partition) if offset is None else _CkTP(tp.topic, tp.partition, offset)
 
@@ -381,12 +402,30 @@ class KafkaLog:
                     "share.record.lock.duration.ms": str(lock_ms), "share.delivery.count.limit": str(max_deliveries)}
         res = ConfigResource(ResourceType.GROUP, group_id, incremental_configs=[
             ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in settings.items()])
-        try:
-            for fut in self._admin.incremental_alter_configs([res], request_timeout=_TIMEOUT_S).values():
-                fut.result()
-        except KafkaException as exc:
-            raise LogError(f"cannot configure share group {group_id!r} (a broker with share groups, "
-                           f"Kafka >= 4.2, is needed): {exc}") from exc
+        # A worker (re)started while a broker is down must wait that out, not exit: the request goes to
+        # the controller the client's metadata names, and one that just died answers with a transport
+        # error until the metadata is refreshed. So transient errors are asked again, each round short,
+        # up to _TIMEOUT_S; any other error is the broker refusing share groups.
+        deadline = time.monotonic() + _TIMEOUT_S
+        while True:
+            try:
+                for fut in self._admin.incremental_alter_configs(
+                        [res], request_timeout=_END_OFFSETS_ROUND_S).values():
+                    fut.result()
+                break
+            except KafkaException as exc:
+                if not _transient(_error_of(exc)):
+                    raise LogError(f"cannot configure share group {group_id!r} (a broker with share groups, "
+                                   f"Kafka >= 4.2, is needed): {exc}") from exc
+                if time.monotonic() > deadline:
+                    raise LogError(f"cannot configure share group {group_id!r}: the cluster did not answer "
+                                   f"within {_TIMEOUT_S:.0f} s: {exc}") from exc
+                log.info("share group %r not configured yet (%s); asking again", group_id, exc)
+                time.sleep(0.5)
+                try:
+                    self._admin.list_topics(timeout=_END_OFFSETS_ROUND_S)  # names the live controller
+                except KafkaException as refresh:
+                    log.debug("metadata refresh failed: %s", refresh)
         conf = {
             # allow.auto.create.topics is refused by librdkafka's (preview) share consumer; a share
             # consumer only reads, and subscribing to a missing topic creates nothing

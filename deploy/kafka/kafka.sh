@@ -209,6 +209,14 @@ node_pid() {
   echo "$pid"
 }
 
+# Whether PID is a live process (a zombie, exited but not yet reaped by this shell, is not).
+process_running() {
+  local stat
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 1
+  stat="${stat##*) }"
+  [[ -n "$stat" && "${stat%% *}" != Z ]]
+}
+
 port_open() { (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
 
 # Ready = every broker is in the cluster metadata (registered and unfenced).
@@ -278,6 +286,7 @@ start() {
         >"$dir/format.log" 2>&1 || { cat "$dir/format.log" >&2; die "formatting $dir failed"; }
     fi
   done
+  local launched=()  # "id:pid" of the brokers this call starts
   for id in $(node_ids); do
     node_pid "$id" >/dev/null && continue
     dir="$(node_dir "$id")"
@@ -289,13 +298,17 @@ start() {
       -cp "$LIBS/*" kafka.Kafka "$dir/server.properties" \
       >"$dir/kafka.log" 2>&1 </dev/null &
     echo $! >"$dir/kafka.pid"
+    launched+=("$id:$!")
   done
-  local deadline=$((SECONDS + START_TIMEOUT))
+  local deadline=$((SECONDS + START_TIMEOUT)) entry
   while ((SECONDS < deadline)); do
-    for id in $(node_ids); do
-      if ! node_pid "$id" >/dev/null; then
+    # A broker just launched is watched by its pid, not by node_pid's command line: until the forked
+    # shell has exec'd java (its redirections first, slow on a loaded machine) the command line is
+    # still this script's, and that is no exit.
+    for entry in "${launched[@]}"; do
+      if ! process_running "${entry#*:}"; then
         log_tail
-        die "broker $id exited during startup (see $(node_dir "$id")/kafka.log)"
+        die "broker ${entry%%:*} exited during startup (see $(node_dir "${entry%%:*}")/kafka.log)"
       fi
     done
     if port_open "$(client_port 1)" && brokers_ready; then

@@ -1,0 +1,79 @@
+"""A broker slow to start, or killed: what the broker script and the clients must wait out, not die of.
+
+Each test starts a broker of its own (it is killed or slowed on purpose).
+
+deploy/kafka/kafka.sh on a loaded machine: a broker whose launch is slow is not taken for one that exited. The
+script launches each broker in the background and then watches it. Before the fix it watched through
+the process's command line (``kafka.Kafka <dir>/server.properties``), which the forked shell has only once it
+has exec'd java, after its redirections. On a loaded machine (CI, three test workers on two cores) the first
+check came before that exec, and ``start`` failed with "broker 1 exited during startup" and an empty
+kafka.log. Here the broker's log is a FIFO whose reader comes 3 s late, so the launch stays in its
+redirection for 3 s, every time: the broker must start all the same. (On the old script the "exit" made it
+print the log's tail, and that tail of a FIFO hung; either way ``start`` failed.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dagfold.localkafka import LocalKafka, free_base_port
+from dagfold.log import open_log
+
+pytestmark = pytest.mark.kafka
+
+
+def test_a_broker_slow_to_launch_is_waited_for_not_declared_dead(tmp_path: Path) -> None:
+    data = tmp_path / "kafka"
+    node = data / "node-1"
+    node.mkdir(parents=True)
+    fifo = node / "kafka.log"
+    os.mkfifo(fifo)
+    copy = tmp_path / "kafka.log.copy"
+
+    def late_reader() -> None:
+        time.sleep(3.0)
+        with open(fifo, "rb") as src, open(copy, "wb") as dst:
+            shutil.copyfileobj(src, dst)  # drains until the broker closes its end (at stop)
+
+    reader = threading.Thread(target=late_reader, daemon=True)
+    reader.start()
+    broker = LocalKafka(free_base_port(range(38300, 38900, 7)), data)
+    try:
+        # Before the fix: "broker 1 exited during startup", or a hang in the script's tail of the FIFO.
+        broker.sh("start", timeout=150)
+    finally:
+        broker.stop()
+    reader.join(timeout=30)
+    assert "started" in copy.read_text(errors="replace").lower()
+
+
+def test_a_worker_started_as_its_broker_dies_waits_for_it(tmp_path: Path) -> None:
+    """A worker (re)started right after a broker died configures its share group all the same.
+
+    Before, the group's configuration (``queue_consumer``) went to the controller the client's metadata
+    named, got a transport error from the dead broker and raised at once: the worker process exited 1
+    ("cannot configure share group ... Kafka >= 4.2 is needed", which was not the cause). Found by the
+    chaos run in CI (a worker restarted during a broker kill). Here the only broker is killed and
+    restarted 3 s later: the configuration must wait for it and succeed.
+    """
+    data = tmp_path / "kafka"
+    broker = LocalKafka(free_base_port(range(38310, 38900, 7)), data).start()
+    lg = open_log(broker.url, tmp_path / "data")
+    try:
+        lg.queue_consumer("warm-up", "c0").close()  # the admin client knows the broker as its controller
+        os.kill(int((data / "node-1" / "kafka.pid").read_text()), signal.SIGKILL)
+        restart = threading.Timer(3.0, broker.start)
+        restart.start()
+        consumer = lg.queue_consumer("after-the-kill", "c1")  # before the fix: LogError (_TRANSPORT)
+        consumer.close()
+        restart.join()
+    finally:
+        lg.close()
+        broker.stop()
