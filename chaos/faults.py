@@ -48,6 +48,7 @@ from typing import Any
 from chaos import commitfaults
 from chaos.cluster import BrokerCluster
 from chaos.procs import Proc
+from dagfold.cli.ux import EXIT_FENCED
 
 SCHEDULER_KILL = "scheduler kill -9"
 SCHEDULER_KILL_EMPTY = "scheduler kill -9, empty state"
@@ -265,17 +266,20 @@ class Injector:
                     else:
                         proc.start()
                     continue
+                if code == EXIT_FENCED:
+                    # Fenced by a newer instance of itself (a scheduler whose transaction straddled a broker
+                    # failover, a resumed zombie that noticed late on a loaded machine): it stands down by
+                    # design, no crash. An allocator whose twin holds the pool is the standby now
+                    # (restarting it would fence the holder, whose restart would fence it: a loop).
+                    self.record("exited fenced", proc.name, exit_code=code)
+                    proc.expect_exit_until = 0.0
+                    if proc in self.allocators and any(a.alive() for a in self.allocators if a is not proc):
+                        proc.down_on_purpose = True
+                    else:
+                        proc.start()
+                    continue
                 tail = "\n".join(line for line in proc.tail(60).splitlines()
                                  if "librdkafka" not in line and line.strip("│ "))[-3000:]
-                if proc in self.allocators and "FencedError" in tail and any(
-                        a.alive() for a in self.allocators if a is not proc):
-                    # A resumed zombie that noticed its fencing after the expected window (a loaded
-                    # machine): the other instance holds the pool, so this one is the standby now.
-                    # Restarting it would fence the holder, whose restart would fence it: a loop.
-                    self.record("zombie exited (fenced, late)", proc.name, exit_code=code)
-                    proc.expect_exit_until = 0.0
-                    proc.down_on_purpose = True
-                    continue
                 # a traceback's last line ("LogError: ...") or the CLI's one-line error ("error: ...")
                 errors = [ln.strip() for ln in tail.splitlines()
                           if ln[:1].isalpha() and ("Error" in ln.split(":")[0] or ln.startswith("error:"))]

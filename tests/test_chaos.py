@@ -334,11 +334,9 @@ def test_short_chaos_run(tmp_path: Path) -> None:
     assert report["replay"]["exit code"] == 0 and report["replay"]["differences"] == 0, text
     assert report["consolidation"]["s1 caught up"], text
     assert report["jobs"]["submitted"] == PROFILES["short"].generated_jobs + 1, text
-    # A scheduler whose transactional producer hit a fatal error (fenced after a transaction
-    # straddled a broker failover) exits by design and is restarted; nothing else may die.
-    crashes = [u for u in report["unexpected exits"]
-               if not (u["process"].startswith("s") and "FencedError" in u["reason"])]
-    assert not crashes, text
+    # A writer fenced by a newer instance of itself exits 75 by design (the harness restarts it, or keeps
+    # an allocator as the standby); nothing may exit otherwise.
+    assert not report["unexpected exits"], text
 
 
 @pytest.mark.kafka

@@ -227,6 +227,8 @@ def test_start_up_errors_are_one_line(up: UpProcess, tmp_path: Path) -> None:
     r = dagfold("run", str(EXAMPLES / "diamond.yaml"), "--data", str(up.data))
     assert r.returncode == 1 and "in use by another dagfold process" in r.stderr and "--data" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2, r.stderr  # was 76 lines
+    # styled, never rich markup printed as text (the consoles read none: "[red]error:[/red]" before)
+    assert r.stderr.startswith("error: ") and "[red]" not in r.stderr and "[dim]" not in r.stderr, r.stderr
     r = dagfold("run", str(EXAMPLES / "diamond.yaml"), "--data", str(up.data), "-v")
     assert "Traceback" in r.stderr  # -v shows it
     r = dagfold("jobs", "--api", f"http://127.0.0.1:{free_port()}")

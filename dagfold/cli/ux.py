@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.text import Text
 from typer.core import TyperOption
 
 from dagfold.cli.common import app, err, fail, out
+from dagfold.exceptions import FencedError
 
 RUN_LOCALLY = "Run locally"
 CLIENT = "Client (talks to a running API)"
@@ -237,6 +239,12 @@ def _hoist_globals(args: list[str]) -> list[str]:
     return front + rest
 
 
+# The exit status of a writer fenced by a newer instance of itself: no crash, the role is held elsewhere.
+# A supervisor that restarts on failure should not restart on it (systemd: RestartPreventExitStatus=75),
+# or the restarted instance fences the holder, whose restart fences it again. 75 is sysexits' EX_TEMPFAIL.
+EXIT_FENCED = 75
+
+
 def main(argv: list[str] | None = None) -> None:
     """The ``dagfold`` entry point: the app, with user errors as one line (``-v`` or DAGFOLD_DEBUG=1: the
     traceback too)."""
@@ -248,10 +256,14 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         raise SystemExit(130) from None
+    except FencedError as exc:  # a writer (scheduler, allocator) that a newer instance of itself took over
+        err.print(Text.assemble(("fenced:", "yellow"), " a newer instance of this writer took over its log "
+                                f"transactions ({exc}); this one stands down (exit {EXIT_FENCED})"))
+        raise SystemExit(EXIT_FENCED) from None
     except Exception as exc:  # a user error or a bug: one line; the traceback with -v
         if verbose:
             traceback.print_exc()
-        err.print(f"[red]error:[/red] {explain(exc)}", highlight=False)
+        err.print(Text.assemble(("error:", "red"), f" {explain(exc)}"))  # the consoles read no markup
         if not verbose:
-            err.print("[dim](-v shows the traceback)[/dim]")
+            err.print(Text("(-v shows the traceback)", style="dim"))
         raise SystemExit(1) from None
