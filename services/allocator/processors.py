@@ -160,7 +160,8 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     avg = st.perf.get(n.gpu_type)
     if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
         health = "slow"
-    cordoned, utilization = _gpu_report(cmd, n)
+    # a heartbeat without a per-GPU report (an agent without NVML, the simulator) skips the pass over it
+    cordoned, utilization = _gpu_report(cmd, n) if cmd.get("gpus") else ([], None)
     lease_deadline = ctx.now_ms + int(ctx.opts.lease_s * 1000)
     if not ckpts and n.state == "up" and health == n.health and cordoned == n.cordoned \
             and lease_deadline - n.lease_until < ctx.opts.lease_renew_ms() \
