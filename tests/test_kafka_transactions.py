@@ -153,3 +153,26 @@ def test_a_broker_down_past_the_retries_of_a_commit_is_an_unknown_outcome() -> N
     with pytest.raises(CommitUnknownError):
         p.commit({})
     assert "abort" not in client.calls
+
+
+def test_a_transaction_begun_during_the_last_ones_markers_is_retried_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CONCURRENT_TRANSACTIONS (the previous commit's markers still being written) is retried after
+    retry.backoff.ms: librdkafka's default 100 ms held a tenth of a chain's hops ~100 ms (chain-1k on Kafka
+    26 -> about 80 tasks/s with 10 ms; docs/benchmarks.md). The transactional producers get 10 ms, the
+    idempotent ones keep the default, and a URL's producer.retry.backoff.ms still wins."""
+    confs: list[dict[str, Any]] = []
+
+    class Capture:
+        def __init__(self, conf: dict[str, Any]) -> None:
+            confs.append(conf)
+
+        def init_transactions(self, timeout: float) -> None:
+            pass
+
+    monkeypatch.setattr(kafka_mod, "_CkProducer", Capture)
+    kafka_mod.KafkaLog("127.0.0.1:1").transactional_producer("dagfold-scheduler-0")
+    kafka_mod.KafkaLog("127.0.0.1:1").producer("worker")
+    kafka_mod.KafkaLog("127.0.0.1:1", producer_config={"retry.backoff.ms": 50}).transactional_producer("x")
+    assert confs[0]["retry.backoff.ms"] == kafka_mod.TXN_RETRY_BACKOFF_MS == 10
+    assert "retry.backoff.ms" not in confs[1]
+    assert confs[2]["retry.backoff.ms"] == 50

@@ -68,6 +68,14 @@ log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".librdkafka")
 
 _TIMEOUT_S = 30.0
+# A writer begins its next transaction as soon as the last commit returned, while the coordinator is
+# still writing that one's markers: the next AddPartitionsToTxn / AddOffsetsToTxn is answered
+# CONCURRENT_TRANSACTIONS and retried after retry.backoff.ms, librdkafka's 100 ms by default. On a chain
+# of tasks (one transaction a hop) that held a tenth of the hops ~100 ms (py-spy of `dagfold scheduler`:
+# 84% of its wall time in send_offsets_to_transaction and commit_transaction; docs/benchmarks.md). The
+# Java producer retries that answer after 20 ms; 10 ms here, doubled by librdkafka up to
+# retry.backoff.max.ms (1 s) while a broker is really away. A URL's producer.retry.backoff.ms wins.
+TXN_RETRY_BACKOFF_MS = 10
 _END_OFFSETS_ROUND_S = 5.0
 # Errors that mean another instance took over the transactional id.
 _FENCED_CODES = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
@@ -364,7 +372,8 @@ class KafkaLog:
         return KafkaProducer(self, _CkProducer(self._producer_conf(**{"client.id": client_id})))
 
     def transactional_producer(self, transactional_id: str) -> KafkaTransactionalProducer:
-        conf = self._producer_conf(**{"client.id": transactional_id, "transactional.id": transactional_id})
+        conf = self._producer_conf(**{"client.id": transactional_id, "transactional.id": transactional_id,
+                                      "retry.backoff.ms": TXN_RETRY_BACKOFF_MS})
         return KafkaTransactionalProducer(self, _CkProducer(conf))
 
     def consumer(
