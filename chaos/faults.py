@@ -258,22 +258,16 @@ class Injector:
                 if proc.down_on_purpose or proc.proc is None or proc.alive():
                     continue
                 code = proc.exit_code()
-                if time.monotonic() < proc.expect_exit_until:
-                    self.record("zombie exited (fenced)", proc.name, exit_code=code)
-                    proc.expect_exit_until = 0.0
-                    if proc in self.allocators:
-                        proc.down_on_purpose = True  # the standby now
-                    else:
-                        proc.start()
-                    continue
-                if code == EXIT_FENCED:
-                    # Fenced by a newer instance of itself (a scheduler whose transaction straddled a broker
-                    # failover, a resumed zombie that noticed late on a loaded machine): it stands down by
+                expected = time.monotonic() < proc.expect_exit_until  # a resumed zombie, in its window
+                if expected or code == EXIT_FENCED:
+                    # Fenced by a newer instance of itself (also a scheduler whose transaction straddled a
+                    # broker failover, or a zombie that noticed late on a loaded machine): it stands down by
                     # design, no crash. An allocator whose twin holds the pool is the standby now
                     # (restarting it would fence the holder, whose restart would fence it: a loop).
-                    self.record("exited fenced", proc.name, exit_code=code)
+                    self.record("zombie exited (fenced)" if expected else "exited fenced", proc.name, exit_code=code)
                     proc.expect_exit_until = 0.0
-                    if proc in self.allocators and any(a.alive() for a in self.allocators if a is not proc):
+                    if proc in self.allocators and (
+                            expected or any(a.alive() for a in self.allocators if a is not proc)):
                         proc.down_on_purpose = True
                     else:
                         proc.start()

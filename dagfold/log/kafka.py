@@ -111,9 +111,15 @@ _UNREACHABLE_CODES = frozenset(
 )
 
 
+def _settling(err: KafkaError | None) -> bool:
+    """Whether ``err`` is retriable or a leader settling (asked again, a read of offsets succeeds)."""
+    return err is not None and (err.retriable() or err.code() in _SETTLING_CODES)
+
+
 def _transient(err: KafkaError | None) -> bool:
-    """Whether an admin request that failed with ``err`` may succeed when asked again."""
-    return err is not None and (err.retriable() or err.code() in _SETTLING_CODES or err.code() in _UNREACHABLE_CODES)
+    """Whether an admin request that failed with ``err`` may succeed when asked again: settling, or the
+    broker it went to is gone."""
+    return err is not None and (_settling(err) or err.code() in _UNREACHABLE_CODES)
 
 
 def _ck(tp: TopicPartition, offset: int | None = None) -> _CkTP:
@@ -317,8 +323,7 @@ class KafkaLog:
                     off = fut.result().offset
                 except KafkaException as exc:
                     err = _error_of(exc)
-                    transient = err is not None and (err.retriable() or err.code() in _SETTLING_CODES)
-                    if not transient or time.monotonic() > deadline:
+                    if not _settling(err) or time.monotonic() > deadline:
                         raise LogError(f"cannot read end offset of {ck_tp.topic}[{ck_tp.partition}]: {exc}") from exc
                     todo.append(_tp(ck_tp))
                     continue
@@ -336,14 +341,15 @@ class KafkaLog:
                 self._refresh_metadata({tp.topic for tp in todo})
         return out
 
-    def _refresh_metadata(self, topics: set[str]) -> None:
-        """Ask the cluster for these topics' metadata, which updates the admin client's cache
-        (leaders and leader epochs); errors are left to the caller's retry."""
-        for topic in topics:
+    def _refresh_metadata(self, topics: set[str] | None = None) -> None:
+        """Ask the cluster for these topics' metadata (None: the cluster's, which names its live
+        controller), which updates the admin client's cache (leaders and leader epochs); errors are left
+        to the caller's retry."""
+        for topic in [None] if topics is None else topics:
             try:
                 self._admin.list_topics(topic=topic, timeout=5)
             except KafkaException as exc:
-                log.debug("metadata refresh of %s failed: %s", topic, exc)
+                log.debug("metadata refresh of %s failed: %s", topic or "the cluster", exc)
 
     # -- clients ---------------------------------------------------------
     def _resolve_partition(self, topic: str, key: bytes, partition: int | None) -> int:
@@ -431,10 +437,7 @@ class KafkaLog:
                                    f"within {_TIMEOUT_S:.0f} s: {exc}") from exc
                 log.info("share group %r not configured yet (%s); asking again", group_id, exc)
                 time.sleep(0.5)
-                try:
-                    self._admin.list_topics(timeout=_END_OFFSETS_ROUND_S)  # names the live controller
-                except KafkaException as refresh:
-                    log.debug("metadata refresh failed: %s", refresh)
+                self._refresh_metadata()
         conf = {
             # allow.auto.create.topics is refused by librdkafka's (preview) share consumer; a share
             # consumer only reads, and subscribing to a missing topic creates nothing

@@ -91,11 +91,14 @@ def _move_off(ctx: Ctx, a: AllocView, deadline: int, reason: str, stop_reason: s
 def _gpu_report(cmd: Record, n: NodeView) -> tuple[list[int], float | None]:
     """The GPUs of a heartbeat's per-GPU report that are not ok (sorted, on the node), and their mean
     utilisation (None: none reported). One pass over the report: it runs for every heartbeat."""
+    report = cmd.get("gpus")
+    if not report:  # an agent without NVML, the simulator: nothing to pass over
+        return [], None
     bad: set[int] = set()
     total = 0.0
     count = 0
     size = n.gpus
-    for g in cmd.get("gpus") or ():
+    for g in report:
         if g.get("health", "ok") != "ok" and 0 <= g["index"] < size:
             bad.add(g["index"])
         u = g.get("utilization")
@@ -160,8 +163,7 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     avg = st.perf.get(n.gpu_type)
     if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
         health = "slow"
-    # a heartbeat without a per-GPU report (an agent without NVML, the simulator) skips the pass over it
-    cordoned, utilization = _gpu_report(cmd, n) if cmd.get("gpus") else ([], None)
+    cordoned, utilization = _gpu_report(cmd, n)
     lease_deadline = ctx.now_ms + int(ctx.opts.lease_s * 1000)
     if not ckpts and n.state == "up" and health == n.health and cordoned == n.cordoned \
             and lease_deadline - n.lease_until < ctx.opts.lease_renew_ms() \
