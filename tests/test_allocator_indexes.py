@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dagfold.services.allocator import passes, placement
+from dagfold.services.allocator import passes
 from dagfold.services.allocator.capacity import l1_fits, signature
 from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.services.allocator.harness import AllocatorHarness
@@ -177,7 +177,6 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
         return got
 
     monkeypatch.setattr(passes, "find_victims", checked)
-    monkeypatch.setattr(placement, "BATCH_MIN", rng.choice([1, 4, 10 ** 9]))  # numpy, mixed, one by one
     opts = replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, grace_s=20.0, orphan_grace_s=None,
                    preempt_scan_limit=rng.choice([3, 8, 64]))
     h = AllocatorHarness(opts=opts, commit_every=rng.choice([1, 7]))
@@ -237,10 +236,11 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_vectorised_scoring_equals_one_by_one_and_the_plain_choice(seed: int, monkeypatch: Any) -> None:
+def test_compiled_scoring_equals_the_plain_definition_and_choice(seed: int) -> None:
     """A pool of many distinct host states (GPU shares, CPU, memory, GPU types) under a learned mix of typed
-    and untyped, shared and whole-GPU classes: the batch scorer gives every signature exactly the score
-    that ``usable`` one by one gives, and frag places new shapes on the hosts the plain scoring picks."""
+    and untyped, shared and whole-GPU classes: the compiled kernel gives every signature exactly the score
+    that ``usable`` (the definition, plain Python) gives, and frag places new shapes on the hosts the plain
+    scoring picks."""
     rng = random.Random(seed)
     h = AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, orphan_grace_s=None),
                          commit_every=64)
@@ -270,13 +270,12 @@ def test_vectorised_scoring_equals_one_by_one_and_the_plain_choice(seed: int, mo
             "submitted_ms": 0, "seq": 0, "queued_ms": 0, "resume": None, "grants": 0})
         g, milli, cpu, mem = probe.gpus, probe.per_gpu_milli(), probe.cpu, probe.mem
         cands = list(st.capacity.candidate_sigs(probe.gpu_types, g, milli, cpu, mem))
-        monkeypatch.setattr(placement, "BATCH_MIN", 10 ** 9)
-        st.usable_memo.clear()
-        one_by_one = frag_scores(st, cands, g, milli, cpu, mem)
-        monkeypatch.setattr(placement, "BATCH_MIN", 1)
-        st.usable_memo.clear()
-        assert frag_scores(st, cands, g, milli, cpu, mem) == one_by_one  # U(s) computed in the batch
-        assert frag_scores(st, cands, g, milli, cpu, mem) == one_by_one  # U(s) memoised
+        plain = []
+        for t, _l1, sig in cands:
+            groups, after = for_type(t, st.groups), after_sig(sig, g, milli, cpu, mem)
+            plain.append((usable(sig, groups) - usable(after, groups)) / st.weight_scale
+                         + st.opts.frag_pack_weight * sum(after[2]))
+        assert frag_scores(st, cands, g, milli, cpu, mem) == plain  # to the last bit
         st.rankings.clear()
         parts = place(st, probe)
         assert ([p.node for p in parts] if parts else []) == reference_frag_hosts(st, probe, set())

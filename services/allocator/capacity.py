@@ -67,7 +67,7 @@ class CapacityIndex:
         self.birth_of: dict[tuple[str, Sig], int] = {}
         self.births = 0  # birth numbers given so far
         self.n_sigs = 0  # live signatures
-        # The live signatures as rows of arrays too, for placement's vectorised scoring: a slot per live
+        # The live signatures as rows of arrays too, for placement's compiled scoring: a slot per live
         # signature (reused once it dies), its row ``cpu free, memory free, free milli per GPU (sorted, padded
         # with 0)``, its GPU type (index into ``type_list``) and level-1 bucket; ``at`` maps a slot back.
         # The arrays are written when read (``arrays``).
@@ -76,7 +76,7 @@ class CapacityIndex:
         self.spare: list[int] = []  # dead slots, reused highest first
         self.type_ids: dict[str, int] = {}
         self.type_list: list[str] = []
-        self.rows = np.zeros((0, 2 + 8), dtype=np.float64)
+        self.rows = np.zeros((0, 2 + 8), dtype=np.int64)
         self.row_type = np.zeros(0, dtype=np.intp)
         self.row_full = np.zeros(0, dtype=np.int64)
         self.row_part = np.zeros(0, dtype=np.int64)
@@ -145,7 +145,7 @@ class CapacityIndex:
             self.type_list.append(t)
 
     def arrays(self) -> None:
-        """Write the slots born or dead since the last call into the arrays (once per vectorised scoring,
+        """Write the slots born or dead since the last call into the arrays (once per compiled scoring,
         not per change: a numpy write per field per signature would cost more than the change itself)."""
         if not self.pending:
             return
@@ -153,7 +153,7 @@ class CapacityIndex:
         if n > len(self.alive):  # grow (doubling: amortised O(1) per signature)
             size = max(64, 2 * len(self.alive), n)
             grow = size - len(self.alive)
-            self.rows = np.concatenate([self.rows, np.zeros((grow, self.rows.shape[1]))])
+            self.rows = np.concatenate([self.rows, np.zeros((grow, self.rows.shape[1]), dtype=np.int64)])
             self.row_type = np.concatenate([self.row_type, np.zeros(grow, dtype=np.intp)])
             self.row_full = np.concatenate([self.row_full, np.zeros(grow, dtype=np.int64)])
             self.row_part = np.concatenate([self.row_part, np.zeros(grow, dtype=np.int64)])
@@ -167,7 +167,8 @@ class CapacityIndex:
             sigs: list[tuple[str, L1, Sig]] = [self.at[i] for i in born]  # type: ignore[misc]  # (born: live)
             width = max(len(s[2][2]) for s in sigs)
             if 2 + width > self.rows.shape[1]:  # a host with more GPUs than any before: wider rows
-                self.rows = np.concatenate([self.rows, np.zeros((len(self.rows), 2 + width - self.rows.shape[1]))],
+                self.rows = np.concatenate([self.rows, np.zeros((len(self.rows), 2 + width - self.rows.shape[1]),
+                                                                dtype=np.int64)],
                                            axis=1)
             width = self.rows.shape[1] - 2
             self.rows[born] = [s[2][:2] + s[2][2] + (0,) * (width - len(s[2][2])) for s in sigs]

@@ -33,7 +33,7 @@ import numpy as np
 
 from dagfold.services.allocator.capacity import L1, Sig, l1_fits
 from dagfold.services.allocator.model import FULL, NodeView, Part, RequestView
-from dagfold.services.allocator.profile import BatchScorer, for_type, usable
+from dagfold.services.allocator.scoring import Scorer
 from dagfold.services.allocator.state import PoolState
 
 
@@ -68,90 +68,24 @@ def choose_gpus(n: NodeView, gpus: int, milli: int) -> list[int]:
     return [i for i, f in enumerate(n.free) if f == FULL][:gpus]
 
 
-MEMO_MAX = 1 << 17
-# Scoring one by one costs ~25 us per state missing from the memo (with ~80 classes), ~1 us per memoised one;
-# one numpy batch ~60 us fixed and ~2 us a signature. So fewer than SMALL signatures with fewer than
-# BATCH_MIN states missing go one by one, the rest in a batch. FGD protocol, seed 42: a new shape's first
-# ranking scores 28 signatures (median; up to 1,077), a catch-up 0-200.
-BATCH_MIN = 4
-SMALL = 16
-MEMO_AFTER = 64  # a batch of fewer signatures memoises their states after too (~1.5 us each)
 RankKey = tuple[float, int, int, str, tuple[int, ...]]
 Cand = tuple[str, L1, Sig]
-
-
-def _usable(st: PoolState, t: str, sig: Sig) -> int:
-    k = (t, sig)
-    memo = st.usable_memo
-    u = memo.get(k)
-    if u is None:
-        if len(memo) >= MEMO_MAX:  # a cache: bounded, any entry can be recomputed
-            memo.clear()
-        tg = st.type_groups.get(t)
-        if tg is None:
-            tg = st.type_groups[t] = for_type(t, st.groups)
-        u = memo[k] = usable(sig, tg)
-    return u
 
 
 def frag_scores(st: PoolState, cands: list[Cand], gpus: int, milli: int, cpu: int, mem: int,
                 slots: np.ndarray | None = None) -> list[float]:
     """frag's score of placing one part on each live signature (lower is better): the usable capacity lost,
-    ``U(s) - U(s')``, plus the best-fit term. From ``BATCH_MIN`` signatures on, vectorised over the capacity
-    index's rows (``slots``: theirs, if the caller has them); the same numbers either way."""
-    scale = st.weight_scale
-    pw = st.opts.frag_pack_weight
-    if len(cands) < SMALL:
-        # one by one when few states miss the memo (a catch-up of a popular shape: its signatures' states
-        # before and after were mostly scored for other shapes), else one batch
-        afters = [after_sig(sig, gpus, milli, cpu, mem) for _, _, sig in cands]
-        memo = st.usable_memo
-        missing = sum(((t, sig) not in memo) + ((t, a) not in memo)
-                      for (t, _, sig), a in zip(cands, afters, strict=True))
-        if missing < BATCH_MIN:
-            return [(_usable(st, t, sig) - _usable(st, t, after)) / scale + pw * sum(after[2])
-                    for (t, _, sig), after in zip(cands, afters, strict=True)]
+    ``U(s) - U(s')``, plus the best-fit term; computed over the capacity index's rows (``slots``: theirs, if
+    the caller has them) by the compiled kernel (``scoring``), equal to ``profile.usable``'s numbers."""
     cap = st.capacity
     sc = st.scorer
     if sc is None:
-        sc = st.scorer = BatchScorer(st.groups)
+        sc = st.scorer = Scorer(st.groups, st.weight_scale, st.opts.frag_pack_weight)
     cap.arrays()
     if slots is None:
-        slots = np.array([cap.slot_of[(t, sig)] for t, _, sig in cands], dtype=np.intp)
-    n = len(cands)
-    before = cap.rows[slots]
-    cols = sc.cols_of(cap.type_list)[cap.row_type[slots]]
-    # U(s) does not depend on the shape: most signatures of a new shape's first ranking were scored before
-    memo = st.usable_memo
-    known = [memo.get((t, sig)) for t, _, sig in cands]
-    miss = [i for i, u in enumerate(known) if u is None]
-    # the part placed (as ``after_sig``; usable() does not care about the order of the GPUs)
-    after = before.copy()
-    after[:, 0] -= cpu
-    after[:, 1] -= mem
-    if gpus == 1 and milli < FULL:  # the fullest GPU that holds the share: the last of those >= milli
-        after[np.arange(n), 1 + (before[:, 2:] >= milli).sum(axis=1)] -= milli
-        gone = milli
-    elif gpus:  # sorted from the most free: the first ``gpus`` are whole
-        after[:, 2:2 + gpus] = 0
-        gone = gpus * FULL
-    else:
-        gone = 0
-    if miss:  # one batch for the states before (those not memoised) and after
-        if len(memo) + len(miss) > MEMO_MAX:
-            memo.clear()
-        both = sc.usable(np.concatenate([cols[miss], cols]), np.concatenate([before[miss], after])).tolist()
-        for i, u in zip(miss, both, strict=False):
-            known[i] = memo[(cands[i][0], cands[i][2])] = int(u)
-        u_after = both[len(miss):]
-    else:
-        u_after = sc.usable(cols, after).tolist()
-    if n < MEMO_AFTER:  # the states after, memoised too: they are other shapes' states before and after
-        for (t, _, sig), u in zip(cands, u_after, strict=True):
-            memo[(t, after_sig(sig, gpus, milli, cpu, mem))] = int(u)
-    left = (before[:, 2:].sum(axis=1) - gone).tolist()
-    return [(b - int(a)) / scale + pw * f  # type: ignore[operator]  # (no None left in known)
-            for b, a, f in zip(known, u_after, left, strict=True)]
+        slot_of = cap.slot_of
+        slots = np.array([slot_of[(t, sig)] for t, _, sig in cands], dtype=np.intp)
+    return sc.scores(cap.rows, cap.row_type, cap.type_list, slots, gpus, milli, cpu, mem).tolist()  # type: ignore[no-any-return]
 
 
 class Ranking:
@@ -164,7 +98,7 @@ class Ranking:
     no host has any more as it meets them. Per decision that is the births since the shape's last query
     plus the dead entries met, not the number of hosts or signatures; the full scan is paid once per shape
     and profile (and when the shape fell behind the births log, or its heap holds over twice the live
-    signatures), vectorised (``frag_scores``). Ties go to the signature with the least CPU, then memory,
+    signatures), compiled (``frag_scores``, ``scoring``). Ties go to the signature with the least CPU, then memory,
     free: packing.
     """
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from dagfold.services.allocator.model import FULL
 
 Class = tuple[int, int, int, int, tuple[str, ...], float]  # gpus, per-GPU milli, cpu, mem, types, weight
@@ -96,9 +94,9 @@ def group_classes(classes: list[Class], type_gpus: dict[str, int] | None = None,
     group, and only the CPU/memory limits per class (``(cpu, mem, weight)``, see ``usable``).
 
     Weights are integers, the float weight times the returned ``scale`` (a power of two): ``usable`` is
-    then an exact integer whatever the order of its sum, so the vectorised scoring of many signatures at
-    once (``BatchScorer``, float64) and the one-signature ``usable`` give the same value to the last bit and
-    pick the same hosts. ``scale`` is ``2**WEIGHT_BITS``, or less when a host of ``max_gpus`` GPUs could make
+    then an exact integer whatever the order of its sum, so the compiled scoring of many signatures at
+    once (``scoring``) and the one-signature ``usable`` give the same value to the last bit and pick the
+    same hosts. ``scale`` is ``2**WEIGHT_BITS``, or less when a host of ``max_gpus`` GPUs could make
     a sum reach 2**53 (float64 would round).
 
     Scarcity: a class that may only use some GPU types weighs more, by the
@@ -139,7 +137,8 @@ def for_type(gpu_type: str, groups: Groups) -> TypeGroups:
 
 def usable(sig: tuple[int, int, tuple[int, ...]], groups: TypeGroups) -> int:
     """Expected GPU milli of this host state that the learned request mix could still use (times the
-    groups' weight scale: an integer, see ``group_classes``).
+    groups' weight scale: an integer, see ``group_classes``). This is the definition; placement computes
+    it compiled, for many host states at once (``scoring``), and the tests hold the two equal.
 
     Per class, weighted by its frequency and scarcity:
 
@@ -177,77 +176,3 @@ def usable(sig: tuple[int, int, tuple[int, ...]], groups: TypeGroups) -> int:
             if n:
                 u += wt * (n if share else full)
     return u
-
-
-class BatchScorer:
-    """``usable`` for many host states at once, vectorised with numpy (one profile's groups).
-
-    The classes become columns: per column its group's GPU part, its CPU and memory and, per GPU type, its
-    weight (0 where the type may not serve it). A batch is a matrix of host states by columns, so the
-    work per state is a few array operations instead of a Python loop over the classes (~30 us per
-    state, the cost of a new request shape's first ranking over hundreds of signatures). The arithmetic
-    is in float64 on integers below 2**53 (weights: ``group_classes``; quotients: ``floor(a / b)`` equals
-    ``a // b`` for such integers), so every sum is exact in any order and the result equals ``usable``'s.
-    """
-
-    def __init__(self, groups: Groups) -> None:
-        shares = sorted({m for g, m, _, _ in groups if g == 1 and m < FULL})
-        wholes = sorted({g for g, m, _, _ in groups if not (g == 1 and m < FULL)})
-        self.share_milli = np.array(shares, dtype=np.float64)
-        self.whole_gpus = np.array(wholes, dtype=np.float64)
-        members: list[tuple[bool, int, int, int, int, frozenset[str]]] = []
-        for g, m, types, ms in groups:
-            is_share = g == 1 and m < FULL
-            c = shares.index(m) if is_share else len(shares) + wholes.index(g)
-            members += [(not is_share, c, mc, mm, w, types) for mc, mm, w in ms]
-        members.sort(key=lambda x: (x[0], x[1]))  # GPU-share classes first, then whole-GPU ones
-        self.n_share = sum(1 for x in members if not x[0])
-        self.col = np.array([x[1] for x in members], dtype=np.intp)
-        cpu = [x[2] for x in members]
-        mem = [x[3] for x in members]
-        # a class that declares no CPU (memory) is not capped by it: where none is, the cap is skipped
-        self.cpu_all, self.cpu_any = all(cpu), any(cpu)
-        self.mem_all, self.mem_any = all(mem), any(mem)
-        self.cpu_pos = np.array([c > 0 for c in cpu], dtype=bool)
-        self.mem_pos = np.array([m > 0 for m in mem], dtype=bool)
-        self.cpu = np.array([max(c, 1) for c in cpu], dtype=np.float64)
-        self.mem = np.array([max(m, 1) for m in mem], dtype=np.float64)
-        self.wt = [x[4] for x in members]
-        self.types = [x[5] for x in members]
-        self.type_cols: dict[str, int] = {}  # GPU type -> its column of ``weights``
-        self.cols: list[list[int]] = []
-        self.weights = np.zeros((len(members), 0), dtype=np.float64)  # class x GPU type
-
-    def cols_of(self, gpu_types: list[str]) -> np.ndarray:
-        """Columns of ``weights`` for hosts of these GPU types: per type, the class weights it may serve
-        (0 where the class does not allow the type)."""
-        tc = self.type_cols
-        for t in set(gpu_types) - tc.keys():
-            self.cols.append([w if not ts or t in ts else 0 for w, ts in zip(self.wt, self.types, strict=True)])
-            self.weights = np.array(self.cols, dtype=np.float64).T.copy()
-            tc[t] = len(self.cols) - 1
-        return np.array([tc[t] for t in gpu_types], dtype=np.intp)
-
-    def usable(self, cols: np.ndarray, states: np.ndarray) -> np.ndarray:
-        """``usable`` of N host states (float64, integer-valued): their GPU types' columns (``cols_of``),
-        and per state its CPU free, memory free and free milli per GPU (N x (2 + GPUs), float64; the GPUs
-        in any order, padded with 0)."""
-        if not len(self.wt):
-            return np.zeros(len(cols))
-        free = states[:, 2:]
-        full = (free == FULL).sum(axis=1).astype(np.float64)
-        parts = []
-        if len(self.share_milli):
-            parts.append(np.floor(free[:, :, None] / self.share_milli).sum(axis=1))
-        if len(self.whole_gpus):
-            parts.append(np.floor(full[:, None] / self.whole_gpus))
-        n = (parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1))[:, self.col]
-        if self.cpu_any:
-            cap = np.floor(states[:, 0:1] / self.cpu)
-            np.minimum(n, cap if self.cpu_all else np.where(self.cpu_pos, cap, np.inf), out=n)
-        if self.mem_any:
-            cap = np.floor(states[:, 1:2] / self.mem)
-            np.minimum(n, cap if self.mem_all else np.where(self.mem_pos, cap, np.inf), out=n)
-        k = self.n_share
-        n[:, k:] = (n[:, k:] > 0) * full[:, None]  # a whole-GPU class uses every whole GPU while one fits
-        return (n @ self.weights)[np.arange(len(cols)), cols]

@@ -25,7 +25,7 @@ from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, SHARED_ALLOCATO
 from dagfold.log import Log, LogRecord
 from dagfold.outputs import Output
 from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
-from dagfold.services.allocator import observe
+from dagfold.services.allocator import observe, scoring
 from dagfold.services.allocator.observe import ObservedAllocatorFold
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.timers import due_timers_in_store
@@ -101,4 +101,5 @@ class AllocatorRunner(PartitionProcessor):
                  clock: Callable[[], float] = time.time, batch: int = 500) -> None:
         super().__init__(log_, allocator_spec(log_, opts, data_dir, clock, batch), f"allocator-{opts.pool}")
         self.opts = opts
+        scoring.warm()  # the placement kernel compiled or loaded before the first decision, not in it
         self.start()  # catch up now: the pool's state is current once this returns

@@ -28,14 +28,13 @@ from dagfold.services.allocator.capacity import CapacityIndex
 from dagfold.services.allocator.model import AllocView, NodeView, RequestView
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.profile import (
-    BatchScorer,
     Class,
     Groups,
-    TypeGroups,
     empty_profile,
     group_classes,
     to_classes,
 )
+from dagfold.services.allocator.scoring import Scorer
 from dagfold.state import PartitionTransaction, Store
 from dagfold.tenants import Entitlements, type_quotas
 
@@ -63,12 +62,10 @@ class PoolState:
         self.classes: list[Class] = []
         self.groups: Groups = []
         self.weight_scale = 1  # the groups' integer weights are float weights times this (profile.group_classes)
-        self.scorer: BatchScorer | None = None  # the groups vectorised (a cache, built on first use)
+        self.scorer: Scorer | None = None  # the groups as the scoring kernel's tables (a cache, built on first use)
         self.shape_counts: dict[str, int] = {}
         self.perf: dict[str, float] = {}
-        self.usable_memo: dict[tuple[str, Any], int] = {}
         self.rankings: dict[tuple[Any, ...], Any] = {}  # frag: part shape -> placement.Ranking (a cache)
-        self.type_groups: dict[str, TypeGroups] = {}  # GPU type -> the groups its hosts can serve (a cache)
         self.nodes: dict[str, NodeView] = {}
         self.allocs: dict[str, AllocView] = {}
         self.requests: dict[str, RequestView] = {}
@@ -359,9 +356,7 @@ class PoolState:
         self.groups, self.weight_scale = group_classes(self.classes, self.type_gpus,
                                                        max(self.gpu_types.values(), default=8))
         self.scorer = None
-        self.usable_memo.clear()
         self.rankings.clear()
-        self.type_groups.clear()
 
     def register_type(self, n: NodeView, new: bool) -> None:
         bigger = n.gpus > max(self.gpu_types.values(), default=8)  # the weights' scale may have to shrink
