@@ -297,3 +297,19 @@ def test_the_allocator_process_freezes_its_state_and_collects_less_often() -> No
         assert gc.get_threshold() == GC_THRESHOLD
         assert gc.get_freeze_count() >= len(state)
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0  # the block's setting is undone
+
+
+def test_the_scoring_kernel_works_where_numba_cannot_cache() -> None:
+    """A read-only install without a home folder: numba finds no cache location and refuses ``cache=True``
+    at import. The kernel then compiles in the process instead of failing the allocator's start."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from dagfold.services.allocator import scoring\n"
+            "scoring.warm()\n"
+            "print(type(scoring._scores._cache).__name__)\n")
+    env = {**os.environ, "NUMBA_CACHE_LOCATOR_CLASSES": "IPythonCacheLocator"}  # none outside IPython
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "NullCache"

@@ -15,14 +15,29 @@ pays the compilation) and is deterministic: no wall clock, no randomness, no thr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numba
 import numpy as np
 
 from dagfold.services.allocator.model import FULL
 from dagfold.services.allocator.profile import Groups
 
+F = TypeVar("F", bound=Callable[..., Any])
 
-@numba.njit(cache=True, nogil=True)
+
+def _compiled(fn: F) -> F:
+    """numba's compilation, cached on disk: next to this file, else in the user's cache folder, else in
+    ``NUMBA_CACHE_DIR``. Where none is writable (a read-only install without a home folder), numba refuses
+    to cache at import; then the kernel is compiled in each process instead (~1.7 s at start-up)."""
+    try:
+        return numba.njit(cache=True, nogil=True)(fn)  # type: ignore[no-any-return,return-value]
+    except RuntimeError:
+        return numba.njit(nogil=True)(fn)  # type: ignore[no-any-return,return-value]
+
+
+@_compiled
 def _usable(cpu_free: int, mem_free: int, free: np.ndarray, width: int, share_milli: np.ndarray,
             whole_gpus: np.ndarray, col: np.ndarray, cpu: np.ndarray, mem: np.ndarray, share: np.ndarray,
             wt: np.ndarray, n0: np.ndarray) -> int:  # pragma: no cover  (compiled; equals profile.usable)
@@ -58,7 +73,7 @@ def _usable(cpu_free: int, mem_free: int, free: np.ndarray, width: int, share_mi
     return u
 
 
-@numba.njit(cache=True, nogil=True)
+@_compiled
 def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int, milli: int, cpu: int,
             mem: int, share_milli: np.ndarray, whole_gpus: np.ndarray, col: np.ndarray, ccpu: np.ndarray,
             cmem: np.ndarray, share: np.ndarray, weights: np.ndarray, scale: int,
