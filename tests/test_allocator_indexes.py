@@ -27,7 +27,7 @@ from dagfold.services.allocator.model import AllocView, RequestView
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.placement import after_sig, feasible_shapes, frag_scores, place
 from dagfold.services.allocator.preemption import find_victims, lost_work_gpu_min, share_excess
-from dagfold.services.allocator.profile import for_type, usable
+from dagfold.services.allocator.profile import for_type, stranded, usable
 from dagfold.services.allocator.reservations import Exclusions, excluded_for, part_fits
 from dagfold.services.allocator.state import PoolState
 
@@ -102,7 +102,9 @@ def reference_frag_hosts(st: PoolState, r: RequestView, excluded: set[str]) -> l
         groups = for_type(n.gpu_type, st.groups)
         after = after_sig(sig, g, milli, cpu, mem)
         lost = usable(sig, groups) - usable(after, groups)
-        score = lost / st.weight_scale + st.opts.frag_pack_weight * sum(after[2])
+        balance = stranded(sum(after[2]), after[0], st.gpu_per_cpu) - stranded(sum(sig[2]), sig[0], st.gpu_per_cpu)
+        score = lost / st.weight_scale + st.opts.frag_pack_weight * sum(after[2]) \
+            + st.opts.frag_balance_weight * balance
         options.append(((score, sig[0], sig[1], n.gpu_type, sig[2]), nid))
     options.sort()
     return [nid for _, nid in options[:r.hosts]] if len(options) >= r.hosts else []
@@ -238,15 +240,15 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
 @pytest.mark.parametrize("seed", range(3))
 def test_compiled_scoring_equals_the_plain_definition_and_choice(seed: int) -> None:
     """A pool of many distinct host states (GPU shares, CPU, memory, GPU types) under a learned mix of typed
-    and untyped, shared and whole-GPU classes: the compiled kernel gives every signature exactly the score
-    that ``usable`` (the definition, plain Python) gives, and frag places new shapes on the hosts the plain
-    scoring picks."""
+    and untyped, shared and whole-GPU classes, hosts short of CPU among them: the compiled kernel gives every
+    signature exactly the score that ``usable`` and ``stranded`` (the definition, plain Python) give, and frag
+    places new shapes on the hosts the plain scoring picks."""
     rng = random.Random(seed)
     h = AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, orphan_grace_s=None),
                          commit_every=64)
     for k in range(60):
         h.register(f"n{k:02d}", rng.choice(["A", "B", "C"]), rng.choice([2, 4, 8]),
-                   cpu_milli=rng.choice([32000, 64000, 96000]), memory_mib=rng.choice([128000, 256000]))
+                   cpu_milli=rng.choice([8000, 16000, 32000, 96000]), memory_mib=rng.choice([128000, 256000]))
 
     def shape() -> dict[str, Any]:
         share = rng.random() < 0.5
@@ -273,8 +275,10 @@ def test_compiled_scoring_equals_the_plain_definition_and_choice(seed: int) -> N
         plain = []
         for t, _l1, sig in cands:
             groups, after = for_type(t, st.groups), after_sig(sig, g, milli, cpu, mem)
+            balance = stranded(sum(after[2]), after[0], st.gpu_per_cpu) \
+                - stranded(sum(sig[2]), sig[0], st.gpu_per_cpu)
             plain.append((usable(sig, groups) - usable(after, groups)) / st.weight_scale
-                         + st.opts.frag_pack_weight * sum(after[2]))
+                         + st.opts.frag_pack_weight * sum(after[2]) + st.opts.frag_balance_weight * balance)
         assert frag_scores(st, cands, g, milli, cpu, mem) == plain  # to the last bit
         st.rankings.clear()
         parts = place(st, probe)

@@ -39,6 +39,10 @@ class AllocatorOptions:
     # default 4.59 -> 4.33% unallocated (0.1: 4.99%, 0.0001: 4.37%), multigpu50 2.78 -> 2.81%, gpuspec33
     # 5.24 -> 5.75% (its target is 7%; the default trace's is the tightest)
     frag_pack_weight: float = 0.001
+    # frag: weight of the change in a host's GPU milli that its free CPU cannot serve at the learned mix's
+    # CPU per GPU (profile.stranded). FGD protocol, seeds 42-51, 0 -> 4: multigpu50 2.81 -> 2.45% unallocated,
+    # default 4.34 -> 4.17%, gpuspec33 5.58 -> 5.36% (docs/gpu-scheduling.md §7.1, fifth pass)
+    frag_balance_weight: float = 4.0
     backfill: bool = True
     preemption: bool = True
     # Tiers that may preempt lower tiers, and after how long a wait (seconds). Others never preempt.

@@ -75,12 +75,14 @@ Cand = tuple[str, L1, Sig]
 def frag_scores(st: PoolState, cands: list[Cand], gpus: int, milli: int, cpu: int, mem: int,
                 slots: np.ndarray | None = None) -> list[float]:
     """frag's score of placing one part on each live signature (lower is better): the usable capacity lost,
-    ``U(s) - U(s')``, plus the best-fit term; computed over the capacity index's rows (``slots``: theirs, if
-    the caller has them) by the compiled kernel (``scoring``), equal to ``profile.usable``'s numbers."""
+    ``U(s) - U(s')``, plus the best-fit and balance terms; computed over the capacity index's rows (``slots``:
+    theirs, if the caller has them) by the compiled kernel (``scoring``), equal to ``profile.usable``'s and
+    ``profile.stranded``'s numbers."""
     cap = st.capacity
     sc = st.scorer
     if sc is None:
-        sc = st.scorer = Scorer(st.groups, st.weight_scale, st.opts.frag_pack_weight)
+        sc = st.scorer = Scorer(st.groups, st.weight_scale, st.opts.frag_pack_weight, st.opts.frag_balance_weight,
+                                st.gpu_per_cpu)
     cap.arrays()
     if slots is None:
         slot_of = cap.slot_of

@@ -84,6 +84,27 @@ def fit_count(gpu_type: str, cpu_free: int, mem_free: int, free: tuple[int, ...]
     return n
 
 
+def gpu_per_cpu(classes: list[Class]) -> float:
+    """GPU milli the learned mix asks per mCPU it asks (classes weighted by frequency; 0.0 when none asks CPU):
+    the ratio at which a host's free CPU serves its free GPUs (``stranded``)."""
+    gpu = cpu = 0.0
+    for g, milli, c, _mem, _types, w in classes:
+        gpu += w * g * milli
+        cpu += w * c
+    return gpu / cpu if cpu else 0.0
+
+
+def stranded(gpu_free: int, cpu_free: int, ratio: float) -> float:
+    """GPU milli of a host that its free CPU cannot serve at the mix's ``ratio`` (``gpu_per_cpu``): what stays
+    idle if requests like the mix's come. frag adds ``frag_balance_weight`` times its change to a placement's
+    score. ``usable`` caps each class by the CPU left, one class at a time, so it does not see a host's CPU
+    going to pods that ask more CPU per GPU than the mix while its GPUs wait for the rest of the mix: on the
+    FGD protocol's multigpu50 trace the 470/650-milli pods (8-11 cores each) took the CPU of 12-cores-per-GPU
+    hosts and left their GPUs' remainders unusable. The same formula serves one state (floats) and arrays of
+    states (``scoring``), so both give the same score to the last bit. ``ratio`` 0 (no class asks CPU): 0."""
+    return max(0.0, gpu_free - cpu_free * ratio) if ratio > 0.0 else 0.0
+
+
 Groups = list[tuple[int, int, frozenset[str], list[tuple[int, int, int]]]]
 WEIGHT_BITS = 24  # class weights are integers in units of 2**-24 (fewer bits when the pool's sums would not fit)
 

@@ -76,8 +76,8 @@ def _usable(cpu_free: int, mem_free: int, free: np.ndarray, width: int, share_mi
 @_compiled
 def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int, milli: int, cpu: int,
             mem: int, share_milli: np.ndarray, whole_gpus: np.ndarray, col: np.ndarray, ccpu: np.ndarray,
-            cmem: np.ndarray, share: np.ndarray, weights: np.ndarray, scale: int,
-            pw: float) -> np.ndarray:  # pragma: no cover  (compiled; see Scorer.scores)
+            cmem: np.ndarray, share: np.ndarray, weights: np.ndarray, scale: int, pw: float, bw: float,
+            ratio: float) -> np.ndarray:  # pragma: no cover  (compiled; see Scorer.scores)
     width = rows.shape[1] - 2
     n0 = np.zeros(share_milli.shape[0] + whole_gpus.shape[0], dtype=np.int64)
     after = np.zeros(width, dtype=np.int64)
@@ -91,6 +91,7 @@ def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int
         for j in range(width):
             after[j] = free[j]
             left += free[j]
+        gpu_free = left
         if gpus == 1 and milli < FULL:  # the fullest GPU that holds the share: the last of those >= milli
             i = -1
             for j in range(width):
@@ -104,16 +105,21 @@ def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int
             left -= gpus * FULL
         u = _usable(row[0] - cpu, row[1] - mem, after, width, share_milli, whole_gpus, col, ccpu, cmem, share,
                     wt, n0)
-        out[k] = (before - u) / scale + pw * left
+        balance = 0.0  # profile.stranded after minus before
+        if ratio > 0.0:
+            balance = max(0.0, left - (row[0] - cpu) * ratio) - max(0.0, gpu_free - row[0] * ratio)
+        out[k] = (before - u) / scale + pw * left + bw * balance
     return out
 
 
 class Scorer:
     """One profile's classes as the kernel's tables: per class (a column) its size's slot in the fit counts,
     CPU, memory, whether it takes a GPU share, and per GPU type its integer weight (0 where the class may
-    not use the type; a row per type of the capacity index, added as types appear)."""
+    not use the type; a row per type of the capacity index, added as types appear), with the score's
+    weights and the mix's GPU milli per mCPU (``profile.gpu_per_cpu``)."""
 
-    def __init__(self, groups: Groups, scale: int, pack_weight: float) -> None:
+    def __init__(self, groups: Groups, scale: int, pack_weight: float, balance_weight: float = 0.0,
+                 ratio: float = 0.0) -> None:
         shares = sorted({m for g, m, _, _ in groups if g == 1 and m < FULL})
         wholes = sorted({g for g, m, _, _ in groups if not (g == 1 and m < FULL)})
         self.share_milli = np.array(shares, dtype=np.int64)
@@ -131,6 +137,8 @@ class Scorer:
         self.weights = np.zeros((0, len(members)), dtype=np.int64)  # GPU type (capacity index's number) x class
         self.scale = scale
         self.pack_weight = pack_weight
+        self.balance_weight = balance_weight
+        self.ratio = ratio
 
     def _types(self, type_list: list[str]) -> None:
         rows = [[w if not ts or t in ts else 0 for w, ts in self._members] for t in type_list[len(self.weights):]]
@@ -139,15 +147,17 @@ class Scorer:
     def scores(self, rows: np.ndarray, row_type: np.ndarray, type_list: list[str], slots: np.ndarray, gpus: int,
                milli: int, cpu: int, mem: int) -> np.ndarray:
         """frag's score of one part ``gpus x milli, cpu, mem`` on each of these live signatures (rows of the
-        capacity index): ``(usable(s) - usable(s')) / scale + pack_weight x GPU milli left``."""
+        capacity index): ``(usable(s) - usable(s')) / scale + pack_weight x GPU milli left + balance_weight x
+        (stranded(s') - stranded(s))`` (``profile.stranded``)."""
         if len(type_list) > len(self.weights):
             self._types(type_list)
         return _scores(rows, row_type, slots, gpus, milli, cpu, mem, self.share_milli, self.whole_gpus,  # type: ignore[no-any-return]
-                       self.col, self.cpu, self.mem, self.share, self.weights, self.scale, self.pack_weight)
+                       self.col, self.cpu, self.mem, self.share, self.weights, self.scale, self.pack_weight,
+                       self.balance_weight, self.ratio)
 
 
 def warm() -> None:
     """Compile (or load from numba's cache) the kernel now, not in the first decision that scores."""
-    sc = Scorer([(1, 500, frozenset(), [(1000, 1000, 1)]), (2, FULL, frozenset(), [(0, 0, 1)])], 1, 0.001)
+    sc = Scorer([(1, 500, frozenset(), [(1000, 1000, 1)]), (2, FULL, frozenset(), [(0, 0, 1)])], 1, 0.001, 4.0, 0.5)
     rows = np.array([[4000, 4000, FULL, FULL, 700, 0]], dtype=np.int64)
     sc.scores(rows, np.zeros(1, dtype=np.intp), ["A"], np.zeros(1, dtype=np.intp), 1, 500, 0, 0)

@@ -31,6 +31,7 @@ from dagfold.services.allocator.profile import (
     Class,
     Groups,
     empty_profile,
+    gpu_per_cpu,
     group_classes,
     to_classes,
 )
@@ -63,6 +64,7 @@ class PoolState:
         self.groups: Groups = []
         self.weight_scale = 1  # the groups' integer weights are float weights times this (profile.group_classes)
         self.scorer: Scorer | None = None  # the groups as the scoring kernel's tables (a cache, built on first use)
+        self.gpu_per_cpu = 0.0  # the learned mix's GPU milli per mCPU (profile.gpu_per_cpu)
         self.shape_counts: dict[str, int] = {}
         self.perf: dict[str, float] = {}
         self.rankings: dict[tuple[Any, ...], Any] = {}  # frag: part shape -> placement.Ranking (a cache)
@@ -355,6 +357,7 @@ class PoolState:
         """Recompute the scoring groups (new profile or new inventory); scores are recomputed lazily."""
         self.groups, self.weight_scale = group_classes(self.classes, self.type_gpus,
                                                        max(self.gpu_types.values(), default=8))
+        self.gpu_per_cpu = gpu_per_cpu(self.classes)
         self.scorer = None
         self.rankings.clear()
 
