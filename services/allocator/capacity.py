@@ -73,6 +73,7 @@ class CapacityIndex:
         # The arrays are written when read (``arrays``).
         self.slot_of: dict[tuple[str, Sig], int] = {}
         self.at: list[tuple[str, L1, Sig] | None] = []
+        self.birth_at: list[int] = []  # slot -> birth number of the signature in it (stale once it died)
         self.spare: list[int] = []  # dead slots, reused highest first
         self.type_ids: dict[str, int] = {}
         self.type_list: list[str] = []
@@ -98,8 +99,8 @@ class CapacityIndex:
                 born.append(SortedDict())
             born[l1[0]][self.births] = self.born[self.births] = (n.gpu_type, l1, sig)
             self.birth_of[(n.gpu_type, sig)] = self.births
+            self._slot_in(n.gpu_type, l1, sig, self.births)
             self.births += 1
-            self._slot_in(n.gpu_type, l1, sig)
         ids.add(n.id)
         self.where[n.id] = (n.gpu_type, l1, sig)
         self.free_milli[n.gpu_type] = self.free_milli.get(n.gpu_type, 0) + n.free_milli()
@@ -133,11 +134,13 @@ class CapacityIndex:
         self.free_milli[t] -= sum(sig[2])
         self.by_full[t][l1[0]] -= 1
 
-    def _slot_in(self, t: str, l1: L1, sig: Sig) -> None:
+    def _slot_in(self, t: str, l1: L1, sig: Sig, birth: int) -> None:
         slot = self.spare.pop() if self.spare else len(self.at)
         if slot == len(self.at):
             self.at.append(None)
+            self.birth_at.append(-1)
         self.at[slot] = (t, l1, sig)
+        self.birth_at[slot] = birth
         self.slot_of[(t, sig)] = slot
         self.pending[slot] = True
         if t not in self.type_ids:
@@ -158,8 +161,25 @@ class CapacityIndex:
             self.row_full = np.concatenate([self.row_full, np.zeros(grow, dtype=np.int64)])
             self.row_part = np.concatenate([self.row_part, np.zeros(grow, dtype=np.int64)])
             self.alive = np.concatenate([self.alive, np.zeros(grow, dtype=bool)])
-        born = [i for i, up in self.pending.items() if up]
-        dead = [i for i, up in self.pending.items() if not up]
+        pending = self.pending
+        width = self.rows.shape[1] - 2
+        if len(pending) <= 16 and all(not up or len(self.at[i][2][2]) <= width  # type: ignore[index]
+                                      for i, up in pending.items()):
+            # the usual case (a decision changed a host or two): one numpy write per field and slot costs
+            # ~0.1-1 us, a fancy-indexed write of a list ~5 us whatever its length
+            self.pending = {}
+            for i, up in pending.items():
+                if up:
+                    t, l1, sig = self.at[i]  # type: ignore[misc]  # (born: live)
+                    self.rows[i, :2] = sig[:2]
+                    self.rows[i, 2:] = sig[2] + (0,) * (width - len(sig[2]))
+                    self.row_type[i] = self.type_ids[t]
+                    self.row_full[i] = l1[0]
+                    self.row_part[i] = l1[1]
+                self.alive[i] = up
+            return
+        born = [i for i, up in pending.items() if up]
+        dead = [i for i, up in pending.items() if not up]
         self.pending = {}
         if dead:
             self.alive[dead] = False
@@ -213,16 +233,16 @@ class CapacityIndex:
                     if sig[0] >= cpu and sig[1] >= mem:
                         yield t, sig, ids
 
-    def born_since(self, birth: int, gpus: int, milli: int) -> list[tuple[str, L1, Sig]]:
-        """The live signatures born at or after birth number ``birth``, of every GPU type; for whole GPUs,
-        only those with at least ``gpus`` whole free GPUs (O(log n + answer); the rest of the fit test is
-        the caller's)."""
+    def born_since(self, birth: int, gpus: int, milli: int) -> list[tuple[int, tuple[str, L1, Sig]]]:
+        """(birth number, (type, level-1 bucket, signature)) of the live signatures born at or after birth
+        number ``birth``, of every GPU type; for whole GPUs, only those with at least ``gpus`` whole free
+        GPUs (O(log n + answer); the rest of the fit test is the caller's)."""
         if not gpus or (gpus == 1 and milli < FULL):
-            return self.born.values()[self.born.bisect_left(birth):]
-        out: list[tuple[str, L1, Sig]] = []
+            return self.born.items()[self.born.bisect_left(birth):]  # type: ignore[no-any-return]
+        out: list[tuple[int, tuple[str, L1, Sig]]] = []
         for b in self.born_full[gpus:]:
             if b and b.keys()[-1] >= birth:
-                out += b.values()[b.bisect_left(birth):]
+                out += b.items()[b.bisect_left(birth):]
         return out
 
     def hosts_of(self, t: str, l1: L1, sig: Sig) -> SortedList | None:

@@ -68,7 +68,7 @@ def choose_gpus(n: NodeView, gpus: int, milli: int) -> list[int]:
     return [i for i, f in enumerate(n.free) if f == FULL][:gpus]
 
 
-RankKey = tuple[float, int, int, str, tuple[int, ...]]
+RankKey = tuple[float, int, int, str, tuple[int, ...], int]  # score, CPU, memory, type, GPUs, birth
 Cand = tuple[str, L1, Sig]
 
 
@@ -102,22 +102,25 @@ class Ranking:
     and profile (and when the shape fell behind the births log, or its heap holds over twice the live
     signatures), compiled (``frag_scores``, ``scoring``). Ties go to the signature with the least CPU, then memory,
     free: packing.
+
+    An entry carries its signature's birth number: it is live while the capacity index has that number
+    (an int lookup, no hashing of the signature), and a signature that died and was born again since
+    comes back as a new entry with the same score and a new number (the old entry is dropped when met,
+    so the live entries, and the order in which they come, are those of a ranking rebuilt from scratch).
     """
 
-    __slots__ = ("cursor", "entry", "heap")
+    __slots__ = ("cursor", "heap")
 
     def __init__(self, cursor: int) -> None:
         self.heap: list[RankKey] = []
-        self.entry: dict[tuple[str, Sig], L1] = {}
         self.cursor = cursor
 
-    def keys(self, st: PoolState, cands: list[Cand], gpus: int, milli: int, cpu: int, mem: int,
-             slots: np.ndarray | None = None) -> list[RankKey]:
-        entry = self.entry
-        for t, l1, sig in cands:
-            entry[(t, sig)] = l1
-        scores = frag_scores(st, cands, gpus, milli, cpu, mem, slots)
-        return [(score, sig[0], sig[1], t, sig[2]) for score, (t, _l1, sig) in zip(scores, cands, strict=True)]
+
+def _keys(st: PoolState, births: list[int], cands: list[Cand], gpus: int, milli: int, cpu: int, mem: int,
+          slots: np.ndarray | None = None) -> list[RankKey]:
+    scores = frag_scores(st, cands, gpus, milli, cpu, mem, slots)
+    return [(score, sig[0], sig[1], t, sig[2], b)
+            for score, (t, _l1, sig), b in zip(scores, cands, births, strict=True)]
 
 
 def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem: int) -> Ranking:
@@ -128,30 +131,32 @@ def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem
     if rk is None:
         rk = st.rankings[q] = Ranking(end)
         slots = cap.candidate_slots(r.gpu_types, gpus, milli, cpu, mem)
-        at = cap.at
-        cands: list[Cand] = [at[i] for i in slots.tolist()]  # type: ignore[misc]  # (live slots)
-        rk.heap = rk.keys(st, cands, gpus, milli, cpu, mem, slots)
+        at, birth_at = cap.at, cap.birth_at
+        order = slots.tolist()
+        cands: list[Cand] = [at[i] for i in order]  # type: ignore[misc]  # (live slots)
+        rk.heap = _keys(st, [birth_at[i] for i in order], cands, gpus, milli, cpu, mem, slots)
         heapq.heapify(rk.heap)
         return rk
-    entry = rk.entry
+    born = cap.born
     if len(rk.heap) > 2 * cap.n_sigs + 64:
         # mostly dead entries (a shape seldom asked for while hosts change): keep the live ones, scores and
         # all, instead of popping the dead one by one in later queries
-        live = [k for k in rk.heap if cap.hosts_of(k[3], entry[(k[3], (k[1], k[2], k[4]))], (k[1], k[2], k[4]))]
-        rk.entry = entry = {(k[3], (k[1], k[2], k[4])): entry[(k[3], (k[1], k[2], k[4]))] for k in live}
+        live = [k for k in rk.heap if k[5] in born]
         heapq.heapify(live)
         rk.heap = live
     if rk.cursor < end:
         types = r.gpu_types
         new: list[Cand] = []
-        for t, l1, sig in cap.born_since(rk.cursor, gpus, milli):
+        births: list[int] = []
+        for b, c in cap.born_since(rk.cursor, gpus, milli):
+            t, l1, sig = c
             if (types and t not in types) or sig[0] < cpu or sig[1] < mem or not l1_fits(l1, gpus, milli):
                 continue
-            if (t, sig) not in entry:  # else: in already (died and born again since: the same score)
-                new.append((t, l1, sig))
+            new.append(c)
+            births.append(b)
         if new:
             heap = rk.heap
-            for key in rk.keys(st, new, gpus, milli, cpu, mem):
+            for key in _keys(st, births, new, gpus, milli, cpu, mem):
                 heapq.heappush(heap, key)
         rk.cursor = end
     return rk
@@ -162,21 +167,18 @@ def _place_ranked(st: PoolState, r: RequestView, excluded: Collection[str], gpus
     """frag: hosts for the gang from the shape's ranking, best signature first."""
     rk = _ranking(st, r, gpus, milli, cpu, mem)
     cap = st.capacity
+    born = cap.born
     hosts = r.hosts
     heap = rk.heap
-    entry = rk.entry
     chosen: list[str] = []
     seen: list[RankKey] = []
     while heap and len(chosen) < hosts:
-        key = heap[0]
-        t, sig = key[3], (key[1], key[2], key[4])
-        ids = cap.hosts_of(t, entry[(t, sig)], sig)
-        heapq.heappop(heap)
-        if ids is None:
-            del entry[(t, sig)]
+        key = heapq.heappop(heap)
+        loc = born.get(key[5])
+        if loc is None:  # no host has this signature any more (or it was born again: a newer entry)
             continue
         seen.append(key)
-        for nid in ids:
+        for nid in cap.hosts_of(*loc):  # type: ignore[union-attr]  # (a live signature has hosts)
             if nid not in excluded:
                 chosen.append(nid)
                 if len(chosen) == hosts:
