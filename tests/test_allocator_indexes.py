@@ -19,15 +19,23 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dagfold.services.allocator import passes
+from dagfold.services.allocator import passes, scoring
 from dagfold.services.allocator.capacity import l1_fits, signature
 from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.services.allocator.harness import AllocatorHarness
-from dagfold.services.allocator.model import AllocView, RequestView
+from dagfold.services.allocator.model import FULL, AllocView, RequestView
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.placement import after_sig, feasible_shapes, frag_scores, place
 from dagfold.services.allocator.preemption import find_victims, lost_work_gpu_min, share_excess
-from dagfold.services.allocator.profile import for_type, stranded, usable
+from dagfold.services.allocator.profile import (
+    FILL_RATE,
+    for_type,
+    remainder_change,
+    remainder_waste,
+    share_sizes,
+    stranded,
+    usable,
+)
 from dagfold.services.allocator.reservations import Exclusions, excluded_for, part_fits
 from dagfold.services.allocator.state import PoolState
 
@@ -88,6 +96,21 @@ def reference_find_victims(st: PoolState, r: RequestView, now_ms: int,
     return sorted(nid for _, nid, _ in best), [victims[k] for k in sorted(victims)]
 
 
+_WASTE: dict[tuple[int, str], Any] = {}  # plain remainder_waste tables (~25 ms each): per profile and GPU type
+
+
+def plain_frag_score(st: PoolState, t: str, sig: Any, g: int, milli: int, cpu: int, mem: int) -> float:
+    """frag's score of one part on a host of type ``t`` in state ``sig``, from the plain definitions."""
+    key = (id(st.classes), t)
+    if key not in _WASTE:
+        _WASTE[key] = remainder_waste(*share_sizes(st.classes, t), FILL_RATE)
+    groups, after = for_type(t, st.groups), after_sig(sig, g, milli, cpu, mem)
+    balance = stranded(sum(after[2]), after[0], st.gpu_per_cpu) - stranded(sum(sig[2]), sig[0], st.gpu_per_cpu)
+    return ((usable(sig, groups) - usable(after, groups)) / st.weight_scale
+            + st.opts.frag_pack_weight * sum(after[2]) + st.opts.frag_balance_weight * balance
+            + st.opts.frag_remainder_weight * remainder_change(sig[2], g, milli, _WASTE[key]))
+
+
 def reference_frag_hosts(st: PoolState, r: RequestView, excluded: set[str]) -> list[str]:
     """frag's choice written plainly: score every up host that can hold one part, best first (the
     specification of placement's incremental per-shape rankings)."""
@@ -99,12 +122,7 @@ def reference_frag_hosts(st: PoolState, r: RequestView, excluded: set[str]) -> l
         l1, sig = signature(n)
         if not l1_fits(l1, g, milli) or sig[0] < cpu or sig[1] < mem:
             continue
-        groups = for_type(n.gpu_type, st.groups)
-        after = after_sig(sig, g, milli, cpu, mem)
-        lost = usable(sig, groups) - usable(after, groups)
-        balance = stranded(sum(after[2]), after[0], st.gpu_per_cpu) - stranded(sum(sig[2]), sig[0], st.gpu_per_cpu)
-        score = lost / st.weight_scale + st.opts.frag_pack_weight * sum(after[2]) \
-            + st.opts.frag_balance_weight * balance
+        score = plain_frag_score(st, n.gpu_type, sig, g, milli, cpu, mem)
         options.append(((score, sig[0], sig[1], n.gpu_type, sig[2]), nid))
     options.sort()
     return [nid for _, nid in options[:r.hosts]] if len(options) >= r.hosts else []
@@ -241,8 +259,8 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
 def test_compiled_scoring_equals_the_plain_definition_and_choice(seed: int) -> None:
     """A pool of many distinct host states (GPU shares, CPU, memory, GPU types) under a learned mix of typed
     and untyped, shared and whole-GPU classes, hosts short of CPU among them: the compiled kernel gives every
-    signature exactly the score that ``usable`` and ``stranded`` (the definition, plain Python) give, and frag
-    places new shapes on the hosts the plain scoring picks."""
+    signature exactly the score that ``usable``, ``stranded`` and ``remainder_waste`` (the definition, plain
+    Python) give, and frag places new shapes on the hosts the plain scoring picks."""
     rng = random.Random(seed)
     h = AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, orphan_grace_s=None),
                          commit_every=64)
@@ -272,19 +290,37 @@ def test_compiled_scoring_equals_the_plain_definition_and_choice(seed: int) -> N
             "submitted_ms": 0, "seq": 0, "queued_ms": 0, "resume": None, "grants": 0})
         g, milli, cpu, mem = probe.gpus, probe.per_gpu_milli(), probe.cpu, probe.mem
         cands = list(st.capacity.candidate_sigs(probe.gpu_types, g, milli, cpu, mem))
-        plain = []
-        for t, _l1, sig in cands:
-            groups, after = for_type(t, st.groups), after_sig(sig, g, milli, cpu, mem)
-            balance = stranded(sum(after[2]), after[0], st.gpu_per_cpu) \
-                - stranded(sum(sig[2]), sig[0], st.gpu_per_cpu)
-            plain.append((usable(sig, groups) - usable(after, groups)) / st.weight_scale
-                         + st.opts.frag_pack_weight * sum(after[2]) + st.opts.frag_balance_weight * balance)
+        plain = [plain_frag_score(st, t, sig, g, milli, cpu, mem) for t, _l1, sig in cands]
         assert frag_scores(st, cands, g, milli, cpu, mem) == plain  # to the last bit
         st.rankings.clear()
         parts = place(st, probe)
         assert ([p.node for p in parts] if parts else []) == reference_frag_hosts(st, probe, set())
         scored += len(cands)
     assert scored > 100
+
+
+def test_remainder_waste_pairs_shares_and_its_compiled_twin_is_exact() -> None:
+    """The expected idle milli of a GPU remainder: nothing fits -> all of it idles; a remainder the mix
+    fills well (530 after a 470, where the next 470 leaves 60) is worth keeping; and a 320-milli share is
+    better in a 650's remainder (350 -> 30) or another 320's (680 -> 360, which the next 320 fills) than in
+    a 470's (530 -> 210, where nothing of this mix fits). The compiled table equals the plain one to the bit."""
+    classes: list[Any] = [(1, FULL, 4000, 0, (), 0.6), (1, 810, 3000, 0, (), 0.15), (1, 470, 8000, 0, (), 0.12),
+                          (1, 650, 8000, 0, (), 0.05), (1, 320, 4000, 0, (), 0.06), (1, 160, 4000, 0, ("T4",), 0.02)]
+    sizes, freq = share_sizes(classes, "G2")
+    assert sizes.tolist() == [320, 470, 650, 810]  # the T4-only class is not one of a G2 host's
+    e = remainder_waste(sizes, freq, FILL_RATE)
+    assert e[0] == 0.0 and e[319] == 319.0 and e[190] == 190.0
+    assert e[530] < 150  # a 470's remainder: the next 470 takes it
+    into = {g: remainder_change((g,), 1, 320, e) for g in (350, 680, 530)}
+    assert into[530] > 50 > max(into[350], into[680])
+    assert remainder_change((FULL, FULL), 2, FULL, e) == 0.0  # whole GPUs: no remainder
+    rng = random.Random(7)
+    for _ in range(20):
+        ms = sorted(rng.sample(range(10, 1000, 10), rng.randint(0, 12)))
+        sz = np.array(ms, dtype=np.int64)
+        fq = np.array([rng.random() / 10 for _ in ms], dtype=np.float64)
+        rate = rng.choice([1.0, FILL_RATE, 300.0])
+        assert scoring._remainder_waste(sz, fq, rate).tolist() == remainder_waste(sz, fq, rate).tolist()
 
 
 def test_the_allocator_process_freezes_its_state_and_collects_less_often() -> None:

@@ -43,6 +43,10 @@ class AllocatorOptions:
     # CPU per GPU (profile.stranded). FGD protocol, seeds 42-51, 0 -> 4: multigpu50 2.81 -> 2.45% unallocated,
     # default 4.34 -> 4.17%, gpuspec33 5.58 -> 5.36% (docs/gpu-scheduling.md §7.1, fifth pass)
     frag_balance_weight: float = 4.0
+    # frag: weight of the change in the expected idle milli of the GPU that takes a share (profile.remainder_waste).
+    # FGD protocol, seeds 42-51, 0 -> 20: default 4.17 -> 3.90% unallocated, multigpu50 2.45 -> 2.32%,
+    # gpuspec33 5.36 -> 5.44% (docs/gpu-scheduling.md §7.1, fifth pass; 100: default erratic, 4.06% stdev 0.29)
+    frag_remainder_weight: float = 20.0
     backfill: bool = True
     preemption: bool = True
     # Tiers that may preempt lower tiers, and after how long a wait (seconds). Others never preempt.

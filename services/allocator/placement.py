@@ -11,7 +11,10 @@ Policies (``AllocatorOptions.placement``):
   weighted by the class's frequency (``profile``). Placing the request takes
   ``s`` to ``s'``; frag picks the host that loses the least usable capacity,
   ``U(s) - U(s')``, plus a small best-fit term that breaks near-ties towards
-  packing. Unlike FGD, which scores the *fragmented* GPU share of a node per
+  packing, plus a balance term (the change in the host's GPU milli that its
+  free CPU could not serve at the mix's CPU per GPU, ``profile.stranded``) and,
+  for a GPU share, a remainder term (the change in the expected idle milli of
+  the GPU that takes it, ``profile.remainder_waste``). Unlike FGD, which scores the *fragmented* GPU share of a node per
   class, this counts what stays *usable*, including capacity stranded by CPU
   or memory: a host whose CPU is nearly gone counts its idle GPUs as unusable.
 
@@ -75,14 +78,14 @@ Cand = tuple[str, L1, Sig]
 def frag_scores(st: PoolState, cands: list[Cand], gpus: int, milli: int, cpu: int, mem: int,
                 slots: np.ndarray | None = None) -> list[float]:
     """frag's score of placing one part on each live signature (lower is better): the usable capacity lost,
-    ``U(s) - U(s')``, plus the best-fit and balance terms; computed over the capacity index's rows (``slots``:
-    theirs, if the caller has them) by the compiled kernel (``scoring``), equal to ``profile.usable``'s and
-    ``profile.stranded``'s numbers."""
+    ``U(s) - U(s')``, plus the best-fit, balance and remainder terms; computed over the capacity index's rows
+    (``slots``: theirs, if the caller has them) by the compiled kernel (``scoring``), equal to the numbers of
+    ``profile.usable``, ``profile.stranded`` and ``profile.remainder_change``."""
     cap = st.capacity
     sc = st.scorer
     if sc is None:
         sc = st.scorer = Scorer(st.groups, st.weight_scale, st.opts.frag_pack_weight, st.opts.frag_balance_weight,
-                                st.gpu_per_cpu)
+                                st.gpu_per_cpu, st.classes, st.opts.frag_remainder_weight)
     cap.arrays()
     if slots is None:
         slot_of = cap.slot_of

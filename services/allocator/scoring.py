@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from dagfold.services.allocator.model import FULL
-from dagfold.services.allocator.profile import Groups
+from dagfold.services.allocator.profile import FILL_RATE, Class, Groups, remainder_waste, share_sizes
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -73,11 +73,14 @@ def _usable(cpu_free: int, mem_free: int, free: np.ndarray, width: int, share_mi
     return u
 
 
+_remainder_waste = _compiled(remainder_waste)  # the same function as profile's, compiled
+
+
 @_compiled
 def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int, milli: int, cpu: int,
             mem: int, share_milli: np.ndarray, whole_gpus: np.ndarray, col: np.ndarray, ccpu: np.ndarray,
             cmem: np.ndarray, share: np.ndarray, weights: np.ndarray, scale: int, pw: float, bw: float,
-            ratio: float) -> np.ndarray:  # pragma: no cover  (compiled; see Scorer.scores)
+            ratio: float, waste: np.ndarray, rw: float) -> np.ndarray:  # pragma: no cover  (compiled)
     width = rows.shape[1] - 2
     n0 = np.zeros(share_milli.shape[0] + whole_gpus.shape[0], dtype=np.int64)
     after = np.zeros(width, dtype=np.int64)
@@ -92,6 +95,7 @@ def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int
             after[j] = free[j]
             left += free[j]
         gpu_free = left
+        rest = 0.0  # profile.remainder_change
         if gpus == 1 and milli < FULL:  # the fullest GPU that holds the share: the last of those >= milli
             i = -1
             for j in range(width):
@@ -99,6 +103,8 @@ def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int
                     i = j
             after[i] -= milli
             left -= milli
+            tw = waste[row_type[slots[k]]]
+            rest = tw[after[i]] - tw[free[i]]
         elif gpus:  # sorted from the most free: the first ``gpus`` are whole
             for j in range(gpus):
                 after[j] = 0
@@ -108,7 +114,7 @@ def _scores(rows: np.ndarray, row_type: np.ndarray, slots: np.ndarray, gpus: int
         balance = 0.0  # profile.stranded after minus before
         if ratio > 0.0:
             balance = max(0.0, left - (row[0] - cpu) * ratio) - max(0.0, gpu_free - row[0] * ratio)
-        out[k] = (before - u) / scale + pw * left + bw * balance
+        out[k] = (before - u) / scale + pw * left + bw * balance + rw * rest
     return out
 
 
@@ -116,10 +122,11 @@ class Scorer:
     """One profile's classes as the kernel's tables: per class (a column) its size's slot in the fit counts,
     CPU, memory, whether it takes a GPU share, and per GPU type its integer weight (0 where the class may
     not use the type; a row per type of the capacity index, added as types appear), with the score's
-    weights and the mix's GPU milli per mCPU (``profile.gpu_per_cpu``)."""
+    weights, the mix's GPU milli per mCPU (``profile.gpu_per_cpu``) and, per GPU type, the expected idle
+    milli of a GPU remainder (``profile.remainder_waste`` of the profile's ``classes``)."""
 
     def __init__(self, groups: Groups, scale: int, pack_weight: float, balance_weight: float = 0.0,
-                 ratio: float = 0.0) -> None:
+                 ratio: float = 0.0, classes: list[Class] | None = None, remainder_weight: float = 0.0) -> None:
         shares = sorted({m for g, m, _, _ in groups if g == 1 and m < FULL})
         wholes = sorted({g for g, m, _, _ in groups if not (g == 1 and m < FULL)})
         self.share_milli = np.array(shares, dtype=np.int64)
@@ -139,25 +146,38 @@ class Scorer:
         self.pack_weight = pack_weight
         self.balance_weight = balance_weight
         self.ratio = ratio
+        self.classes = classes or []
+        self.remainder_weight = remainder_weight
+        self.waste = np.zeros((0, FULL + 1), dtype=np.float64)  # GPU type (capacity index's number) x remainder
+        self._tables: dict[bytes, np.ndarray] = {}  # types that serve the same share sizes share a table
 
     def _types(self, type_list: list[str]) -> None:
         rows = [[w if not ts or t in ts else 0 for w, ts in self._members] for t in type_list[len(self.weights):]]
         self.weights = np.concatenate([self.weights, np.array(rows, dtype=np.int64).reshape(len(rows), -1)])
+        tables = []
+        for t in type_list[len(self.waste):]:
+            sizes, freq = share_sizes(self.classes, t)
+            key = sizes.tobytes() + freq.tobytes()
+            if key not in self._tables:
+                self._tables[key] = _remainder_waste(sizes, freq, FILL_RATE)
+            tables.append(self._tables[key])
+        self.waste = np.concatenate([self.waste, np.array(tables, dtype=np.float64).reshape(len(tables), FULL + 1)])
 
     def scores(self, rows: np.ndarray, row_type: np.ndarray, type_list: list[str], slots: np.ndarray, gpus: int,
                milli: int, cpu: int, mem: int) -> np.ndarray:
         """frag's score of one part ``gpus x milli, cpu, mem`` on each of these live signatures (rows of the
         capacity index): ``(usable(s) - usable(s')) / scale + pack_weight x GPU milli left + balance_weight x
-        (stranded(s') - stranded(s))`` (``profile.stranded``)."""
+        (stranded(s') - stranded(s)) + remainder_weight x remainder_change`` (``profile``)."""
         if len(type_list) > len(self.weights):
             self._types(type_list)
         return _scores(rows, row_type, slots, gpus, milli, cpu, mem, self.share_milli, self.whole_gpus,  # type: ignore[no-any-return]
                        self.col, self.cpu, self.mem, self.share, self.weights, self.scale, self.pack_weight,
-                       self.balance_weight, self.ratio)
+                       self.balance_weight, self.ratio, self.waste, self.remainder_weight)
 
 
 def warm() -> None:
     """Compile (or load from numba's cache) the kernel now, not in the first decision that scores."""
-    sc = Scorer([(1, 500, frozenset(), [(1000, 1000, 1)]), (2, FULL, frozenset(), [(0, 0, 1)])], 1, 0.001, 4.0, 0.5)
+    sc = Scorer([(1, 500, frozenset(), [(1000, 1000, 1)]), (2, FULL, frozenset(), [(0, 0, 1)])], 1, 0.001, 4.0, 0.5,
+                [(1, 500, 1000, 1000, (), 0.5), (2, FULL, 0, 0, (), 0.5)], 20.0)
     rows = np.array([[4000, 4000, FULL, FULL, 700, 0]], dtype=np.int64)
     sc.scores(rows, np.zeros(1, dtype=np.intp), ["A"], np.zeros(1, dtype=np.intp), 1, 500, 0, 0)
