@@ -353,3 +353,20 @@ def test_the_scoring_kernel_works_where_numba_cannot_cache() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "NullCache"
+
+
+def test_decisions_run_the_kernel_that_warm_compiled() -> None:
+    """``scoring.warm`` compiles (or loads) the kernel before the first decision; a decision must not make
+    numba compile another version of it (seconds, inside the decision), e.g. for a weight given as an int."""
+    from dagfold.services.allocator import scoring
+
+    scoring.warm()
+    compiled = len(scoring._scores.signatures)
+    h = AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), frag_pack_weight=0, frag_balance_weight=4,
+                                      frag_remainder_weight=20), commit_every=16)
+    for k in range(4):
+        h.register(f"n{k}", "A", 8, cpu_milli=64000, memory_mib=256000)
+    for i in range(20):
+        h.request(f"j{i}", gpus=1, gpu_milli=300 + 10 * i, cpu_milli=2000, wait=False)
+    assert h.fold.state.scorer is not None  # frag scored
+    assert len(scoring._scores.signatures) == compiled

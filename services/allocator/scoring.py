@@ -142,12 +142,14 @@ class Scorer:
         self.share = np.array([x[3] for x in members], dtype=np.bool_)
         self._members = [(x[4], x[5]) for x in members]
         self.weights = np.zeros((0, len(members)), dtype=np.int64)  # GPU type (capacity index's number) x class
-        self.scale = scale
-        self.pack_weight = pack_weight
-        self.balance_weight = balance_weight
-        self.ratio = ratio
+        # the kernel's argument types fixed (an int weight would make numba compile a second version of it
+        # inside a decision, after ``warm``)
+        self.scale = int(scale)
+        self.pack_weight = float(pack_weight)
+        self.balance_weight = float(balance_weight)
+        self.ratio = float(ratio)
         self.classes = classes or []
-        self.remainder_weight = remainder_weight
+        self.remainder_weight = float(remainder_weight)
         self.waste = np.zeros((0, FULL + 1), dtype=np.float64)  # GPU type (capacity index's number) x remainder
         self._tables: dict[bytes, np.ndarray] = {}  # types that serve the same share sizes share a table
 
