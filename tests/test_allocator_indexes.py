@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dagfold.services.allocator import passes, scoring
+from dagfold.services.allocator import passes, placement, scoring
 from dagfold.services.allocator.capacity import l1_fits, signature
 from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.services.allocator.harness import AllocatorHarness
@@ -197,6 +197,8 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
         return got
 
     monkeypatch.setattr(passes, "find_victims", checked)
+    # rankings catch up by a loop over the births, or by a scan of the capacity rows past this many
+    monkeypatch.setattr(placement, "SCAN_BIRTHS", rng.choice([0, 4, 10 ** 9]))
     opts = replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, grace_s=20.0, orphan_grace_s=None,
                    preempt_scan_limit=rng.choice([3, 8, 64]))
     h = AllocatorHarness(opts=opts, commit_every=rng.choice([1, 7]))

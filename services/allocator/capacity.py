@@ -81,6 +81,7 @@ class CapacityIndex:
         self.row_type = np.zeros(0, dtype=np.intp)
         self.row_full = np.zeros(0, dtype=np.int64)
         self.row_part = np.zeros(0, dtype=np.int64)
+        self.row_birth = np.zeros(0, dtype=np.int64)  # birth number (``birth_at``, for catch-ups that scan)
         self.alive = np.zeros(0, dtype=bool)
         self.pending: dict[int, bool] = {}  # slots born (True) or dead (False) since the arrays were written
 
@@ -160,6 +161,7 @@ class CapacityIndex:
             self.row_type = np.concatenate([self.row_type, np.zeros(grow, dtype=np.intp)])
             self.row_full = np.concatenate([self.row_full, np.zeros(grow, dtype=np.int64)])
             self.row_part = np.concatenate([self.row_part, np.zeros(grow, dtype=np.int64)])
+            self.row_birth = np.concatenate([self.row_birth, np.zeros(grow, dtype=np.int64)])
             self.alive = np.concatenate([self.alive, np.zeros(grow, dtype=bool)])
         pending = self.pending
         width = self.rows.shape[1] - 2
@@ -176,6 +178,7 @@ class CapacityIndex:
                     self.row_type[i] = self.type_ids[t]
                     self.row_full[i] = l1[0]
                     self.row_part[i] = l1[1]
+                    self.row_birth[i] = self.birth_at[i]
                 self.alive[i] = up
             return
         born = [i for i, up in pending.items() if up]
@@ -195,15 +198,20 @@ class CapacityIndex:
             self.row_type[born] = [self.type_ids[s[0]] for s in sigs]
             self.row_full[born] = [s[1][0] for s in sigs]
             self.row_part[born] = [s[1][1] for s in sigs]
+            self.row_birth[born] = [self.birth_at[i] for i in born]
             self.alive[born] = True
 
-    def candidate_slots(self, allowed: tuple[str, ...], gpus: int, milli: int, cpu: int, mem: int) -> np.ndarray:
-        """Slots of every live signature that can hold one host-part (``candidate_sigs``, vectorised:
-        a scan of the live signatures, for a shape's first ranking only)."""
+    def candidate_slots(self, allowed: tuple[str, ...], gpus: int, milli: int, cpu: int, mem: int,
+                        born_from: int = 0) -> np.ndarray:
+        """Slots of every live signature that can hold one host-part (``candidate_sigs``, vectorised: a scan
+        of the live signatures, for a shape's first ranking, or born at or after ``born_from``, for a
+        ranking's catch-up on many births)."""
         self.arrays()
         n = len(self.at)
         rows = self.rows[:n]
         ok = self.alive[:n] & (rows[:, 0] >= cpu) & (rows[:, 1] >= mem)
+        if born_from:
+            ok &= self.row_birth[:n] >= born_from
         if gpus == 1 and milli < FULL:
             ok &= (self.row_full[:n] >= 1) | (self.row_part[:n] >= milli)
         elif gpus:

@@ -73,6 +73,7 @@ def choose_gpus(n: NodeView, gpus: int, milli: int) -> list[int]:
 
 RankKey = tuple[float, int, int, str, tuple[int, ...], int]  # score, CPU, memory, type, GPUs, birth
 Cand = tuple[str, L1, Sig]
+SCAN_BIRTHS = 32  # a catch-up over more births than this scans the capacity rows (numpy) instead of the births
 
 
 def frag_scores(st: PoolState, cands: list[Cand], gpus: int, milli: int, cpu: int, mem: int,
@@ -133,11 +134,11 @@ def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem
     rk = st.rankings.get(q)
     if rk is None:
         rk = st.rankings[q] = Ranking(end)
-        slots = cap.candidate_slots(r.gpu_types, gpus, milli, cpu, mem)
+        every = cap.candidate_slots(r.gpu_types, gpus, milli, cpu, mem)
         at, birth_at = cap.at, cap.birth_at
-        order = slots.tolist()
+        order = every.tolist()
         cands: list[Cand] = [at[i] for i in order]  # type: ignore[misc]  # (live slots)
-        rk.heap = _keys(st, [birth_at[i] for i in order], cands, gpus, milli, cpu, mem, slots)
+        rk.heap = _keys(st, [birth_at[i] for i in order], cands, gpus, milli, cpu, mem, every)
         heapq.heapify(rk.heap)
         return rk
     born = cap.born
@@ -147,21 +148,31 @@ def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem
         live = [k for k in rk.heap if k[5] in born]
         heapq.heapify(live)
         rk.heap = live
-    if rk.cursor < end:
+    if rk.cursor >= end:
+        return rk
+    slots: np.ndarray | None = None
+    if end - rk.cursor > SCAN_BIRTHS:
+        # a shape seldom asked for, many births behind: one numpy scan of the live signatures born since
+        # (and that fit) instead of a Python loop over the births; the same entries, so the same ranking
+        slots = cap.candidate_slots(r.gpu_types, gpus, milli, cpu, mem, born_from=rk.cursor)
+        at, birth_at = cap.at, cap.birth_at
+        order = slots.tolist()
+        new: list[Cand] = [at[i] for i in order]  # type: ignore[misc]  # (live slots)
+        births = [birth_at[i] for i in order]
+    else:
         types = r.gpu_types
-        new: list[Cand] = []
-        births: list[int] = []
+        new, births = [], []
         for b, c in cap.born_since(rk.cursor, gpus, milli):
             t, l1, sig = c
             if (types and t not in types) or sig[0] < cpu or sig[1] < mem or not l1_fits(l1, gpus, milli):
                 continue
             new.append(c)
             births.append(b)
-        if new:
-            heap = rk.heap
-            for key in _keys(st, births, new, gpus, milli, cpu, mem):
-                heapq.heappush(heap, key)
-        rk.cursor = end
+    if new:
+        heap = rk.heap
+        for key in _keys(st, births, new, gpus, milli, cpu, mem, slots):
+            heapq.heappush(heap, key)
+    rk.cursor = end
     return rk
 
 
