@@ -199,6 +199,7 @@ def test_indexes_and_victim_search_match_plain_recomputation(seed: int, monkeypa
     monkeypatch.setattr(passes, "find_victims", checked)
     # rankings catch up by a loop over the births, or by a scan of the capacity rows past this many
     monkeypatch.setattr(placement, "SCAN_BIRTHS", rng.choice([0, 4, 10 ** 9]))
+    monkeypatch.setattr(placement, "DEAD_POPS", rng.choice([1, 3, 64]))  # dead entries dropped all at once
     opts = replace(AllocatorOptions(pool="p"), lease_s=10.0 ** 6, grace_s=20.0, orphan_grace_s=None,
                    preempt_scan_limit=rng.choice([3, 8, 64]))
     h = AllocatorHarness(opts=opts, commit_every=rng.choice([1, 7]))

@@ -73,6 +73,7 @@ def choose_gpus(n: NodeView, gpus: int, milli: int) -> list[int]:
 
 RankKey = tuple[float, int, int, str, tuple[int, ...], int]  # score, CPU, memory, type, GPUs, birth
 Cand = tuple[str, L1, Sig]
+DEAD_POPS = 64  # a query that meets this many dead entries drops every dead entry of the heap at once
 SCAN_BIRTHS = 32  # a catch-up over more births than this scans the capacity rows (numpy) instead of the births
 
 
@@ -186,10 +187,15 @@ def _place_ranked(st: PoolState, r: RequestView, excluded: Collection[str], gpus
     heap = rk.heap
     chosen: list[str] = []
     seen: list[RankKey] = []
+    dead = 0
     while heap and len(chosen) < hosts:
         key = heapq.heappop(heap)
         loc = born.get(key[5])
         if loc is None:  # no host has this signature any more (or it was born again: a newer entry)
+            dead += 1
+            if dead == DEAD_POPS:  # the top is mostly dead (hosts placed on since): drop them all at once
+                heap[:] = [k for k in heap if k[5] in born]
+                heapq.heapify(heap)
             continue
         seen.append(key)
         for nid in cap.hosts_of(*loc):  # type: ignore[union-attr]  # (a live signature has hosts)
