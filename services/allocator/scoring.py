@@ -6,8 +6,10 @@ compiled: a decision that meets a new request shape scores every live signature 
 ~1,000 on the FGD traces), and a catch-up the signatures born since the shape's last decision. In Python
 that is ~8 us per host state (a loop over ~80-130 classes), with numpy ~2-4 us per state plus ~90 us of
 fixed cost per batch (a dozen array passes over states x classes); compiled, well under 1 us per state and
-a few us per call. Integer arithmetic throughout (int64; the weights are integers, ``group_classes``), so
-the scores equal the plain ones to the last bit whatever the order of the sums.
+a few us per call. ``usable`` in integer arithmetic (int64; the weights are integers, ``group_classes``), so
+it equals the plain one to the last bit whatever the order of the sums; the CPU balance and remainder terms
+(``profile.stranded``, ``profile.remainder_waste``) in the same float operations, in the same order, as
+their plain definitions (the tests hold the scores equal to the bit).
 
 The kernel is compiled once per machine (numba's on-disk cache; ``warm`` at start-up, so that no decision
 pays the compilation) and is deterministic: no wall clock, no randomness, no threads.
