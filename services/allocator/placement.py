@@ -34,7 +34,7 @@ from collections.abc import Collection
 
 import numpy as np
 
-from dagfold.services.allocator.capacity import L1, Sig, l1_fits
+from dagfold.services.allocator.capacity import L1, CapacityIndex, Sig, l1_fits
 from dagfold.services.allocator.model import FULL, NodeView, Part, RequestView
 from dagfold.services.allocator.scoring import Scorer
 from dagfold.services.allocator.state import PoolState
@@ -128,6 +128,13 @@ def _keys(st: PoolState, births: list[int], cands: list[Cand], gpus: int, milli:
             for score, (t, _l1, sig), b in zip(scores, cands, births, strict=True)]
 
 
+def _at_slots(cap: CapacityIndex, slots: np.ndarray) -> tuple[list[Cand], list[int]]:
+    """The signatures in these live slots of the capacity index, and their birth numbers."""
+    at, birth_at = cap.at, cap.birth_at
+    order = slots.tolist()
+    return [at[i] for i in order], [birth_at[i] for i in order]  # type: ignore[misc]  # (live slots)
+
+
 def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem: int) -> Ranking:
     cap = st.capacity
     q = (r.gpu_types, gpus, milli, cpu, mem)
@@ -136,10 +143,8 @@ def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem
     if rk is None:
         rk = st.rankings[q] = Ranking(end)
         every = cap.candidate_slots(r.gpu_types, gpus, milli, cpu, mem)
-        at, birth_at = cap.at, cap.birth_at
-        order = every.tolist()
-        cands: list[Cand] = [at[i] for i in order]  # type: ignore[misc]  # (live slots)
-        rk.heap = _keys(st, [birth_at[i] for i in order], cands, gpus, milli, cpu, mem, every)
+        cands, births = _at_slots(cap, every)
+        rk.heap = _keys(st, births, cands, gpus, milli, cpu, mem, every)
         heapq.heapify(rk.heap)
         return rk
     born = cap.born
@@ -156,10 +161,7 @@ def _ranking(st: PoolState, r: RequestView, gpus: int, milli: int, cpu: int, mem
         # a shape seldom asked for, many births behind: one numpy scan of the live signatures born since
         # (and that fit) instead of a Python loop over the births; the same entries, so the same ranking
         slots = cap.candidate_slots(r.gpu_types, gpus, milli, cpu, mem, born_from=rk.cursor)
-        at, birth_at = cap.at, cap.birth_at
-        order = slots.tolist()
-        new: list[Cand] = [at[i] for i in order]  # type: ignore[misc]  # (live slots)
-        births = [birth_at[i] for i in order]
+        new, births = _at_slots(cap, slots)
     else:
         types = r.gpu_types
         new, births = [], []
