@@ -117,7 +117,12 @@ class Codec:
             raise CodecError(f"invalid {rs.name}: {exc}") from exc
 
     def decode(self, data: bytes | None) -> Record:
-        """Decode one record, or raise CodecError saying exactly why not."""
+        """Decode one record, or raise CodecError saying exactly why not.
+
+        The body must be exactly one record of the fingerprint's schema: a body that decodes with bytes
+        left over (a SubmitJob framed with CancelJob's fingerprint reads as a CancelJob of its first
+        field) is refused, so the processors dead-letter it instead of folding the wrong type.
+        """
         if data is None:
             raise CodecError("record has no value (tombstone)")
         if data[:1] == b"\x00" and len(data) >= 5:  # what Confluent's AvroSerializer (and Connect) write
@@ -131,13 +136,17 @@ class Codec:
         if writer is None:
             raise CodecError(f"unknown schema fingerprint {fp.hex()}")
         reader = self._by_name.get(writer.name, writer)
+        body = io.BytesIO(data[HEADER_LEN:])
         try:
-            rec = fastavro.schemaless_reader(io.BytesIO(data[HEADER_LEN:]), writer.parsed,
-                                             reader.parsed if reader is not writer else None)
+            rec = fastavro.schemaless_reader(body, writer.parsed, reader.parsed if reader is not writer else None)
         except Exception as exc:  # truncated or corrupt body
             raise CodecError(f"corrupt {writer.name} body: {exc}") from exc
         if not isinstance(rec, dict):
             raise CodecError(f"{writer.name} did not decode to a record")
+        left = len(data) - HEADER_LEN - body.tell()
+        if left:  # Avro's reader stops where the schema ends: bytes left over mean another schema wrote them
+            raise CodecError(f"{writer.name} body has {left} bytes after the record: not written with this "
+                             "schema (framed with another schema's fingerprint?)")
         rec["type"] = writer.name
         return rec
 
