@@ -6,17 +6,44 @@ What it answers depends on the path:
 * ``/status/<code>/...``: always ``code``
 * ``/down/...``: 503 while ``receiver.down`` is set, then 200
 * ``/slow/...``: 200 once ``receiver.release`` is set (or after 20 s)
+* ``/drip/<ms>/...``: the answer's status line one byte every ``<ms>`` milliseconds (a receiver that
+  never times out a read and never finishes: issue 24, recipe 6); ``finished`` counts those that did
 * anything else: 200
+
+The notifier refuses loopback destinations unless the operator allows them: ``LOOPBACK`` (for
+``CallbackOptions(egress=...)``) and ``allow_loopback`` (for a Stack, which reads the environment)
+are the tests' explicit allow list.
 """
 
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+import pytest
+
+from dagfold.codec import default_codec, make
+from dagfold.config import EVENTS, Config
+from dagfold.log.base import TopicPartition
+from dagfold.log.embedded import EmbeddedLog
+from dagfold.services.callbacks import GROUP, CallbackNotifier
+from dagfold.services.callbacks.egress import ENV_ALLOW, EgressRules, parse_allow
+
+LOOPBACK_CIDR = "127.0.0.1/32"
+LOOPBACK = EgressRules(allow=parse_allow(LOOPBACK_CIDR))
+
+
+def allow_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let a Stack's notifier (it reads DAGFOLD_CALLBACK_*) call the receivers on 127.0.0.1."""
+    monkeypatch.setenv(ENV_ALLOW, LOOPBACK_CIDR)
 
 
 @dataclass
@@ -42,6 +69,9 @@ class Receiver:
         self.down = threading.Event()
         self.release = threading.Event()
         self._seen: dict[str, int] = {}
+        self.dripping = 0  # drip answers being sent now
+        self.most_dripping = 0  # the most at once
+        self.finished = 0  # drip answers sent to the end
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +80,9 @@ class Receiver:
                 rec = Received(self.path, {k.lower(): v for k, v in self.headers.items()}, body)
                 with receiver.lock:
                     receiver.requests.append(rec)  # on arrival: a slow answer is seen as in flight
+                if self.path.startswith("/drip/"):
+                    receiver._drip(self, int(self.path.split("/")[2]) / 1000)
+                    return
                 rec.status = status = receiver._answer(self.path)
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
@@ -77,6 +110,28 @@ class Receiver:
             self.release.wait(20)
         return 200
 
+    def _drip(self, handler: BaseHTTPRequestHandler, every_s: float) -> None:
+        with self.lock:
+            self.dripping += 1
+            self.most_dripping = max(self.most_dripping, self.dripping)
+        conn = handler.connection
+        try:
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n":
+                if select.select([conn], [], [], every_s)[0] and not conn.recv(1, socket.MSG_PEEK):
+                    return  # the notifier hung up (its deadline): counted as done at once
+                if self.release.is_set():
+                    return
+                handler.wfile.write(bytes([byte]))
+                handler.wfile.flush()
+            with self.lock:
+                self.finished += 1
+        except OSError:
+            return  # the notifier hung up (its deadline)
+        finally:
+            with self.lock:
+                self.dripping -= 1
+            handler.close_connection = True
+
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
@@ -102,3 +157,52 @@ class Receiver:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+
+
+# -- the events a scheduler would write, and stepping a notifier --------------------------------
+class EventLog:
+    """The embedded log with the events a scheduler would write."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.config = Config(partitions=2)
+        self.log = EmbeddedLog(tmp / "log")
+        self.log.create_topics(self.config.core_topics())
+        self._producer = self.log.producer("test")
+        self.ts = int(time.time() * 1000)
+
+    def emit(self, name: str, job_id: str, **fields: Any) -> None:
+        self.ts += 1
+        ev = make("dagfold.event." + name, job_id=job_id, ts_ms=self.ts, **fields)
+        self._producer.send(EVENTS, job_id.encode(), default_codec().encode(ev))
+        self._producer.flush()
+
+    def accept(self, job_id: str, url: str | None, tenant: str = "acme") -> None:
+        task = make("dagfold.common.TaskSpec", task_id="a", handler="noop")
+        self.emit("JobAccepted", job_id, spec=make("dagfold.common.JobSpec", job_id=job_id, tenant=tenant,
+                                                   callback_url=url, tasks=[task]))
+
+    def reset_group(self) -> None:
+        """Move the notifier group's offsets back to 0: as if it died after its ledger write, before the commit."""
+        c = self.log.consumer(GROUP)
+        c.commit({TopicPartition(EVENTS, p): 0 for p in range(self.config.partitions)})
+        c.close()
+
+    def close(self) -> None:
+        self._producer.close()
+        self.log.close()
+
+
+def pump(n: CallbackNotifier, until: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
+        n.step(0.05)
+
+
+def pump_for(n: CallbackNotifier, seconds: float) -> int:
+    """Step for ``seconds``; returns the event records read."""
+    read = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        read += n.step(0.05)
+    return read

@@ -23,7 +23,7 @@ from dagfold.services.callbacks import DELIVERED, verify
 from dagfold.services.scheduler.spec import job_id_for
 from dagfold.services.stack import Stack, StackOptions
 from tests.api_support import ApiHarness, LiveServer, accepted, ev, free_port, now_ms, wait_until
-from tests.callback_support import Receiver
+from tests.callback_support import Receiver, allow_loopback
 
 VALID: dict[str, Any] = {
     "model": "llama-3-70b",
@@ -191,6 +191,7 @@ def test_on_the_stack_accepted_status_with_callback_and_cancel(tmp_path: Path, m
     """The real scheduler accepts the GPU job; cancelling it ends it and the notifier calls back."""
     secret = "gpu-test-secret"
     monkeypatch.setenv("DAGFOLD_CALLBACK_SECRET", secret)
+    allow_loopback(monkeypatch)  # the receiver is on 127.0.0.1
     cfg = Config(data_dir=tmp_path / "data", partitions=2, dispatch_partitions=2, api_port=free_port())
     with Receiver() as receiver, Stack(cfg, StackOptions(workers=1)) as stack:
         base = f"http://127.0.0.1:{cfg.api_port}"

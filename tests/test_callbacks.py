@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 
-from dagfold.codec import default_codec, make
 from dagfold.commands import submit_job
-from dagfold.config import EVENTS, Config
-from dagfold.log.base import TopicPartition
+from dagfold.config import Config
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.services.callbacks import (
     DELIVERED,
     GAVE_UP,
-    GROUP,
     PENDING,
     CallbackNotifier,
     CallbackOptions,
@@ -38,11 +35,12 @@ from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.handlers import HandlerRegistry
 from tests.api_support import wait_until
-from tests.callback_support import Receiver
+from tests.callback_support import LOOPBACK, EventLog, Receiver, allow_loopback, pump, pump_for
 
 SHELL_STACK = StackOptions(workers=1, api=False, registry=HandlerRegistry.with_builtins(shell=True))
 SECRET = "test-secret-0123456789"
-FAST = CallbackOptions(secret=SECRET, timeout_s=5.0, max_attempts=50, base_backoff_s=0.05, max_backoff_s=0.2)
+FAST = CallbackOptions(secret=SECRET, timeout_s=5.0, max_attempts=50, base_backoff_s=0.05, max_backoff_s=0.2,
+                       egress=LOOPBACK)  # the receivers are on 127.0.0.1: allowed explicitly
 
 
 @pytest.fixture
@@ -58,6 +56,7 @@ def fast_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DAGFOLD_CALLBACK_BASE_BACKOFF_S", "0.05")
     monkeypatch.setenv("DAGFOLD_CALLBACK_MAX_BACKOFF_S", "0.2")
     monkeypatch.setenv("DAGFOLD_CALLBACK_TIMEOUT_S", "5")
+    allow_loopback(monkeypatch)
 
 
 def metric(name: str, labels: dict[str, str] | None = None) -> float:
@@ -188,54 +187,6 @@ def test_stack_calls_back_once_with_retries_and_not_again_after_restart(
 
 
 # -- log level: re-reading events after a crash, redrive rounds, pending across restarts -----------
-class EventLog:
-    """The embedded log with the events a scheduler would write."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.config = Config(partitions=2)
-        self.log = EmbeddedLog(tmp / "log")
-        self.log.create_topics(self.config.core_topics())
-        self._producer = self.log.producer("test")
-        self.ts = int(time.time() * 1000)
-
-    def emit(self, name: str, job_id: str, **fields: Any) -> None:
-        self.ts += 1
-        ev = make("dagfold.event." + name, job_id=job_id, ts_ms=self.ts, **fields)
-        self._producer.send(EVENTS, job_id.encode(), default_codec().encode(ev))
-        self._producer.flush()
-
-    def accept(self, job_id: str, url: str | None) -> None:
-        task = make("dagfold.common.TaskSpec", task_id="a", handler="noop")
-        self.emit("JobAccepted", job_id, spec=make("dagfold.common.JobSpec", job_id=job_id, tenant="acme",
-                                                   callback_url=url, tasks=[task]))
-
-    def reset_group(self) -> None:
-        """Move the notifier group's offsets back to 0: as if it died after its ledger write, before the commit."""
-        c = self.log.consumer(GROUP)
-        c.commit({TopicPartition(EVENTS, p): 0 for p in range(self.config.partitions)})
-        c.close()
-
-    def close(self) -> None:
-        self._producer.close()
-        self.log.close()
-
-
-def pump(n: CallbackNotifier, until: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
-        n.step(0.05)
-
-
-def pump_for(n: CallbackNotifier, seconds: float) -> int:
-    """Step for ``seconds``; returns the event records read."""
-    read = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        read += n.step(0.05)
-    return read
-
-
 @pytest.fixture
 def events(tmp_path: Path) -> Iterator[EventLog]:
     e = EventLog(tmp_path)

@@ -22,9 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
+from dagfold.services.callbacks.egress import ENV_ALLOW
 from dagfold.services.callbacks.signing import verify
 from tests.api_support import free_port
-from tests.callback_support import Receiver
+from tests.callback_support import LOOPBACK_CIDR, Receiver
 from tests.cli_support import DAGFOLD, ROOT, UpProcess
 
 pytestmark = pytest.mark.kafka
@@ -83,10 +84,12 @@ def up(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """One `dagfold up` for this file's tests: each runs its own pool of agents and its own jobs, and only
     reads through the API (the faults are the agents', never the stack's)."""
     os.environ["DAGFOLD_CALLBACK_SECRET"] = SECRET  # inherited by `dagfold up`: it signs callbacks
+    os.environ[ENV_ALLOW] = LOOPBACK_CIDR  # and may call the receiver on 127.0.0.1
     try:
         u = UpProcess(tmp_path_factory.mktemp("gpu-up") / "data", log=f"kafka://{kafka_bootstrap}").start()
     finally:
         os.environ.pop("DAGFOLD_CALLBACK_SECRET", None)
+        os.environ.pop(ENV_ALLOW, None)
     try:
         yield u
     finally:

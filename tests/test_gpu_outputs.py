@@ -20,7 +20,7 @@ from dagfold.config import Config
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.handlers import HandlerRegistry
 from tests.api_support import free_port, wait_until
-from tests.callback_support import Receiver
+from tests.callback_support import Receiver, allow_loopback
 from tests.gpu_support import gpu_stack
 from tests.s3_support import S3Server
 
@@ -33,6 +33,7 @@ B = {"Authorization": f"Bearer {KEY_B}"}
 @pytest.fixture
 def keys(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DAGFOLD_API_KEYS", f"{KEY_A}:studio-a,{KEY_B}:studio-b")
+    allow_loopback(monkeypatch)  # the callback receiver is on 127.0.0.1
 
 
 def returns_its_file(tmp_path: Path, artifacts_url: str) -> None:

@@ -25,6 +25,7 @@ from dagfold.services.api.admission import Admission
 from dagfold.services.api.auth import AuthConfig, Principal
 from dagfold.services.api.errors import ApiError, not_found
 from dagfold.services.api.graph import LayoutCache
+from dagfold.services.callbacks.egress import EgressRules
 from dagfold.services.callbacks.ledger import CallbackLedger
 from dagfold.services.worker.handlers import HandlerRegistry
 from dagfold.tenants import DEFAULT, Entitlements
@@ -72,6 +73,8 @@ class ApiContext:
     sse_poll_s: float = 0.25
     layouts: LayoutCache = field(default_factory=LayoutCache)
     callbacks: CallbackLedger | None = None  # the notifier's ledger when it runs in this process
+    # where callbacks may go (DAGFOLD_CALLBACK_ALLOW): literal addresses it denies are refused at submission
+    egress: EgressRules = field(default_factory=EgressRules.from_env)
     artifacts: ArtifactStore | None = None  # task outputs (opened from config.artifacts_url on first use)
     # the workers' capabilities when they run in this process (dagfold up): handlers outside them are refused
     handlers: HandlerRegistry | None = None

@@ -127,9 +127,10 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
 
     The tenant comes from the caller's key ("default" or none in the spec means
     the key's tenant; another one is refused), then the scheduler's own
-    validation (422), the repeat check (200 with the existing job; 409 for the
-    same ID or idempotency key with another spec), admission (429) and the
-    SubmitJob command. Returns ``(202, submitted)`` or ``(200, existing job)``.
+    validation (422), a callback_url to a denied literal address (422), the
+    repeat check (200 with the existing job; 409 for the same ID or idempotency
+    key with another spec), admission (429) and the SubmitJob command. Returns
+    ``(202, submitted)`` or ``(200, existing job)``.
     """
     if principal.tenant is not None:  # "default" (or no tenant) means the key's tenant; another one is refused
         if "tenant" in spec_in.model_fields_set and spec_in.tenant not in (principal.tenant, "default"):
@@ -147,6 +148,11 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
     rejection = validate_job_spec(spec, ctx.config.scheduler.limits)
     if rejection is not None:
         raise ApiError(422, rejection.code, rejection.reason)
+    url = spec.get("callback_url")
+    refused = ctx.egress.literal_refusal(url) if url else None
+    if refused is not None:  # early and only for literals: the notifier checks every address it resolves
+        raise ApiError(422, "refused_destination", "callback_url names an address callbacks may not go to "
+                       "(loopback, private, link-local... ; an operator may allow ranges: DAGFOLD_CALLBACK_ALLOW)")
     check_capabilities(ctx, spec)
     try:
         digest = spec_hash(spec)

@@ -6,9 +6,11 @@ Data flow (one ``CallbackNotifier``: its own consumer, its ledger, a pool of HTT
         JobAccepted with spec.callback_url   -> remember the URL (ledger ``j``)
         JobSucceeded | JobFailed | JobCancelled of a remembered job -> delivery ``pending``, due now
         JobRedriven, TaskReopened            -> the next end is a new delivery (``round`` + 1)
-    ledger due index (due <= now) --> HTTP pool: POST url --> outcome --> ledger write batch
+    ledger due index, tenant by tenant (due <= now, a tenant at most tenant_concurrency in flight)
+        --> HTTP pool: resolve, check the address (egress), POST there within one deadline --> outcome
+        --> ledger write batch
         2xx -> delivered;  408, 429, other non-2xx, connection error, timeout -> pending, due after a backoff;
-        other 4xx, unusable URL, or max_attempts reached -> gave_up (with the reason)
+        other 4xx, unusable URL, refused destination, or max_attempts reached -> gave_up (with the reason)
 
 "Called once": the offsets of a polled batch are committed only after its
 ledger batch is written, and re-reading events is a no-op (the ledger keeps
@@ -20,8 +22,19 @@ on ``X-Dagfold-Delivery``.
 
 Pending retries never block anything: they wait in the ledger's due-time index
 and the loop only polls (at most until the next due time); up to
-``options.concurrency`` deliveries run at once on their own threads, so one
-slow receiver does not hold up the others or the ingestion.
+``options.concurrency`` deliveries run at once on their own threads, at most
+``options.tenant_concurrency`` of one tenant, taken tenant by tenant in turn
+(round robin over the tenants with due deliveries), and each attempt ends by
+its deadline (``options.timeout_s`` for all of it: ``egress.attempt_deadline``).
+So a tenant whose receivers answer one byte at a time holds its own slots for
+at most one deadline each and never the other tenants' (issue 24, recipe 6).
+
+Where a callback may go is ``egress.EgressRules``: the client's only way to
+connect is ``egress.GuardedBackend``, which resolves the host once, refuses a
+denied address and connects to the address it checked. A tenant sees a
+delivery's state and the coarse class of its last failure (``ledger.FAILURES``),
+never the status or error text of what answered (recipe 5); operators have both
+in the ledger and the log.
 
 One notifier per deployment: the ledger is local to its data folder, and the
 URL of a job is known only to the instance that read its JobAccepted. (With a
@@ -44,6 +57,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpcore
 import httpx
 
 from dagfold import metrics
@@ -54,16 +68,22 @@ from dagfold.exceptions import CodecError, LogError
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
 from dagfold.processor.polling import Backoff, LagGauge
 from dagfold.projections.store import ReadModelTxn
+from dagfold.services.callbacks.egress import GuardedBackend, RefusedDestination, attempt_deadline
 from dagfold.services.callbacks.ledger import (
     DELIVERED,
     GAVE_UP,
+    HTTP_ERROR,
+    INVALID_URL,
     PENDING,
+    REFUSED_DESTINATION,
+    TIMEOUT,
+    UNREACHABLE,
     CallbackLedger,
     Record,
     delivery_id,
     delivery_key,
-    due_key,
     job_key,
+    tenant_of,
 )
 from dagfold.services.callbacks.options import CallbackOptions
 from dagfold.services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign
@@ -91,12 +111,17 @@ LAG_CHECK_S = 5.0
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one attempt came to: ``delivered``, ``retry`` or ``final`` (give up now)."""
+    """What one attempt came to: ``delivered``, ``retry`` or ``final`` (give up now).
+
+    ``failure`` is the coarse class a tenant is shown (``ledger.FAILURES``); ``status`` and ``error``
+    say what answered, for the ledger and the log only.
+    """
 
     kind: str
     status: int | None = None
     error: str | None = None
     retry_after_s: float | None = None
+    failure: str | None = None
 
 
 def _retry_after(value: str | None) -> float | None:
@@ -129,8 +154,24 @@ def classify(status: int, retry_after: str | None = None) -> Outcome:
     if 200 <= status < 300:
         return Outcome("delivered", status)
     if 400 <= status < 500 and status not in RETRYABLE_4XX:
-        return Outcome("final", status, f"HTTP {status}")
-    return Outcome("retry", status, f"HTTP {status}", _retry_after(retry_after))
+        return Outcome("final", status, f"HTTP {status}", failure=HTTP_ERROR)
+    return Outcome("retry", status, f"HTTP {status}", _retry_after(retry_after), HTTP_ERROR)
+
+
+def guarded_transport(options: CallbackOptions) -> httpx.HTTPTransport:
+    """httpx's transport whose connections go through ``egress.GuardedBackend`` (no keep-alive: every
+    attempt resolves and checks its destination again).
+
+    httpx.HTTPTransport takes no network backend, so its pool is rebuilt with one; the arguments are
+    those HTTPTransport.__init__ passes to httpcore.ConnectionPool (httpx 0.28 ``_transports/default.py``),
+    and httpcore's ``network_backend`` argument is its documented extension point
+    (https://www.encode.io/httpcore/network-backends/).
+    """
+    transport = httpx.HTTPTransport(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
+    transport._pool = httpcore.ConnectionPool(  # noqa: SLF001 - see the docstring
+        ssl_context=httpx.create_ssl_context(trust_env=False), max_keepalive_connections=0,
+        network_backend=GuardedBackend(options.egress))
+    return transport
 
 
 class CallbackNotifier:
@@ -160,10 +201,14 @@ class CallbackNotifier:
         self._codec = codec or default_codec()
         self._relevant_fp: dict[bytes, bool] = {}  # writer fingerprint -> is it a type the notifier reads
         self._consumer: Consumer | None = None
-        self._client = httpx.Client(timeout=self.options.timeout_s, follow_redirects=False, transport=transport,
+        self._client = httpx.Client(timeout=self.options.timeout_s, follow_redirects=False, trust_env=False,
+                                    transport=transport or guarded_transport(self.options),
                                     headers={"User-Agent": USER_AGENT})
         self._pool = cf.ThreadPoolExecutor(self.options.concurrency, thread_name_prefix="callbacks-http")
         self._in_flight: dict[tuple[str, int], cf.Future[Outcome]] = {}
+        self._tenant_in_flight: dict[tuple[str, int], str] = {}  # the tenant each attempt in flight counts against
+        self._last_tenant = ""  # the tenant served last: the next round starts after it
+        self.ledger.reindex()
         self._rng = random.Random()
         self._lag = LagGauge("callbacks", LAG_CHECK_S)
         self._closed = False
@@ -265,11 +310,12 @@ class CallbackNotifier:
                    "partial": partial, "tenant": job["tenant"], "tier": job["tier"], "round": rnd,
                    "accepted_ms": job["accepted_ms"], "ended_ms": ev["ts_ms"],
                    "outputs": job.get("outputs", []), "result_json": job.get("result_json")}
-        txn.put(dk, {"job_id": job_id, "round": rnd, "url": job["url"], "delivery_id": did, "state": PENDING,
-                     "payload": payload, "attempts": 0, "next_attempt_ms": now_ms, "created_ms": now_ms,
-                     "last_attempt_ms": None, "last_status": None, "last_error": None, "reason": None,
-                     "delivered_ms": None})
-        txn.put(due_key(now_ms, job_id, rnd), 0)
+        d = {"job_id": job_id, "round": rnd, "url": job["url"], "delivery_id": did, "state": PENDING,
+             "tenant": job["tenant"], "payload": payload, "attempts": 0, "next_attempt_ms": now_ms,
+             "created_ms": now_ms, "last_attempt_ms": None, "last_status": None, "last_error": None,
+             "failure": None, "reason": None, "delivered_ms": None}
+        CallbackLedger.schedule(txn, d, now_ms)
+        txn.put(dk, d)
         return 1
 
     # -- the delivery side ------------------------------------------------------------
@@ -277,7 +323,7 @@ class CallbackNotifier:
         """One POST (on a pool thread): never raises, says what came of it."""
         bad = _usable_url(delivery["url"])
         if bad is not None:
-            return Outcome("final", None, bad)
+            return Outcome("final", None, bad, failure=INVALID_URL)
         sent_ms = self._now_ms()
         body = json.dumps({**delivery["payload"], "attempt": delivery["attempts"] + 1, "sent_ms": sent_ms},
                           separators=(",", ":"), sort_keys=True).encode()
@@ -288,17 +334,21 @@ class CallbackNotifier:
             TIMESTAMP_HEADER: str(sent_ms // 1000),
         }
         try:
-            with self._client.stream("POST", delivery["url"], content=body, headers=headers) as resp:
+            with attempt_deadline(self.options.timeout_s), \
+                    self._client.stream("POST", delivery["url"], content=body, headers=headers) as resp:
                 return classify(resp.status_code, resp.headers.get("retry-after"))  # the body is never read
+        except RefusedDestination as exc:
+            return Outcome("final", None, str(exc)[:MAX_ERROR_CHARS], failure=REFUSED_DESTINATION)
         except httpx.UnsupportedProtocol as exc:
-            return Outcome("final", None, f"unusable callback URL: {exc}"[:MAX_ERROR_CHARS])
+            return Outcome("final", None, f"unusable callback URL: {exc}"[:MAX_ERROR_CHARS], failure=INVALID_URL)
         except httpx.TimeoutException as exc:
-            return Outcome("retry", None, f"timeout after {self.options.timeout_s:g}s: {type(exc).__name__}")
+            return Outcome("retry", None, f"timeout after {self.options.timeout_s:g}s: {type(exc).__name__}",
+                           failure=TIMEOUT)
         except httpx.HTTPError as exc:
-            return Outcome("retry", None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+            return Outcome("retry", None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS], failure=UNREACHABLE)
         except Exception as exc:  # a bug or a closed client: retried, never lost
             log.exception("callback attempt for %s failed unexpectedly", delivery["delivery_id"])
-            return Outcome("retry", None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+            return Outcome("retry", None, f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS], failure=UNREACHABLE)
 
     def backoff_s(self, attempts: int, retry_after_s: float | None = None) -> float:
         """Wait before the next attempt after ``attempts`` failed ones: exponential, half of it jitter."""
@@ -315,9 +365,10 @@ class CallbackNotifier:
         d = txn.get(dk)
         if d is None or d["state"] != PENDING:
             return None
-        txn.delete(due_key(d["next_attempt_ms"], job_id, rnd))
+        CallbackLedger.unschedule(txn, d)
         d["attempts"] += 1
-        d.update(last_attempt_ms=now_ms, last_status=outcome.status, last_error=outcome.error)
+        d.update(last_attempt_ms=now_ms, last_status=outcome.status, last_error=outcome.error,
+                 failure=outcome.failure)
         counted: str
         if outcome.kind == "delivered":
             d.update(state=DELIVERED, delivered_ms=now_ms, next_attempt_ms=None, last_error=None)
@@ -326,7 +377,7 @@ class CallbackNotifier:
                      outcome.status, d["attempts"])
         elif outcome.kind == "final" or d["attempts"] >= self.options.max_attempts:
             if outcome.kind == "final":
-                why = "invalid_url" if outcome.status is None else "rejected"
+                why = outcome.failure if outcome.status is None and outcome.failure else "rejected"
                 reason = f"final answer: {outcome.error}"
             else:
                 why = "max_attempts"
@@ -336,8 +387,7 @@ class CallbackNotifier:
             log.warning("callback %s to %s given up: %s", d["delivery_id"], d["url"], reason)
         else:
             due = now_ms + int(self.backoff_s(d["attempts"], outcome.retry_after_s) * 1000)
-            d["next_attempt_ms"] = due
-            txn.put(due_key(due, job_id, rnd), 0)
+            CallbackLedger.schedule(txn, d, due)
             counted = "retried"
             log.info("callback %s attempt %d failed (%s); next at %d", d["delivery_id"], d["attempts"],
                      outcome.error, due)
@@ -358,6 +408,7 @@ class CallbackNotifier:
         counted = []
         for (job_id, rnd), fut in done:
             del self._in_flight[(job_id, rnd)]
+            self._tenant_in_flight.pop((job_id, rnd), None)
             try:
                 outcome = fut.result()
             except BaseException as exc:  # cancelled at shutdown, or a bug: still pending, tried again
@@ -380,29 +431,57 @@ class CallbackNotifier:
         return len(done)
 
     def _dispatch_due(self) -> int:
-        """Start the due deliveries that are not in flight, as far as the pool has room; returns started."""
+        """Start due deliveries not in flight, as far as the pool has room: one of each tenant in turn (round
+        robin, starting after the tenant served last), a tenant at most ``tenant_concurrency``; returns started."""
         room = self.options.concurrency - len(self._in_flight)
         if room <= 0 or self._closed:
             return 0
+        now = self._now_ms()
+        cap = self.options.tenant_concurrency
+        held: dict[str, int] = {}
+        for t in self._tenant_in_flight.values():
+            held[t] = held.get(t, 0) + 1
+        tenants = self.ledger.due_tenants()
+        first = next((i for i, t in enumerate(tenants) if t > self._last_tenant), 0)
+        turn = [t for t in tenants[first:] + tenants[:first] if held.get(t, 0) < cap]
+        stale: list[Record] = []
         started = 0
-        stale: list[tuple[int, str, int]] = []
-        for due_ms, job_id, rnd in self.ledger.due(self._now_ms(), room + len(self._in_flight)):
-            if (job_id, rnd) in self._in_flight:
-                continue
-            d = self.ledger.delivery(job_id, rnd)
-            if d is None or d["state"] != PENDING or d["next_attempt_ms"] != due_ms:
-                stale.append((due_ms, job_id, rnd))  # not written by this code; dropped rather than spun on
-                continue
-            self._in_flight[(job_id, rnd)] = self._pool.submit(self._attempt, d)
-            started += 1
-            if started >= room:
-                break
+        while turn and started < room:
+            for tenant in list(turn):
+                d = self._next_of(tenant, now, stale)
+                if d is None:
+                    turn.remove(tenant)
+                    continue
+                key = (d["job_id"], d["round"])
+                self._in_flight[key] = self._pool.submit(self._attempt, d)
+                self._tenant_in_flight[key] = tenant
+                self._last_tenant = tenant
+                held[tenant] = held.get(tenant, 0) + 1
+                if held[tenant] >= cap:
+                    turn.remove(tenant)
+                started += 1
+                if started >= room:
+                    break
         if stale:
             txn = self.ledger.txn()
-            for due_ms, job_id, rnd in stale:
-                txn.delete(due_key(due_ms, job_id, rnd))
+            for d in stale:
+                CallbackLedger.unschedule(txn, d)
             self.ledger.commit(txn)
         return started
+
+    def _next_of(self, tenant: str, now_ms: int, stale: list[Record]) -> Record | None:
+        """A tenant's earliest due delivery that is not in flight; index entries that do not match a pending
+        delivery go to ``stale`` (dropped rather than spun on)."""
+        for due_ms, job_id, rnd in self.ledger.tenant_due(tenant, now_ms):
+            if (job_id, rnd) in self._in_flight or any((s["job_id"], s["round"]) == (job_id, rnd) for s in stale):
+                continue
+            d = self.ledger.delivery(job_id, rnd)
+            if d is None or d["state"] != PENDING or d["next_attempt_ms"] != due_ms or tenant_of(d) != tenant:
+                stale.append({"job_id": job_id, "round": rnd, "next_attempt_ms": due_ms, "tenant": tenant,
+                              "payload": {}})
+                continue
+            return d
+        return None
 
     # -- the loop ------------------------------------------------------------------
     def _now_ms(self) -> int:  # a method: tests move this notifier's clock
