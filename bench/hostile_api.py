@@ -11,6 +11,11 @@ acme's marker in any answer, or acme's name in a listing. Reports the answers by
 breaches, whether the process is still alive and answering, its peak RSS growth (VmHWM after minus VmRSS
 before), and the CPU time per request. Results: bench/results/hostile_api.json.
 
+Callbacks and record framing (issue 24, bench/hostile_callbacks.py): each round beta also submits jobs
+whose callback_url is a denied literal address (a 2xx is a breach); after the rounds, callbacks to a name
+resolving to loopback, beta's dripping receivers against acme's callback, and (with the stack stopped and
+started again) every command body framed with every other command's fingerprint in the log.
+
     python -m bench.hostile_api [--rounds N]
 """
 
@@ -29,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench import hostile_callbacks as hc
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "hostile_api.json"
@@ -128,18 +135,26 @@ def main() -> None:
     auth = tmp / "auth.yaml"
     auth.write_text(AUTH_FILE)
     auth.chmod(0o600)
-    proc = subprocess.Popen([sys.executable, "-m", "dagfold", "up", "--data", str(tmp / "data"), "--port", str(port),
-                             "--auth-file", str(auth)],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+    from tests.callback_support import Receiver
+
+    def start() -> subprocess.Popen[bytes]:
+        p = subprocess.Popen([sys.executable, "-m", "dagfold", "up", "--data", str(tmp / "data"), "--port",
+                              str(port), "--auth-file", str(auth)], env={**os.environ, **hc.ENV},
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        until = time.monotonic() + 120
+        while time.monotonic() < until:
             try:
                 if httpx.get(url + "/healthz", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.3)
+        return p
+
+    url = f"http://127.0.0.1:{port}"
+    canary, slow = Receiver("127.0.0.1").__enter__(), Receiver("127.0.0.2").__enter__()
+    proc = start()
+    try:
+        deadline = time.monotonic() + 120
         victim = httpx.post(url + "/v1/jobs", headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=30,
                             json={"id": VICTIM, "name": f"{MARKER}-name", "labels": {"s": f"{MARKER}-label"},
                                   "tasks": [{"id": "a"}]})
@@ -152,6 +167,7 @@ def main() -> None:
         time.sleep(2)  # let start-up settle before the baseline
         reqs = _requests()
         probes = _isolation_probes()
+        callback_probes = hc.submission_probes(canary.port, port)
         rss0, cpu0 = _status_kb(proc.pid, "VmRSS"), _cpu_s(proc.pid)
         classes: Counter[str] = Counter()
         breaches: Counter[str] = Counter()
@@ -166,9 +182,27 @@ def main() -> None:
                     classes[f"{r.status_code // 100}xx"] += 1
                     if _breach(r, listing):
                         breaches[f"{method} {path} -> {r.status_code}"] += 1
+                for method, path, body in callback_probes:
+                    r = c.request(method, path, headers={**beta, "content-type": "application/json"}, content=body)
+                    classes[f"{r.status_code // 100}xx"] += 1
+                    if r.is_success:
+                        breaches[f"callback_url {body.decode()} -> {r.status_code}"] += 1
         cpu1, hwm = _cpu_s(proc.pid), _status_kb(proc.pid, "VmHWM")
         alive = proc.poll() is None and httpx.get(url + "/healthz", timeout=5).status_code == 200
         n = sum(classes.values())
+        acme = {"Authorization": f"Bearer {KEYS['acme']}"}
+        admin = {"Authorization": f"Bearer {KEYS['admin']}"}
+        with httpx.Client(base_url=url, timeout=60) as c:
+            delivery = hc.delivery_probes(c, beta, canary)
+            slowness = hc.slow_probe(c, beta, acme, slow)
+        os.killpg(proc.pid, signal.SIGTERM)  # the framing probe writes the stopped stack's log, then starts it again
+        proc.wait(60)
+        framing: dict[str, Any] = hc.produce_misframed(tmp / "data")
+        proc = start()
+        with httpx.Client(base_url=url, timeout=60) as c:
+            framing["dead_letters"] = hc.count_framing_dead_letters(c, admin, framing["codec_refuses"])
+            framing["breaches"] = max(framing["codec_refuses"] - framing["dead_letters"], 0)
+            alive_after = proc.poll() is None and c.get("/healthz").status_code == 200
         result: dict[str, Any] = {
             "requests": n, "distinct_requests": len(reqs) + len(probes), "rounds": args.rounds,
             "answers": dict(sorted(classes.items())),
@@ -177,11 +211,17 @@ def main() -> None:
             "process_alive_and_answering": alive, "rss_before_mb": round(rss0 / 1024, 1),
             "peak_rss_growth_mb": round((hwm - rss0) / 1024, 1),
             "cpu_ms_per_request": round((cpu1 - cpu0) * 1000 / n, 2), "load_average": os.getloadavg(),
+            "callback_submission_probes": len(callback_probes) * args.rounds,
+            "callback_delivery": delivery, "callback_slow_receivers": slowness, "misframed_records": framing,
+            "callback_and_framing_breaches": delivery["breaches"] + slowness["breaches"] + framing["breaches"],
+            "alive_after_restart": alive_after,
         }
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(30)
+        canary.__exit__(None, None, None)
+        slow.__exit__(None, None, None)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -118,11 +118,18 @@ class Settings(BaseSettings):
     # -- job-end callbacks (the notifier)
     callback_secret: str = _s("", "HMAC key of callback signatures (empty: one generated into "
                               "DATA/callbacks-secret; set it in production)", group="callbacks")
-    callback_timeout_s: float = _s(10.0, "per delivery attempt, seconds", group="callbacks", gt=0)
+    callback_timeout_s: float = _s(10.0, "one delivery attempt as a whole (connect, TLS, send, the answer), "
+                                   "seconds", group="callbacks", gt=0)
     callback_max_attempts: int = _s(8, "delivery attempts before giving up", group="callbacks", ge=1)
     callback_base_backoff_s: float = _s(1.0, "first retry delay, seconds (doubles)", group="callbacks", ge=0)
     callback_max_backoff_s: float = _s(300.0, "longest retry delay, seconds", group="callbacks", ge=0)
     callback_concurrency: int = _s(8, "deliveries in flight at once", group="callbacks", ge=1)
+    callback_tenant_concurrency: int = _s(4, "of those, one tenant's at most (its slow receivers leave the rest "
+                                          "free)", group="callbacks", ge=1)
+    callback_allow: str = _s("", "addresses callbacks may reach although loopback, private, link-local...: "
+                             "comma-separated CIDRs (`127.0.0.1/32,10.1.0.0/16`), never the API's or metrics' "
+                             "port there; empty: public addresses only", group="callbacks",
+                             pattern=r"^[0-9A-Fa-f:.,/\s]*$")
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,

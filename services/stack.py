@@ -99,7 +99,8 @@ class Stack:
         self._spawn("projector", lambda: self.projector.run(self.stop_event))
         self.notifier: CallbackNotifier | None = None
         if self.options.callbacks:
-            notifier = self.notifier = CallbackNotifier(self.log, cfg.data_dir)  # DAGFOLD_CALLBACK_* settings
+            notifier = self.notifier = CallbackNotifier(  # DAGFOLD_CALLBACK_* settings; never to its own API
+                self.log, cfg.data_dir, own_ports=(cfg.api_port,))
             self._spawn("callbacks", lambda: notifier.run(self.stop_event))
         self.artifacts = open_store(cfg.artifacts_url, cfg.data_dir)  # task outputs, GPU checkpoints
         host = f"{socket.gethostname()}-{os.getpid()}"  # unique per process: a restart is a new worker

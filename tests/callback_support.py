@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ class Received:
     headers: dict[str, str]
     body: bytes
     status: int | None = None  # what the receiver answered (None: still answering)
+    at: float = field(default_factory=time.time)  # arrival, Unix seconds
 
     @property
     def json(self) -> Any:
@@ -63,7 +64,7 @@ class Received:
 
 
 class Receiver:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.requests: list[Received] = []
         self.lock = threading.Lock()
         self.down = threading.Event()
@@ -91,7 +92,8 @@ class Receiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.host = host
+        self.server = ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -133,7 +135,7 @@ class Receiver:
             handler.close_connection = True
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
+        return f"http://{self.host}:{self.port}{path}"
 
     def of(self, delivery_id: str) -> list[Received]:
         with self.lock:

@@ -23,9 +23,18 @@ import httpx
 import pytest
 
 from dagfold.config import Config
-from dagfold.services.callbacks import GAVE_UP, CallbackNotifier, CallbackOptions
+from dagfold.services.callbacks import GAVE_UP, LEDGER_DIR, CallbackLedger, CallbackNotifier, CallbackOptions
 from dagfold.services.callbacks.egress import EgressRules, denied_kind, literal_ip, parse_allow
-from dagfold.services.callbacks.ledger import DELIVERED, PENDING, REFUSED_DESTINATION, TENANT_FIELDS, TIMEOUT
+from dagfold.services.callbacks.ledger import (
+    DELIVERED,
+    PENDING,
+    REFUSED_DESTINATION,
+    TENANT_FIELDS,
+    TIMEOUT,
+    delivery_key,
+    due_key,
+    job_key,
+)
 from dagfold.services.stack import Stack, StackOptions
 from tests.api_support import free_port, wait_until
 from tests.callback_support import LOOPBACK, EventLog, Receiver, pump
@@ -238,3 +247,29 @@ def test_dripping_receivers_hold_only_their_tenants_slots_and_only_until_the_dea
     assert receiver.finished == 0, "an attempt outlived its deadline: a drip answer was read to the end"
     assert receiver.most_dripping <= 2, "the slow tenant held more than its 2 slots"
     assert len(receiver.of("fast")) == 1
+
+
+def test_a_ledger_written_before_the_tenant_index_still_delivers(tmp_path: Path, events: EventLog,
+                                                                 receiver: Receiver) -> None:
+    """A pending delivery as the notifier wrote it before (no tenant field, only the global due index) is
+    indexed per tenant at start and delivered; a due entry of no pending delivery is dropped."""
+    ledger = CallbackLedger(tmp_path / LEDGER_DIR)
+    txn = ledger.txn()
+    txn.put(job_key("old"), {"url": receiver.url("/old"), "tenant": "acme", "tier": None, "accepted_ms": 1,
+                             "round": 0, "last_offset": 0})
+    txn.put(delivery_key("old", 0), {
+        "job_id": "old", "round": 0, "url": receiver.url("/old"), "delivery_id": "old", "state": PENDING,
+        "payload": {"job_id": "old", "tenant": "acme"}, "attempts": 0, "next_attempt_ms": 5, "created_ms": 5,
+        "last_attempt_ms": None, "last_status": None, "last_error": None, "reason": None, "delivered_ms": None})
+    txn.put(due_key(5, "old", 0), 0)
+    txn.put(due_key(6, "gone", 0), 0)
+    ledger.commit(txn)
+    ledger.close()
+    n = CallbackNotifier(events.log, tmp_path, CallbackOptions(secret=SECRET, egress=LOOPBACK))
+    try:
+        assert n.ledger.due_tenants() == ["acme"] and n.ledger.pending() == 1
+        pump(n, lambda: (n.ledger.delivery("old") or {}).get("state") == DELIVERED, what="old delivered")
+        assert n.ledger.pending() == 0 and n.ledger.due_tenants() == []
+    finally:
+        n.close()
+    assert [r.path for r in receiver.requests] == ["/old"]

@@ -213,9 +213,10 @@ def test_every_variable_read_is_a_declared_setting_and_none_is_dead() -> None:
     assert (s.submit_rate, s.submit_burst, s.max_open_jobs) == (AdmissionConfig.rate_per_s, AdmissionConfig.burst,
                                                                  AdmissionConfig.max_open_jobs)
     assert (s.callback_timeout_s, s.callback_max_attempts, s.callback_base_backoff_s, s.callback_max_backoff_s,
-            s.callback_concurrency) == (CallbackOptions.timeout_s, CallbackOptions.max_attempts,
-                                        CallbackOptions.base_backoff_s, CallbackOptions.max_backoff_s,
-                                        CallbackOptions.concurrency)
+            s.callback_concurrency, s.callback_tenant_concurrency) == (
+        CallbackOptions.timeout_s, CallbackOptions.max_attempts, CallbackOptions.base_backoff_s,
+        CallbackOptions.max_backoff_s, CallbackOptions.concurrency, CallbackOptions.tenant_concurrency)
+    assert s.callback_allow == "" and CallbackOptions(secret="x").egress.allow == ()
 
 
 # -- 6. errors are one line and say what to do --------------------------------------------------------

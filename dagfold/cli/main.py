@@ -522,7 +522,7 @@ def callbacks(log: LogOpt = None, data: DataOpt = None,
     """Run the job-end callback notifier (use with --log kafka://...; one per deployment, its ledger in --data).
 
     Settings: DAGFOLD_CALLBACK_SECRET (HMAC key; else one generated into --data), DAGFOLD_CALLBACK_TIMEOUT_S,
-    _MAX_ATTEMPTS, _BASE_BACKOFF_S, _MAX_BACKOFF_S, _CONCURRENCY.
+    _MAX_ATTEMPTS, _BASE_BACKOFF_S, _MAX_BACKOFF_S, _CONCURRENCY, _TENANT_CONCURRENCY, _ALLOW (docs/security.md).
     """
     from dagfold.log import open_log
     from dagfold.services.callbacks import CallbackNotifier
@@ -533,7 +533,7 @@ def callbacks(log: LogOpt = None, data: DataOpt = None,
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     try:
-        notifier = CallbackNotifier(lg, cfg.data_dir)
+        notifier = CallbackNotifier(lg, cfg.data_dir, own_ports=(metrics_port,) if metrics_port else ())
     except Exception as exc:  # a bad setting, or the ledger is in use by another process
         lg.close()
         raise fail(f"cannot start the callback notifier: {exc}", 1) from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -78,6 +78,10 @@ class ApiContext:
     artifacts: ArtifactStore | None = None  # task outputs (opened from config.artifacts_url on first use)
     # the workers' capabilities when they run in this process (dagfold up): handlers outside them are refused
     handlers: HandlerRegistry | None = None
+
+    def __post_init__(self) -> None:
+        if self.config.api_port not in self.egress.own_ports:  # this API's own port is never a callback's
+            self.egress = replace(self.egress, own_ports=self.egress.own_ports | {self.config.api_port})
 
     def artifact_store(self) -> ArtifactStore:
         if self.artifacts is None:

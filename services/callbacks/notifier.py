@@ -54,7 +54,8 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpcore
@@ -177,7 +178,8 @@ def guarded_transport(options: CallbackOptions) -> httpx.HTTPTransport:
 class CallbackNotifier:
     """Tails the events topic and delivers job-end callbacks; ``run`` until stopped, then ``close``.
 
-    ``options`` defaults to ``CallbackOptions.from_env(data_dir)``. The ledger
+    ``options`` defaults to ``CallbackOptions.from_env(data_dir)``; ``own_ports`` adds the ports this
+    process serves to the egress rules' closed ports. The ledger
     lives in ``data_dir / "callbacks"``; ``ledger`` may be read from other
     threads (the API shows delivery states from it).
     """
@@ -192,9 +194,13 @@ class CallbackNotifier:
         poll_timeout_s: float = 0.2,
         codec: Codec | None = None,
         transport: httpx.BaseTransport | None = None,
+        own_ports: Iterable[int] = (),
     ) -> None:
         self.log = log
-        self.options = options if options is not None else CallbackOptions.from_env(data_dir)
+        opts = options if options is not None else CallbackOptions.from_env(data_dir)
+        if own_ports:  # the ports this process serves (its API, its metrics): closed to callbacks
+            opts = replace(opts, egress=replace(opts.egress, own_ports=opts.egress.own_ports | frozenset(own_ports)))
+        self.options = opts
         self.ledger = CallbackLedger(data_dir / LEDGER_DIR)
         self.batch_max_records = batch_max_records
         self.poll_timeout_s = poll_timeout_s

@@ -26,7 +26,7 @@ class CallbackOptions:
     is jitter (at least ``Retry-After`` on a 429/503 that sends one, within
     ``max_backoff_s``). After ``max_attempts`` attempts the delivery is given up.
 
-    ``timeout_s`` bounds a whole attempt (resolve, connect, TLS, send, the answer's
+    ``timeout_s`` bounds a whole attempt (connect, TLS, send, the answer's
     headers together), not each read. ``concurrency`` attempts run at once, at most
     ``tenant_concurrency`` of them for one tenant, so a tenant whose receivers hang
     waits for its own slots and leaves the others free. ``egress`` says where
