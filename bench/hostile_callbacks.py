@@ -24,7 +24,6 @@ from __future__ import annotations
 import io
 import random
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,13 +59,13 @@ def submission_probes(canary_port: int, api_port: int) -> list[tuple[str, str, b
 
 
 def _wait(cond: Callable[[], Any], timeout_s: float, poll_s: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll_s)
-    return None
+    """``cond()``'s first truthy value within ``timeout_s``, else None (the probe reports what it saw)."""
+    from tests.api_support import wait_until
+
+    try:
+        return wait_until(cond, timeout_s=timeout_s, interval_s=poll_s)
+    except AssertionError:
+        return None
 
 
 def delivery_probes(c: httpx.Client, beta: dict[str, str], canary: Any) -> dict[str, Any]:
