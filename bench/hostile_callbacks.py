@@ -21,6 +21,7 @@ Three probe classes:
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 import socket
@@ -82,10 +83,13 @@ def delivery_probes(c: httpx.Client, beta: dict[str, str], canary: Any) -> dict[
         c.post(f"/v1/gpu-jobs/{job_id}/cancel", headers=beta)
     shown: dict[str, Any] = {}
     breaches = 0
+
+    def ended(job_id: str) -> dict[str, Any] | None:
+        cb: dict[str, Any] = c.get(f"/v1/gpu-jobs/{job_id}", headers=beta).json().get("callback", {})
+        return cb if cb.get("state") in ("gave_up", "delivered") else None
+
     for job_id in ids:
-        st = _wait(lambda j=job_id: (lambda s: s if s.get("callback", {}).get("state") in ("gave_up", "delivered")
-                                     else None)(c.get(f"/v1/gpu-jobs/{j}", headers=beta).json()), 60)
-        cb = (st or {}).get("callback", {})
+        cb = _wait(functools.partial(ended, job_id), 60) or {}
         shown[job_id] = cb
         if cb.get("state") != "gave_up" or cb.get("failure") != "refused_destination" or \
                 {"last_status", "last_error", "reason"} & set(cb):
