@@ -20,9 +20,9 @@ reached the service's own ports and the delivery status said what answered. So:
   to the check and ``127.0.0.1`` to the connection (DNS rebinding) cannot slip through.
 * **one deadline per attempt**: httpx's timeouts bound each read and write, so a receiver that
   drips one byte every few seconds kept an attempt (and its delivery slot) for as long as it liked
-  (recipe 6). Every stream of a ``GuardedBackend`` clamps each connect, TLS handshake, read and
-  write to what is left of the attempt's deadline (``attempt_deadline``), so connect + send + read
-  together end by it.
+  (recipe 6). A ``GuardedBackend`` clamps the DNS lookup, the connect, the TLS handshake (CPython
+  bounds a whole handshake by the socket's timeout) and every read and write to what is left of the
+  attempt's deadline (``attempt_deadline``), so resolve + connect + send + read together end by it.
 
 Redirects are not followed (the notifier's client has ``follow_redirects=False``; a 3xx is a failed
 attempt), so a receiver cannot bounce a callback to a denied address either.
@@ -37,6 +37,8 @@ import threading
 import time
 import typing
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -50,6 +52,8 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _SHARED = ipaddress.IPv4Network("100.64.0.0/10")
 LOCAL_NAMES = ("localhost", "localhost.localdomain")
+RESOLVERS = 4
+_RESOLVER = ThreadPoolExecutor(RESOLVERS, thread_name_prefix="callbacks-dns")
 
 
 class RefusedDestination(CallbackError):
@@ -160,10 +164,20 @@ class EgressRules:
             ip = literal_ip(host)
         return None if ip is None else self.refusal(ip, port)
 
-    def resolve(self, host: str, port: int) -> str:
-        """The one address to connect to for ``host:port``: every address the name resolves to must pass."""
+    def resolve(self, host: str, port: int, timeout: float | None = None) -> str:
+        """The one address to connect to for ``host:port``: every address the name resolves to must pass.
+
+        ``timeout``: the lookup runs on one of ``RESOLVERS`` threads and is given up after it (getaddrinfo
+        cannot be interrupted: a resolver that hangs keeps that thread, at most ``RESOLVERS`` of them, and
+        lookups behind them time out too, so no delivery slot waits longer than its deadline).
+        """
         try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            if timeout is None:
+                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            else:
+                infos = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM).result(timeout)
+        except FutureTimeout:
+            raise httpcore.ConnectTimeout(f"no DNS answer for {host!r} within the attempt's deadline") from None
         except (OSError, UnicodeError) as exc:
             raise httpcore.ConnectError(f"cannot resolve {host!r}: {exc}") from exc
         addrs = list(dict.fromkeys(str(info[4][0]) for info in infos))
@@ -234,7 +248,7 @@ class GuardedBackend(httpcore.NetworkBackend):
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Iterable[typing.Any] | None = None) -> httpcore.NetworkStream:
-        address = self.rules.resolve(host, port)
+        address = self.rules.resolve(host, port, _left(timeout, httpcore.ConnectTimeout))
         stream = self._inner.connect_tcp(address, port, _left(timeout, httpcore.ConnectTimeout), local_address,
                                          socket_options)
         return DeadlineStream(stream)
