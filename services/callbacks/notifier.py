@@ -165,8 +165,8 @@ def guarded_transport(options: CallbackOptions) -> httpx.HTTPTransport:
 
     httpx.HTTPTransport takes no network backend, so its pool is rebuilt with one; the arguments are
     those HTTPTransport.__init__ passes to httpcore.ConnectionPool (httpx 0.28 ``_transports/default.py``),
-    and httpcore's ``network_backend`` argument is its documented extension point
-    (https://www.encode.io/httpcore/network-backends/).
+    and a custom ``network_backend`` is httpcore's public extension point "for non-standard SSL or DNS
+    requirements" (httpcore's docs/network-backends.md, "Custom network backends").
     """
     transport = httpx.HTTPTransport(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
     transport._pool = httpcore.ConnectionPool(  # noqa: SLF001 - see the docstring
