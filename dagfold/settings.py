@@ -127,8 +127,8 @@ class Settings(BaseSettings):
     callback_tenant_concurrency: int = _s(4, "of those, one tenant's at most (its slow receivers leave the rest "
                                           "free)", group="callbacks", ge=1)
     callback_allow: str = _s("", "addresses callbacks may reach although loopback, private, link-local...: "
-                             "comma-separated CIDRs (`127.0.0.1/32,10.1.0.0/16`), never the API's or metrics' "
-                             "port there; empty: public addresses only", group="callbacks",
+                             "comma-separated CIDRs (`127.0.0.1/32,10.1.0.0/16`), never the API's, metrics' or "
+                             "Kafka brokers' ports there; empty: public addresses only", group="callbacks",
                              pattern=r"^[0-9A-Fa-f:.,/\s]*$")
 
     @classmethod

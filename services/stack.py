@@ -26,6 +26,7 @@ from dagfold.log import Log, open_log
 from dagfold.projections.jobs import TERMINAL_JOB_STATES
 from dagfold.projections.projector import Projector
 from dagfold.services.callbacks import CallbackNotifier
+from dagfold.services.callbacks.egress import log_ports
 from dagfold.services.scheduler.runner import SchedulerRunner
 from dagfold.services.worker.handlers import HandlerRegistry, TaskRuntime, default_registry
 from dagfold.services.worker.worker import Worker
@@ -100,7 +101,7 @@ class Stack:
         self.notifier: CallbackNotifier | None = None
         if self.options.callbacks:
             notifier = self.notifier = CallbackNotifier(  # DAGFOLD_CALLBACK_* settings; never to its own API
-                self.log, cfg.data_dir, own_ports=(cfg.api_port,))
+                self.log, cfg.data_dir, own_ports=(cfg.api_port, *log_ports(cfg.log_url)))
             self._spawn("callbacks", lambda: notifier.run(self.stop_event))
         self.artifacts = open_store(cfg.artifacts_url, cfg.data_dir)  # task outputs, GPU checkpoints
         host = f"{socket.gethostname()}-{os.getpid()}"  # unique per process: a restart is a new worker

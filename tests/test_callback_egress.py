@@ -25,7 +25,7 @@ import pytest
 
 from dagfold.config import Config
 from dagfold.services.callbacks import GAVE_UP, LEDGER_DIR, CallbackLedger, CallbackNotifier, CallbackOptions
-from dagfold.services.callbacks.egress import EgressRules, denied_kind, literal_ip, parse_allow
+from dagfold.services.callbacks.egress import EgressRules, denied_kind, literal_ip, log_ports, parse_allow
 from dagfold.services.callbacks.ledger import (
     DELIVERED,
     PENDING,
@@ -110,6 +110,12 @@ def test_literal_forms_and_the_allow_list() -> None:
     assert "own ports" in (allowed.literal_refusal("http://127.0.0.1:8080/x") or "")
     assert allowed.literal_refusal("http://127.0.0.2:9000/x") is not None
     assert allowed.literal_refusal("http://192.168.0.1/x") is not None
+    assert log_ports("kafka://127.0.0.1:9092,broker-2:19092?prefix=p") == {9092, 19092}
+    assert log_ports("embedded") == frozenset()
+    env = {"DAGFOLD_CALLBACK_ALLOW": "127.0.0.1/32", "DAGFOLD_PORT": "9100", "DAGFOLD_LOG": "kafka://127.0.0.1:9092"}
+    from_env = EgressRules.from_env(env)
+    assert from_env.own_ports == {9100, 9092} and from_env.literal_refusal("http://127.0.0.1:9092/") is not None
+    assert from_env.literal_refusal("http://127.0.0.1:9093/") is None
 
 
 # -- recipe 5: nothing on the service's network is called, and the status says nothing of it ------

@@ -526,6 +526,7 @@ def callbacks(log: LogOpt = None, data: DataOpt = None,
     """
     from dagfold.log import open_log
     from dagfold.services.callbacks import CallbackNotifier
+    from dagfold.services.callbacks.egress import log_ports
 
     _logging(verbose)
     serve_metrics(metrics_port, metrics_addr)
@@ -533,7 +534,8 @@ def callbacks(log: LogOpt = None, data: DataOpt = None,
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     try:
-        notifier = CallbackNotifier(lg, cfg.data_dir, own_ports=(metrics_port,) if metrics_port else ())
+        own = {*log_ports(cfg.log_url), *([metrics_port] if metrics_port else [])}
+        notifier = CallbackNotifier(lg, cfg.data_dir, own_ports=own)
     except Exception as exc:  # a bad setting, or the ledger is in use by another process
         lg.close()
         raise fail(f"cannot start the callback notifier: {exc}", 1) from None

@@ -10,7 +10,7 @@ reached the service's own ports and the delivery status said what answered. So:
   6to4 ``2002::/16``) is judged by the IPv4 address it carries.
 * **allow**: ``DAGFOLD_CALLBACK_ALLOW``, comma-separated CIDRs or addresses, lets an operator open
   ranges of the denied space (receivers on the same machine or network). Even there the service's
-  own ports (the API's ``DAGFOLD_PORT`` and ``DAGFOLD_METRICS_PORT``) stay closed.
+  own ports (its API's, its metrics', its Kafka brokers') stay closed.
 * **resolve once, connect there**: ``GuardedBackend.connect_tcp`` (the httpcore network backend of
   the notifier's client, the one place its connections are made) resolves the URL's host, refuses
   unless *every* address it resolves to passes, and connects to that vetted address; TLS still
@@ -100,6 +100,19 @@ def literal_ip(host: str) -> IPAddress | None:
     return None
 
 
+def log_ports(log_url: str) -> frozenset[int]:
+    """The broker ports of a ``kafka://host:port[,host:port][?...]`` log URL (none for ``embedded``): with
+    loopback allowed for local receivers, the deployment's own brokers stay closed to callbacks."""
+    if not log_url.startswith("kafka://"):
+        return frozenset()
+    ports = set()
+    for hostport in log_url[len("kafka://"):].split("?", 1)[0].split(","):
+        tail = hostport.rsplit(":", 1)[-1] if ":" in hostport else ""
+        if tail.isdigit():
+            ports.add(int(tail))
+    return frozenset(ports)
+
+
 def parse_allow(raw: str) -> tuple[IPNetwork, ...]:
     """``DAGFOLD_CALLBACK_ALLOW``: comma-separated CIDRs or addresses."""
     nets: list[IPNetwork] = []
@@ -123,9 +136,10 @@ class EgressRules:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EgressRules:
-        """``DAGFOLD_CALLBACK_ALLOW``; own ports from ``DAGFOLD_PORT`` (default 8080) and ``DAGFOLD_METRICS_PORT``."""
+        """``DAGFOLD_CALLBACK_ALLOW``; own ports from ``DAGFOLD_PORT`` (default 8080), ``DAGFOLD_METRICS_PORT``
+        and the brokers of ``DAGFOLD_LOG``."""
         e = os.environ if env is None else env
-        ports = set()
+        ports = set(log_ports(e.get("DAGFOLD_LOG") or ""))
         for name, default in (("DAGFOLD_PORT", "8080"), ("DAGFOLD_METRICS_PORT", "")):
             raw = (e.get(name) or default).strip()
             if raw.isdigit():
