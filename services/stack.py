@@ -134,7 +134,8 @@ class Stack:
         self.agents = []
         for i in range(o.gpu_nodes):
             agent, _ = simulated(self.log, o.gpu_pool, f"{o.gpu_pool}-node-{i}", command,
-                                 self.config.data_dir / "artifacts", gpus=o.gpus_per_node, store=store)
+                                 self.config.data_dir / "artifacts", gpus=o.gpus_per_node, store=store,
+                                 runtime=o.runtime)  # job processes: the shell tasks' environment and user
             self.agents.append(agent)
             self._spawn(f"agent-{i}", lambda a=agent: a.run(self.stop_event.is_set))  # type: ignore[misc]
 
