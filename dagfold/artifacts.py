@@ -321,8 +321,9 @@ class ArtifactStore(ABC):
             except OSError as exc:
                 raise ArtifactError(f"checkpoint {path} cannot be read: {exc}") from None
             if stat.S_ISDIR(st.st_mode):
-                for name, f, size in open_outputs(rel[-1], owner=owner, dir_fd=dfd):
-                    self.put_stream(f"{prefix}{path.name}/{name}", HashingReader(f, limit=size), content_type(name))
+                for name, part, size in open_outputs(rel[-1], owner=owner, dir_fd=dfd):
+                    self.put_stream(f"{prefix}{path.name}/{name}", HashingReader(part, limit=size),
+                                    content_type(name))
                 return self.uri(f"{prefix}{path.name}/")
             f = _open_regular(dfd, rel[-1], owner)
             if f is None:

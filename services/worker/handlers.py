@@ -43,6 +43,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -163,15 +164,20 @@ class TaskRuntime:
         return None if acct is None else acct.pw_uid
 
     def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None, *, stdout: Any, stderr: Any,
-              text: bool = False, bufsize: int = -1) -> subprocess.Popen[Any]:
-        """Start a task process under its own reaper, as the task user if any (``reaper.spawn``).
+              text: bool = False, bufsize: int = -1) -> ReapedPopen:
+        """Start a task process under its own reaper (``dagfold.services.worker.reaper``), in a new session,
+        as the task user if any (no supplementary groups, umask 077).
 
-        ``terminate`` the Popen to signal the task's process group, ``kill`` it to end every
-        process of the task; its ``wait`` returns once all of them are gone.
+        ``terminate`` the Popen to signal the task's process group, ``kill`` it to end every process of
+        the task; its ``wait`` returns once all of them are gone, with the command's status.
         """
         acct = self._account()
-        return reaper.spawn(argv, env=env, cwd=cwd, user=None if acct is None else (acct.pw_uid, acct.pw_gid),
-                            stdout=stdout, stderr=stderr, text=text, bufsize=bufsize)
+        uid, gid = (str(acct.pw_uid), str(acct.pw_gid)) if acct is not None else ("-", "-")
+        # the standard library only, no site packages, no PYTHON* variables: the task's environment
+        # cannot steer the reaper
+        head = [sys.executable, "-I", "-S", reaper.__file__, str(os.getpid()), uid, gid, "077", "--"]
+        return ReapedPopen([*head, *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
+                           stderr=stderr, text=text, bufsize=bufsize, start_new_session=True)
 
     @contextlib.contextmanager
     def attempt_dir(self, ctx: TaskContext) -> Iterator[str]:
@@ -183,6 +189,17 @@ class TaskRuntime:
             yield path
         finally:
             shutil.rmtree(path, ignore_errors=True)
+
+
+class ReapedPopen(subprocess.Popen):  # type: ignore[type-arg]
+    """The Popen of a task's reaper: ``kill`` ends every process of the task (a SIGKILL would end the
+    reaper alone and leave the task's processes to init); ``terminate``/``send_signal(SIGTERM)`` reach
+    the command's process group; ``wait`` returns once they are all gone, with the command's status."""
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.send_signal(reaper.KILL_SIGNAL)
 
 
 @dataclass

@@ -16,7 +16,7 @@ ends the task whole:
   that signal). So once the worker or agent sees the reaper exit, no process of the task is left
   to rewrite or swap its outputs;
 * on SIGTERM or SIGINT it hands the signal to the command's process group (a job checkpoints);
-* on SIGUSR1 (``kill``) it kills the whole task at once and exits;
+* on SIGUSR1 (``KILL_SIGNAL``; ``ReapedPopen.kill``) it kills the whole task at once and exits;
 * when its parent dies, even by ``kill -9``, it gets SIGHUP (``prctl(PR_SET_PDEATHSIG)``) and kills
   the whole task too: a dead worker leaves no task running.
 
@@ -29,7 +29,8 @@ reaper); that case is why running tasks as root without a task user is refused (
 The reaper runs as the service's user, so a task running as another user cannot signal it.
 
 Run as a script (``python -I -S reaper.py PARENT_PID UID GID UMASK -- ARGV...``, ``-`` for no user
-switch): it imports the standard library only, so that it starts fast and trusts no search path.
+switch; ``TaskRuntime.spawn`` starts it): it imports a few standard modules only, so that it starts fast
+and trusts no search path.
 """
 
 from __future__ import annotations
@@ -38,10 +39,8 @@ import contextlib
 import ctypes
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
-from typing import IO, Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -92,6 +91,23 @@ def kill_all() -> None:
             return
 
 
+def _exec(command: list[str], uid: str, gid: str, umask: str) -> None:
+    """In the forked child: its own process group, the task user, default signals, then the command."""
+    try:
+        os.setpgid(0, 0)
+        for s in (signal.SIGHUP, KILL_SIGNAL, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(s, signal.SIG_DFL)  # SIGPIPE: Python ignores it, and an ignored signal survives exec
+        if uid != "-":
+            os.setgroups([])
+            os.setgid(int(gid))
+            os.setuid(int(uid))
+        os.umask(int(umask, 8))
+        os.execvp(command[0], command)
+    except OSError as exc:
+        os.write(2, f"cannot start {command[0]}: {exc}\n".encode())
+    os._exit(127)
+
+
 def main(argv: Sequence[str]) -> int:
     parent, uid, gid, umask = int(argv[0]), argv[1], argv[2], argv[3]
     command = list(argv[5:])  # argv[4] is "--"
@@ -114,21 +130,18 @@ def main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGINT, forward)
     if os.getppid() != parent:  # the parent died before PR_SET_PDEATHSIG took hold
         return STATUS_KILLED
-    identity: dict[str, Any] = {}
-    if uid != "-":
-        identity = {"user": int(uid), "group": int(gid), "extra_groups": [], "umask": int(umask, 8)}
-    try:
-        proc = subprocess.Popen(command, process_group=0, close_fds=True, **identity)
-    except OSError as exc:
-        print(f"cannot start {command[0]}: {exc}", file=sys.stderr)
-        return 127
-    child.append(proc.pid)
+    pid = os.fork()  # (no subprocess module: its import is most of a reaper's start-up time)
+    if pid == 0:
+        _exec(command, uid, gid, umask)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)  # here too, so that a SIGTERM forwarded at once finds the group
+    child.append(pid)
     while True:
         try:
-            pid, status = os.waitpid(-1, 0)
+            done, status = os.waitpid(-1, 0)
         except ChildProcessError:  # cannot happen while the command runs; be safe
             return STATUS_KILLED
-        if pid == proc.pid:
+        if done == child[0]:
             break
     kill_all()  # what the command left behind, setsid or not
     if os.WIFSIGNALED(status):
@@ -138,31 +151,6 @@ def main(argv: Sequence[str]) -> int:
         os.kill(os.getpid(), sig)
         return 128 + sig
     return os.WEXITSTATUS(status)
-
-
-class ReapedPopen(subprocess.Popen):  # type: ignore[type-arg]
-    """The Popen of a reaper: ``kill`` ends every process of the task (a SIGKILL would end the reaper
-    alone and leave the task's processes to init); ``terminate``/``send_signal(SIGTERM)`` reach the
-    command's process group; ``wait`` returns once they are all gone, with the command's status."""
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.send_signal(KILL_SIGNAL)
-
-
-def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: str | None, user: tuple[int, int] | None,
-          stdout: int | IO[Any] | None, stderr: int | IO[Any] | None, text: bool = False,
-          bufsize: int = -1) -> ReapedPopen:
-    """Start ``argv`` under its own reaper (module docstring), in a new session.
-
-    ``user``: (uid, gid) the command runs as (no supplementary groups, umask 077).
-    """
-    uid, gid = (str(user[0]), str(user[1])) if user is not None else ("-", "-")
-    # the stdlib only, no site packages, no PYTHON* variables: the task's environment cannot steer it
-    argv0 = [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), uid, gid, "077", "--"]
-    return ReapedPopen([*argv0, *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                       text=text, bufsize=bufsize, start_new_session=True)
 
 
 if __name__ == "__main__":
