@@ -18,7 +18,9 @@ ends the task whole:
 * on SIGTERM or SIGINT it hands the signal to the command's process group (a job checkpoints);
 * on SIGUSR1 (``KILL_SIGNAL``; ``ReapedPopen.kill``) it kills the whole task at once and exits;
 * when its parent dies, even by ``kill -9``, it gets SIGHUP (``prctl(PR_SET_PDEATHSIG)``) and kills
-  the whole task too: a dead worker leaves no task running.
+  the whole task too: a dead worker leaves no task running. (The signal comes when the *thread* that
+  started the reaper ends: a worker starts it from the thread that waits for the task, an agent from
+  its loop's thread.)
 
 Why this mechanism: it needs no privilege and no cgroup delegation (it works for a worker running as
 root with ``--task-user``, and for one running as an ordinary user), and it covers the processes
