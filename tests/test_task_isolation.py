@@ -217,6 +217,31 @@ def test_a_relative_work_folder_stores_checkpoints_and_a_preempted_job_resumes_o
     assert again.results[-1]["resumed_from"] >= 5, again.results  # not step 0
 
 
+def test_a_checkpoint_folder_swapped_for_a_symlink_is_not_written_through_on_resume(tmp_path: Path) -> None:
+    """An attempt stores a checkpoint folder, then leaves a symlink to another folder in its place; the
+    next attempt on the same host resumes from the stored copy, and the agent writes nothing there."""
+    victim, store = tmp_path / "victim", LocalArtifactStore(tmp_path / "store")
+    victim.mkdir()
+    stored = tmp_path / "store/default/job/run/checkpoints/ck/model.bin"
+    first = ('d="$DAGFOLD_CHECKPOINT_DIR/ck"; mkdir -p "$d"; echo weights >"$d/model.bin"; '
+             f'echo "{{\\"checkpoint\\": \\"$d\\"}}"; while [ ! -e {stored} ]; do sleep 0.01; done; '
+             f'rm -r "$d"; ln -s {victim} "$d"')
+    launcher = Launcher(["/bin/sh", "-c", first], store, tmp_path / "work", runtime=TaskRuntime(allow_root=True))
+    try:
+        jp = launcher.start("a1", 1, "job", "run", 1, [0], None)
+        assert jp.proc.wait(30) == 0
+        launcher.finish(jp)
+        assert jp.checkpoint_uri is not None and (jp.checkpoint_dir / "ck").is_symlink(), jp.lines
+        launcher.command = ["/bin/sh", "-c", 'cat "$DAGFOLD_RESUME_CHECKPOINT/model.bin"']
+        again = launcher.start("a2", 1, "job", "run", 2, [0], jp.checkpoint_uri)
+        assert again.proc.wait(30) == 0
+        launcher.finish(again)
+    finally:
+        launcher.close()
+    assert again.lines == ["weights"]
+    assert list(victim.iterdir()) == []
+
+
 def test_a_relative_task_folder_gives_shell_tasks_an_absolute_home(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -6,7 +6,7 @@ A grant becomes one process per host, started with:
 * ``DAGFOLD_ALLOC_ID``, ``DAGFOLD_EPOCH``, ``DAGFOLD_JOB_ID``, ``DAGFOLD_TASK_ID``, ``DAGFOLD_ATTEMPT``;
 * ``DAGFOLD_CHECKPOINT_DIR`` a local folder for this job and task's checkpoints, and
   ``DAGFOLD_RESUME_CHECKPOINT`` the checkpoint to resume from, if any (brought
-  back from artifact storage into that folder first);
+  back from artifact storage first, into a fresh folder of the agent's);
 * ``DAGFOLD_OUTPUT_DIR`` an empty local folder per attempt: what the process
   leaves there is uploaded to artifact storage when it exits 0, and listed in
   the attempt's TaskSucceeded (``outputs``);
@@ -166,7 +166,11 @@ class Launcher:
                      "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed)}
         if resume:
             jp.checkpoint_uri = resume
-            local = self._fetch(resume, jp.checkpoint_dir)
+            # into a folder of the agent's that no task process can write (an earlier attempt's could
+            # have left symlinks in its checkpoint folder for this agent to write through)
+            fresh = self._resume_dir(jp)
+            shutil.rmtree(fresh, ignore_errors=True)
+            local = self._fetch(resume, fresh)
             if local is not None:
                 task_vars["DAGFOLD_RESUME_CHECKPOINT"] = str(local)
         # the same allow list as a shell task's, never the agent's own environment (its credentials)
@@ -177,6 +181,9 @@ class Launcher:
         jp._reader = threading.Thread(target=self._read, args=(jp,), daemon=True)
         jp._reader.start()
         return jp
+
+    def _resume_dir(self, jp: JobProcess) -> Path:
+        return self.work_dir / ".resume" / jp.alloc_id.replace("/", "_")
 
     def _fetch(self, uri: str, dest: Path) -> Path | None:
         """The stored checkpoint, brought into the local checkpoint folder (None: not found; start over)."""
@@ -263,3 +270,5 @@ class Launcher:
     def finish(self, jp: JobProcess) -> None:
         if jp._reader is not None:
             jp._reader.join(timeout=10)  # the last checkpoint's upload, after a SIGTERM
+        if jp.exited() is not None:
+            shutil.rmtree(self._resume_dir(jp), ignore_errors=True)
