@@ -242,6 +242,29 @@ def test_a_checkpoint_folder_swapped_for_a_symlink_is_not_written_through_on_res
     assert list(victim.iterdir()) == []
 
 
+def test_a_checkpoint_folder_left_as_a_symlink_is_replaced_not_handed_over(tmp_path: Path) -> None:
+    """The task's folder on a host outlives an attempt: a symlink the attempt left for its checkpoint
+    folder is neither followed nor given to the task user by the next attempt's start."""
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o700)
+    work = Path(tempfile.mkdtemp(prefix="dagfold-agent-work-"))  # where the task user reaches (tmp_path: 0700)
+    work.chmod(0o711)
+    launcher = Launcher(["/bin/sh", "-c", 'echo w >"$DAGFOLD_CHECKPOINT_DIR/step-1.json"'],
+                        LocalArtifactStore(tmp_path / "store"), work,
+                        runtime=TaskRuntime(user=TASK_USER, allow_root=True))
+    ckdir = launcher.task_dir("job", "run") / "checkpoints"
+    ckdir.symlink_to(victim)
+    try:
+        jp = launcher.start("a1", 1, "job", "run", 1, [0], None)
+        assert jp.proc.wait(30) == 0, jp.lines
+        launcher.finish(jp)
+        assert not ckdir.is_symlink() and (ckdir / "step-1.json").read_text() == "w\n"
+    finally:
+        launcher.close()
+        shutil.rmtree(work, ignore_errors=True)
+    assert jp.lines == [] and list(victim.iterdir()) == [] and victim.stat().st_uid == os.geteuid()
+
+
 def test_a_relative_task_folder_gives_shell_tasks_an_absolute_home(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)

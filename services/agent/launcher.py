@@ -117,6 +117,15 @@ class JobProcess:
         return json.dumps(self.results[0] if len(self.results) == 1 else self.results, separators=(",", ":"))
 
 
+def _real_dir(path: Path, *, empty: bool) -> None:
+    """A folder of its own at ``path`` (a symlink or file there is removed, never followed), emptied if asked."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif empty:
+        shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+
+
 class Launcher:
     """Starts and stops job processes; ``command`` is the job's argv.
 
@@ -154,10 +163,10 @@ class Launcher:
               resume: str | None, args_json: str = "{}", tenant: str = "default") -> JobProcess:
         jp = JobProcess(alloc_id, epoch, job_id, task_id, attempt, None, gpus,  # type: ignore[arg-type]
                         tenant=tenant, work=self.task_dir(job_id, task_id))
-        jp.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        # both live in the task's folder, where an earlier attempt may have left a symlink or a file
+        _real_dir(jp.checkpoint_dir, empty=False)
         self.runtime.hand_over(jp.checkpoint_dir)
-        shutil.rmtree(jp.output_dir, ignore_errors=True)
-        jp.output_dir.mkdir(parents=True)
+        _real_dir(jp.output_dir, empty=True)
         self.runtime.hand_over(jp.output_dir)
         task_vars = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "DAGFOLD_ALLOC_ID": alloc_id,
                      "DAGFOLD_EPOCH": str(epoch), "DAGFOLD_JOB_ID": job_id, "DAGFOLD_TASK_ID": task_id,

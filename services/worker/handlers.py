@@ -153,10 +153,13 @@ class TaskRuntime:
         return env
 
     def hand_over(self, path: str | Path) -> None:
-        """Make a folder the task's (owned by the task user, when tasks run as one): e.g. its output folder."""
+        """Make a folder the task's (owned by the task user, when tasks run as one): e.g. its output folder.
+
+        A symlink there is never followed (a task could have left one in a folder it owns).
+        """
         acct = self._account()
         if acct is not None:
-            os.chown(path, acct.pw_uid, acct.pw_gid)
+            os.chown(path, acct.pw_uid, acct.pw_gid, follow_symlinks=False)
 
     def owner(self) -> int | None:
         """The user ID task processes run as, when it is not the service's (their outputs must be theirs)."""
