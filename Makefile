@@ -28,8 +28,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,dev]'
 	@touch $(STAMP)
 
+# The examples run shell tasks and GPU jobs. As root they would run as root, which dagfold refuses unless
+# told: TASK_FLAGS says so (a developer's own machine); TASK_FLAGS='--task-user nobody' runs them as nobody.
+TASK_FLAGS ?= --allow-root-tasks
+
 run: install
-	$(BIN)/dagfold up --examples --handlers noop,sleep,shell --gpu-nodes 2 --data $(DATA) --port $(PORT)
+	$(BIN)/dagfold up --examples --handlers noop,sleep,shell --gpu-nodes 2 --data $(DATA) --port $(PORT) $(TASK_FLAGS)
 
 kafka-fetch:
 	deploy/kafka/kafka.sh fetch

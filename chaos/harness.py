@@ -199,7 +199,8 @@ class ChaosRun:
             self.allocators[0].start()
             self.agent = self._proc("agent", "-m", "dagfold", "agent", "--pool", POOL, "--log", url, "--node",
                                     "chaos-node-1", "--simulate", "--gpus", "2", "--heartbeat-s", "0.5",
-                                    "--artifacts", str(self.dir / "artifacts")).start()
+                                    "--artifacts", str(self.dir / "artifacts"),
+                                    "--allow-root-tasks").start()  # its jobs are the demo job: as root, say so
         self.workers = [self._proc(f"w{i}", "-m", "dagfold", "worker", "--log", url, "--data",
                                    str(self.dir / f"w{i}"), "--queue", "default", "--concurrency",
                                    str(self.profile.worker_concurrency), "--handler-module", "chaos.handlers").start()

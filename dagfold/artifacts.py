@@ -21,13 +21,18 @@ a folder, ``s3://bucket[/prefix]?endpoint=http://host:port&region=r`` for S3.
 Keys: ``<tenant>/<job>/<task>/<attempt>/outputs/<name>`` and
 ``<tenant>/<job>/<task>/checkpoints/<name>``; every part is percent-quoted,
 so a job ID with ``/`` or ``..`` never escapes its folder. Outputs are read
-with hostile eyes: regular files only (a symlink to a secret is skipped, never
-followed), names are relative POSIX paths without ``..``, and a count and a
-total size bound what one attempt may upload.
+with hostile eyes (``open_outputs``): each file is opened once, from a
+descriptor of its folder, without following a symlink at any level
+(``O_NOFOLLOW``, ``openat``), checked on that descriptor (``fstat``: regular
+files only; owned by the task's user when tasks run as one, so a hard link to a
+secret is refused), and its sha256 is computed over the very bytes stored (one
+pass). Names are relative POSIX paths without ``..``, and a count and a total
+size bound what one attempt may upload.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mimetypes
 import os
@@ -37,7 +42,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 from dagfold.exceptions import DagfoldError
@@ -96,44 +101,151 @@ def content_type(name: str) -> str:
     return mimetypes.guess_type(name)[0] or "application/octet-stream"
 
 
-def file_digest(path: Path) -> tuple[int, str]:
-    """Size and sha256 (hex) of a file, read in chunks."""
-    h = hashlib.sha256()
-    size = 0
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO put where a file was never blocks the open (fstat then refuses it)
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+MAX_DEPTH = 64
+
+
+class HashingReader:
+    """A file read once, front to back: ``read`` hands the bytes on and hashes them as they pass.
+
+    So the sha256 and size a report carries are those of the bytes the store received, however the
+    file changes meanwhile. Not seekable on purpose: boto3's transfer then buffers each part it reads
+    (a retried part is sent from memory, never read again). Reads stop at ``limit`` bytes.
+    """
+
+    def __init__(self, f: IO[bytes], limit: int | None = None) -> None:
+        self._f = f
+        self._left = limit
+        self._h = hashlib.sha256()
+        self.size = 0
+
+    def read(self, n: int = -1) -> bytes:
+        if self._left is not None:
+            n = self._left if n is None or n < 0 else min(n, self._left)
+        data = self._f.read(n if n is not None and n >= 0 else -1)
+        self._h.update(data)
+        self.size += len(data)
+        if self._left is not None:
+            self._left -= len(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    @property
+    def sha256(self) -> str:
+        return self._h.hexdigest()
+
+
+@contextlib.contextmanager
+def _fd(fd: int) -> Iterator[int]:
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _walk(dfd: int, prefix: str, depth: int = 0) -> Iterator[tuple[str, int, str]]:
+    """(name, folder descriptor, entry) of every regular-looking entry under ``dfd``, sorted; folders are
+    entered through descriptors opened with ``O_NOFOLLOW`` (a symlink at any level is never followed)."""
+    if depth > MAX_DEPTH:
+        return
+    for entry in sorted(os.listdir(dfd)):
+        try:
+            st = os.stat(entry, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            try:
+                sub = os.open(entry, _DIR_FLAGS, dir_fd=dfd)
+            except OSError:
+                continue  # swapped for a symlink or removed meanwhile
+            with _fd(sub):
+                yield from _walk(sub, f"{prefix}{entry}/", depth + 1)
+        elif stat.S_ISREG(st.st_mode):
+            yield f"{prefix}{entry}", dfd, entry
+
+
+def _open_below(base: Path, parts: tuple[str, ...]) -> int:
+    """A descriptor of the folder ``base/parts...``, each part opened from its parent's descriptor with
+    ``O_NOFOLLOW`` (a symlink there is refused, ArtifactError)."""
+    try:
+        fd = os.open(base, _DIR_FLAGS)
+    except OSError as exc:
+        raise ArtifactError(f"folder {base} cannot be read: {exc}") from None
+    for part in parts:
+        try:
+            sub = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            raise ArtifactError(f"checkpoint path part {part!r} cannot be read: {exc}") from None
+        os.close(fd)
+        fd = sub
+    return fd
+
+
+def _open_regular(dfd: int, entry: str, owner: int | None) -> IO[bytes] | None:
+    """The entry opened once (no symlink followed), if it is a regular file (of ``owner``, when given)."""
+    try:
+        fd = os.open(entry, _FILE_FLAGS, dir_fd=dfd)
+    except OSError:
+        return None  # a symlink now (ELOOP), or gone
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (owner is not None and st.st_uid != owner):
+        os.close(fd)
+        return None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def open_outputs(folder: Path | str, *, owner: int | None = None, max_files: int = MAX_OUTPUT_FILES,
+                 max_bytes: int = MAX_OUTPUT_BYTES, dir_fd: int | None = None,
+                 ) -> Iterator[tuple[str, IO[bytes], int]]:
+    """The regular files under ``folder`` as (name, open file, size at opening), sorted, each opened once.
+
+    Nothing is re-opened by path after a check: the folder is opened with ``O_NOFOLLOW`` and every
+    entry from its folder's descriptor (``openat`` with ``O_NOFOLLOW``), then checked on the descriptor
+    (``fstat``). Symlinks, special files, bad names and (with ``owner``) files of another user are
+    skipped. ArtifactError past ``max_files`` files or ``max_bytes`` bytes. The caller reads each file
+    (at most its size at opening) before taking the next; it is closed then. ``dir_fd``: ``folder``
+    is a name in that folder.
+    """
+    try:
+        root = os.open(folder, _DIR_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ArtifactError(f"output folder {folder} cannot be read: {exc}") from None
+    count = total = 0
+    with _fd(root):
+        for name, dfd, entry in _walk(root, ""):
+            if not valid_name(name):
+                continue
+            f = _open_regular(dfd, entry, owner)
+            if f is None:
+                continue
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                count, total = count + 1, total + size
+                if count > max_files:
+                    raise ArtifactError(f"more than {max_files} output files")
+                if total > max_bytes:
+                    raise ArtifactError(f"outputs exceed {max_bytes} bytes")
+                yield name, f, size
 
 
 def output_files(folder: Path, *, max_files: int = MAX_OUTPUT_FILES,
                  max_bytes: int = MAX_OUTPUT_BYTES) -> list[tuple[str, Path]]:
-    """The regular files under ``folder`` as (name, path), sorted; symlinks and special files are skipped.
+    """The names (and paths, for display) of the files ``open_outputs`` would upload, sorted.
 
     Raises ArtifactError when the folder holds more than ``max_files`` files or ``max_bytes`` bytes.
     """
-    found: list[tuple[str, Path]] = []
-    total = 0
-    if not folder.is_dir():
-        return found
-    for root, dirs, files in os.walk(folder, followlinks=False):
-        dirs.sort()
-        for fn in sorted(files):
-            p = Path(root) / fn
-            st = p.lstat()
-            if not stat.S_ISREG(st.st_mode):
-                continue  # a symlink (possibly to a secret) or a device: never uploaded
-            name = p.relative_to(folder).as_posix()
-            if not valid_name(name):
-                continue
-            total += st.st_size
-            found.append((name, p))
-            if len(found) > max_files:
-                raise ArtifactError(f"more than {max_files} output files")
-            if total > max_bytes:
-                raise ArtifactError(f"outputs exceed {max_bytes} bytes")
-    return found
+    return [(name, folder / name) for name, _, _ in open_outputs(folder, max_files=max_files, max_bytes=max_bytes)]
 
 
 class ArtifactStore(ABC):
@@ -149,6 +261,10 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def put_file(self, key: str, path: Path, content_type: str) -> None: ...
+
+    @abstractmethod
+    def put_stream(self, key: str, reader: HashingReader, content_type: str) -> None:
+        """Store what ``reader`` yields, read once front to back (its digest is then the stored bytes')."""
 
     @abstractmethod
     def get_file(self, key: str, dest: Path) -> None:
@@ -174,23 +290,47 @@ class ArtifactStore(ABC):
         return None
 
     # -- the two uses -------------------------------------------------------------------
-    def upload_outputs(self, folder: Path, prefix: str, **limits: int) -> list[Artifact]:
-        """Upload every output file under ``folder`` to ``prefix``; the list for the success report."""
+    def upload_outputs(self, folder: Path, prefix: str, *, owner: int | None = None,
+                       **limits: int) -> list[Artifact]:
+        """Upload every output file under ``folder`` to ``prefix``; the list for the success report.
+
+        Each file is read once (``open_outputs``): the size and sha256 listed are those of the stored bytes.
+        ``owner``: only files of this user ID (the task user's, when tasks run as one).
+        """
         out = []
-        for name, path in output_files(folder, **limits):
-            size, digest = file_digest(path)
+        for name, f, size in open_outputs(folder, owner=owner, **limits):
             ctype = content_type(name)
-            self.put_file(prefix + name, path, ctype)
-            out.append(Artifact(name, self.uri(prefix + name), size, digest, ctype))
+            reader = HashingReader(f, limit=size)
+            self.put_stream(prefix + name, reader, ctype)
+            out.append(Artifact(name, self.uri(prefix + name), reader.size, reader.sha256, ctype))
         return out
 
-    def upload_checkpoint(self, path: Path, prefix: str) -> str:
-        """Store a checkpoint file (or every file of a checkpoint folder); returns its URI."""
-        if path.is_dir():
-            for name, p in output_files(path):
-                self.put_file(f"{prefix}{path.name}/{name}", p, content_type(name))
-            return self.uri(f"{prefix}{path.name}/")
-        self.put_file(prefix + path.name, path, content_type(path.name))
+    def upload_checkpoint(self, path: Path, prefix: str, *, owner: int | None = None,
+                          base: Path | None = None) -> str:
+        """Store a checkpoint file (or every file of a checkpoint folder); returns its URI.
+
+        Read like outputs (``open_outputs``): no symlink is followed, neither under ``path`` nor at
+        ``path``; with ``base`` (the checkpoint folder ``path`` lies in) nor anywhere between the two.
+        """
+        rel = path.relative_to(base).parts if base is not None else (path.name,)
+        if not rel:
+            raise ArtifactError(f"checkpoint {path} is its folder")
+        with _fd(_open_below(base if base is not None else path.parent, rel[:-1])) as dfd:
+            try:
+                st = os.stat(rel[-1], dir_fd=dfd, follow_symlinks=False)
+            except OSError as exc:
+                raise ArtifactError(f"checkpoint {path} cannot be read: {exc}") from None
+            if stat.S_ISDIR(st.st_mode):
+                for name, part, size in open_outputs(rel[-1], owner=owner, dir_fd=dfd):
+                    self.put_stream(f"{prefix}{path.name}/{name}", HashingReader(part, limit=size),
+                                    content_type(name))
+                return self.uri(f"{prefix}{path.name}/")
+            f = _open_regular(dfd, rel[-1], owner)
+            if f is None:
+                raise ArtifactError(f"checkpoint {path} is not a regular file (of the task's user)")
+            with f:
+                size = os.fstat(f.fileno()).st_size
+                self.put_stream(prefix + path.name, HashingReader(f, limit=size), content_type(path.name))
         return self.uri(prefix + path.name)
 
     def fetch_checkpoint(self, uri: str, dest_dir: Path) -> Path:
@@ -254,13 +394,25 @@ class LocalArtifactStore(ArtifactStore):
         shutil.copyfile(path, tmp)
         os.replace(tmp, dest)  # readers never see half a file
 
+    def put_stream(self, key: str, reader: HashingReader, content_type: str) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(dest.name + ".part")
+        with tmp.open("wb") as out:
+            while data := reader.read(CHUNK):
+                out.write(data)
+        os.replace(tmp, dest)  # readers never see half a file
+
     def get_file(self, key: str, dest: Path) -> None:
         src = self._path(key)
         if not src.is_file():
             raise ArtifactError(f"no artifact {key!r}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         if src != dest.resolve():
-            shutil.copyfile(src, dest)
+            tmp = dest.with_name(dest.name + ".part")
+            tmp.unlink(missing_ok=True)
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)  # replaces a symlink left at ``dest``, never writes through it
 
     def size(self, key: str) -> int | None:
         p = self._path(key)
@@ -333,6 +485,10 @@ class S3ArtifactStore(ArtifactStore):
     def put_file(self, key: str, path: Path, content_type: str) -> None:
         # upload_file: multipart for big files, with retries (s3transfer)
         self.client.upload_file(str(path), self.bucket, self._k(key), ExtraArgs={"ContentType": content_type})
+
+    def put_stream(self, key: str, reader: HashingReader, content_type: str) -> None:
+        # a stream that cannot seek: s3transfer reads it once, in order, and buffers each part it sends
+        self.client.upload_fileobj(reader, self.bucket, self._k(key), ExtraArgs={"ContentType": content_type})
 
     def get_file(self, key: str, dest: Path) -> None:
         from botocore.exceptions import ClientError

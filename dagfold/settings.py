@@ -111,6 +111,8 @@ class Settings(BaseSettings):
                               "registered in Python; `shell` only where listed)", "--handlers", group="process")
     task_user: str | None = _s(None, "run task processes as this user (the worker runs as root)", "--task-user",
                                group="process")
+    allow_root_tasks: bool = _s(False, "run task processes (shell tasks, GPU jobs) as root when no task user is "
+                                "given; refused at start otherwise", "--allow-root-tasks", group="process")
     task_dir: Path | None = _s(None, "folder of the per-attempt work folders of task processes (default: the "
                                "system temp folder)", "--task-dir", group="process")
     kafka_sasl_password: str | None = _s(None, "the Kafka SASL password (kept out of --log, which every local "

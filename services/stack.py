@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from dagfold.artifacts import open_store
@@ -133,10 +136,17 @@ class Stack:
         self._spawn("allocator", lambda: allocator.run(self.stop_event))
         command = [sys.executable, "-m", "dagfold.services.agent.demo_job"]
         store = self.artifacts
+        work: Path | None = None
+        if o.runtime.owner() is not None:  # a task user cannot reach into the data folder (0700): work elsewhere
+            work = Path(tempfile.mkdtemp(prefix="dagfold-agent-work-", dir=o.runtime.work_root))
+            work.chmod(0o711)  # the task user passes through to its own task folders, lists nothing
+        self.agent_work = work
         self.agents = []
         for i in range(o.gpu_nodes):
-            agent, _ = simulated(self.log, o.gpu_pool, f"{o.gpu_pool}-node-{i}", command,
-                                 self.config.data_dir / "artifacts", gpus=o.gpus_per_node, store=store)
+            node = f"{o.gpu_pool}-node-{i}"
+            agent, _ = simulated(self.log, o.gpu_pool, node, command, self.config.data_dir / "artifacts",
+                                 gpus=o.gpus_per_node, store=store, work_dir=work / node if work else None,
+                                 runtime=o.runtime)  # job processes: the shell tasks' environment and user
             self.agents.append(agent)
             self._spawn(f"agent-{i}", lambda a=agent: a.run(self.stop_event.is_set))  # type: ignore[misc]
 
@@ -205,6 +215,8 @@ class Stack:
             if self.options.delete_namespace_at_stop:
                 self._close_all([("namespace deletion", self._delete_namespace)])
             self._close_all([("log", self.log.close)])
+        if (work := getattr(self, "agent_work", None)) is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
     def _delete_namespace(self) -> None:
         delete = getattr(self.log, "delete_namespace", None)

@@ -86,7 +86,9 @@ class UpProcess:
 
     def start(self) -> UpProcess:
         self.data.parent.mkdir(parents=True, exist_ok=True)
-        env = {k: v for k, v in os.environ.items() if not (self.clean_env and k.startswith("DAGFOLD_"))}
+        # DAGFOLD_ALLOW_ROOT_TASKS is the suite's own opt-in (tests/conftest.py), not a caller's setting
+        env = {k: v for k, v in os.environ.items()
+               if not (self.clean_env and k.startswith("DAGFOLD_") and k != "DAGFOLD_ALLOW_ROOT_TASKS")}
         with open(self.log_path, "ab") as logf:  # the child holds its own copy of the descriptor
             self.proc = subprocess.Popen(
                 [*(self.command or DAGFOLD), "up", "--log", self.log, "--data", str(self.data),

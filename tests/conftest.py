@@ -17,6 +17,11 @@ from dagfold.log.base import Log
 from tests.cli_support import TEST_CONSUMER_CONFIG, UpProcess
 from tests.s3_support import S3Server
 
+# The suite runs as root in CI, and its stacks run shell tasks and GPU jobs without a task user: it says
+# so explicitly, as an operator must (`--allow-root-tasks`; tests/test_task_isolation.py checks the refusal).
+if os.geteuid() == 0:
+    os.environ.setdefault("DAGFOLD_ALLOW_ROOT_TASKS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------

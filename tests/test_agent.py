@@ -150,7 +150,8 @@ def test_enterprise_job_preempts_a_standard_one_which_resumes_after(tmp_path: Pa
     try:
         c.submit(gpu_job("std", gpus=2, tier="standard", tenant="free-rider"))
         c.until(lambda ev: bool(of(ev, "LeaseGranted", job_id="std")))
-        time.sleep(0.4)
+        # running, its SIGTERM handler set (it prints progress after): preempted, it checkpoints
+        c.until(lambda ev: any(jp.progress for a in c.agents for jp in a.procs.values()))
         c.submit(gpu_job("ent", gpus=2, tier="enterprise", tenant="bank"))
         ev = c.until(lambda ev: c.job_state(ev, "ent") == "succeeded" and c.job_state(ev, "std") is not None,
                      timeout_s=40)

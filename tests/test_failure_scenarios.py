@@ -370,7 +370,9 @@ def test_killed_worker_loses_its_lease_and_another_worker_finishes(env: Env) -> 
         # worker threads share one process: the crash_once handler makes its worker thread "die"
         task = f"{{id: work, handler: crash_once, args: {{marker: '{marker}'}}}}"
     else:
-        cmd = (f'if [ "$DAGFOLD_ATTEMPT" = 1 ]; then [ -e {worker_pid} ] || echo $PPID > {worker_pid}; '
+        # the shell's parent is its reaper; the worker is the reaper's parent (field 4 of /proc/PID/stat)
+        cmd = (f'if [ "$DAGFOLD_ATTEMPT" = 1 ]; then [ -e {worker_pid} ] || '
+               f'cut -d" " -f4 /proc/$PPID/stat > {worker_pid}; '
                f'[ -e {shell_pid} ] || echo $$ > {shell_pid}; exec sleep 120; fi; echo finished')
         task = f"{{id: work, handler: shell, args: {{cmd: '{cmd}'}}}}"
     spec = env.spec_file(f"""
@@ -408,7 +410,7 @@ tasks:
         assert len(reclaimed) == 1 and reclaimed[0]["attempt"] == 1 and "lease_expired" in reclaimed[0]["detail"]
         assert not [h for h in hist if h["type"] == "TaskFailed"]
     finally:
-        if shell_pid.exists():  # the killed worker's orphaned `sleep` (its own process group)
+        if shell_pid.exists():  # the killed worker's `sleep` (its reaper kills it too; in case it did not)
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.killpg(int(shell_pid.read_text()), signal.SIGKILL)
         if env.backend == "kafka":

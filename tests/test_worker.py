@@ -276,7 +276,9 @@ def test_stop_task_stops_running_sleep_and_shell(elog: EmbeddedLog, start: Worke
     wait_for(lambda: w.tasks_stopped == 1, what="sleep stopped")
     assert time.monotonic() - t0 < 2
 
-    dispatch(elog, "job-sh", handler="shell", args={"cmd": f"echo $$ > {pidfile}; sleep 30"})
+    dispatch(elog, "job-sh", handler="shell", args={"cmd": f"echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; "
+                                                           "sleep 30"})
+    wait_for(pidfile.exists, what="the shell running")  # its reaper starts first
     t0 = stop_when_started("job-sh")
     wait_for(lambda: w.tasks_stopped == 2, what="shell stopped")
     assert time.monotonic() - t0 < 3

@@ -107,7 +107,8 @@ def _launch(data: Path) -> UpProcess:
 def test_a_task_that_kills_every_worker_fails_with_worker_lost_after_the_limit(tmp_path: Path) -> None:
     data = tmp_path / "data"
     spec = ("id: poison\ntimeouts: {heartbeat_s: 2}\nretry: {max_attempts: 5}\ntasks:\n"
-            "  - {id: bomb, handler: shell, args: {cmd: 'kill -9 $PPID; sleep 5'}}\n"
+            # its parent is its reaper: the worker is the reaper's parent (field 4 of /proc/PID/stat)
+            "  - {id: bomb, handler: shell, args: {cmd: 'kill -9 $(cut -d\" \" -f4 /proc/$PPID/stat); sleep 5'}}\n"
             "  - {id: fine, handler: noop}\n")
     up = UpProcess(data, workers=1, args=SHELL).start()
     job = up.submit(spec)

@@ -30,6 +30,7 @@ from dagfold.cli.common import (
     run_until_stopped,
     serve_metrics,
 )
+from dagfold.cli.main import ALLOW_ROOT_HELP, TASK_ENV_HELP, task_runtime
 
 PoolOpt = typer.Option("default", "--pool", help="GPU pool: the queue name of the GPU tasks it serves")
 MetricsPortOpt = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
@@ -104,6 +105,11 @@ def agent(pool: str = PoolOpt, log: LogOpt = None,
                                                   help="simulated faults to apply, one a line (throttle, ecc, ...)"),
           hb_interval_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05, help="heartbeat every this many "
                                               "seconds"),
+          task_user: str | None = typer.Option(None, "--task-user", envvar="DAGFOLD_TASK_USER",
+                                               help="run job processes as this user (the agent must run as root)"),
+          task_env: list[str] = typer.Option([], "--task-env", help=TASK_ENV_HELP),
+          allow_root_tasks: bool = typer.Option(False, "--allow-root-tasks", envvar="DAGFOLD_ALLOW_ROOT_TASKS",
+                                                help=ALLOW_ROOT_HELP),
           metrics_port: int | None = MetricsPortOpt, metrics_addr: str = MetricsAddrOpt,
           verbose: VerboseOpt = False) -> None:
     """Run the node agent of one GPU host: register, heartbeat health, run granted jobs."""
@@ -115,6 +121,7 @@ def agent(pool: str = PoolOpt, log: LogOpt = None,
     from dagfold.services.agent.launcher import Launcher
 
     _logging(verbose)
+    runtime = task_runtime(task_user, None, task_env, allow_root_tasks, runs_processes=True)
     cfg = _config(log, None)
     if cfg.log_url == "embedded":
         raise fail("an agent process needs a shared log (kafka://...); `dagfold up --gpu-nodes N` runs "
@@ -131,7 +138,8 @@ def agent(pool: str = PoolOpt, log: LogOpt = None,
         raise fail(f"--artifacts: {exc}") from None
     serve_metrics(metrics_port, metrics_addr)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
-    launcher = Launcher(shlex.split(command), store, work_dir or Path(".dagfold") / "agent-work" / node)
+    launcher = Launcher(shlex.split(command), store, work_dir or Path(".dagfold") / "agent-work" / node,
+                        runtime=runtime)
     node_agent = NodeAgent(lg, pool, node, devices, launcher, hb_interval_s=hb_interval_s,
                            keep_checkpoints=keep_checkpoints)
     stop = threading.Event()

@@ -175,6 +175,8 @@ HANDLERS_HELP = ("handlers the workers run, comma-separated (e.g. noop,sleep,she
 HANDLER_MODULE_HELP = "import this module first; it registers custom handlers (services.worker.register_handler)"
 TASK_USER_HELP = "run task processes as this user (the worker must run as root)"
 TASK_DIR_HELP = "folder for the per-attempt work folders of task processes (default: the system temp folder)"
+ALLOW_ROOT_HELP = ("run task processes (shell tasks, GPU jobs) as root when no --task-user is given; without it "
+                   "such a start is refused, since root tasks read every secret of the host")
 TASK_ENV_HELP = ("NAME (copied from this process) or NAME=VALUE: a variable task processes get; they get only "
                  "PATH, LANG, LC_ALL, TZ, these and their DAGFOLD_* variables. Repeatable")
 
@@ -204,13 +206,16 @@ def up(log: LogOpt = None, data: DataOpt = None,
        task_user: str | None = typer.Option(None, "--task-user", envvar="DAGFOLD_TASK_USER", help=TASK_USER_HELP),
        task_dir: Path | None = typer.Option(None, "--task-dir", envvar="DAGFOLD_TASK_DIR", help=TASK_DIR_HELP),
        task_env: list[str] = typer.Option([], "--task-env", help=TASK_ENV_HELP),
+       allow_root_tasks: bool = typer.Option(False, "--allow-root-tasks", envvar="DAGFOLD_ALLOW_ROOT_TASKS",
+                                             help=ALLOW_ROOT_HELP),
        verbose: VerboseOpt = False) -> None:
     """Run the whole local stack: scheduler, projector, workers and the API."""
     from dagfold.services.stack import Stack, StackOptions
 
     _logging(verbose)
     _use_auth_file(auth_file)
-    registry, runtime = _task_capabilities(handlers, handler_module, task_user, task_dir, task_env)
+    registry, runtime = _task_capabilities(handlers, handler_module, task_user, task_dir, task_env,
+                                           allow_root_tasks, gpu=gpu_nodes > 0)
     cfg = _config(log, data, port)
     local_token = _use_local_token(cfg.api_host, cfg.api_port) if token else None
     if not with_scheduler and cfg.log_url == "embedded":
@@ -271,13 +276,16 @@ def _disk_full_line(exc: BaseException, data: Path) -> str | None:
 
 
 def _task_capabilities(handlers: str | None, modules: list[str], task_user: str | None, task_dir: Path | None,
-                       task_env: list[str]) -> tuple[Any, Any]:
-    """The handler registry and task runtime the flags ask for (a bad flag is a one-line error)."""
+                       task_env: list[str], allow_root: bool = False, *, gpu: bool = False) -> tuple[Any, Any]:
+    """The handler registry and task runtime the flags ask for (a bad flag is a one-line error).
+
+    Task processes (``shell``, or GPU jobs with ``gpu``) that would run as root without a task user
+    are refused unless ``allow_root`` (status 2, like every bad flag).
+    """
     import importlib
-    import os
 
     from dagfold.services.worker.capabilities import parse_handler_list
-    from dagfold.services.worker.handlers import PASS_ENV_DEFAULT, TaskRuntime, default_registry
+    from dagfold.services.worker.handlers import default_registry
 
     for module in modules:
         try:
@@ -290,6 +298,18 @@ def _task_capabilities(handlers: str | None, modules: list[str], task_user: str 
             registry = registry.select(parse_handler_list(handlers))
         except ValueError as exc:
             raise fail(f"--handlers: {exc}") from None
+    runtime = task_runtime(task_user, task_dir, task_env, allow_root, runs_processes="shell" in registry or gpu)
+    return registry, runtime
+
+
+def task_runtime(task_user: str | None, task_dir: Path | None, task_env: list[str], allow_root: bool, *,
+                 runs_processes: bool) -> Any:
+    """The ``TaskRuntime`` of the flags --task-user, --task-dir, --task-env, --allow-root-tasks (workers and
+    agents alike; a bad flag is a one-line error)."""
+    import os
+
+    from dagfold.services.worker.handlers import PASS_ENV_DEFAULT, TaskRuntime
+
     pass_env, set_env = list(PASS_ENV_DEFAULT), {}
     for item in task_env:
         name, eq, value = item.partition("=")
@@ -299,14 +319,15 @@ def _task_capabilities(handlers: str | None, modules: list[str], task_user: str 
             set_env[name] = value
         elif name in os.environ:
             pass_env.append(name)
-    runtime = TaskRuntime(pass_env=tuple(pass_env), set_env=set_env, user=task_user or None, work_root=task_dir)
+    runtime = TaskRuntime(pass_env=tuple(pass_env), set_env=set_env, user=task_user or None,
+                          work_root=task_dir, allow_root=allow_root)
     try:
-        runtime.check()
+        runtime.check(runs_processes=runs_processes)
     except ValueError as exc:
         raise fail(str(exc)) from None
-    if "shell" in registry:  # tasks run commands: keep this process's environment out of their reach
+    if runs_processes:  # tasks run commands: keep this process's environment out of their reach
         runtime.protect_process()
-    return registry, runtime
+    return runtime
 
 
 def _use_auth_file(auth_file: Path | None) -> None:
@@ -448,8 +469,9 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
     from dagfold.services.worker.handlers import default_registry
 
     _logging(verbose)
+    # the invoker's own job file, in a private stack without an API: no tenant's command runs here
     registry, _ = _task_capabilities(handlers or ",".join([*default_registry().names(), "shell"]), [], None,
-                                     None, [])
+                                     None, [], allow_root=True)
     if (file is None) == (wfcommons is None):
         raise fail("give a job spec FILE or --wfcommons PATH")
     if wfcommons is not None:
@@ -471,6 +493,8 @@ def worker(queue: str = typer.Option("default", "--queue", help="the queue whose
                                                 help=TASK_USER_HELP),
            task_dir: Path | None = typer.Option(None, "--task-dir", envvar="DAGFOLD_TASK_DIR", help=TASK_DIR_HELP),
            task_env: list[str] = typer.Option([], "--task-env", help=TASK_ENV_HELP),
+           allow_root_tasks: bool = typer.Option(False, "--allow-root-tasks", envvar="DAGFOLD_ALLOW_ROOT_TASKS",
+                                                 help=ALLOW_ROOT_HELP),
            metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",
                                                    help="serve Prometheus /metrics on this port"),
            metrics_addr: str = typer.Option("127.0.0.1", "--metrics-addr", help="address for --metrics-port"),
@@ -482,7 +506,8 @@ def worker(queue: str = typer.Option("default", "--queue", help="the queue whose
     from dagfold.services.worker.worker import Worker
 
     _logging(verbose)
-    registry, runtime = _task_capabilities(handlers, handler_module, task_user, task_dir, task_env)
+    registry, runtime = _task_capabilities(handlers, handler_module, task_user, task_dir, task_env,
+                                           allow_root_tasks)
     serve_metrics(metrics_port, metrics_addr)
     cfg = _config(log, data)
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)

@@ -325,6 +325,6 @@ def simulated(log_: Log, pool: str, node_id: str, command: list[str], artifact_d
     dev = SimulatedDevices(gpus, gpu_type)
     store = kw.pop("store", None) or LocalArtifactStore(artifact_dir)
     work = kw.pop("work_dir", None) or artifact_dir.parent / "agent-work" / node_id
-    launcher = Launcher(command, store, work, speed=1.0)
+    launcher = Launcher(command, store, work, speed=1.0, runtime=kw.pop("runtime", None))
     agent = NodeAgent(log_, pool, node_id, dev, launcher, **kw)
     return agent, dev

@@ -6,12 +6,21 @@ A grant becomes one process per host, started with:
 * ``DAGFOLD_ALLOC_ID``, ``DAGFOLD_EPOCH``, ``DAGFOLD_JOB_ID``, ``DAGFOLD_TASK_ID``, ``DAGFOLD_ATTEMPT``;
 * ``DAGFOLD_CHECKPOINT_DIR`` a local folder for this job and task's checkpoints, and
   ``DAGFOLD_RESUME_CHECKPOINT`` the checkpoint to resume from, if any (brought
-  back from artifact storage into that folder first);
+  back from artifact storage first, into a fresh folder of the agent's);
 * ``DAGFOLD_OUTPUT_DIR`` an empty local folder per attempt: what the process
   leaves there is uploaded to artifact storage when it exits 0, and listed in
   the attempt's TaskSucceeded (``outputs``);
 * ``DAGFOLD_ARGS_JSON`` the task's arguments (JSON, e.g. model, params and prompt of a GPU job);
 * ``DAGFOLD_SPEED`` the simulated device speed (1.0 on real GPUs).
+
+Nothing else of the agent's environment: the process gets the same allow list as
+a CPU worker's shell task (``TaskRuntime``: ``PATH``, ``LANG``, ``LC_ALL``, ``TZ``,
+``--task-env``; ``HOME`` and ``TMPDIR`` its task folder), runs as the task user
+when one is set, and under its own reaper (``dagfold.services.worker.reaper``):
+when it exits, is killed, or the agent dies, every process it started ends
+too. Its working directory is the agent's (made absolute at start), and a
+relative ``{"checkpoint": ...}`` path is read against it. The folders above
+are absolute.
 
 Protocol on stdout, one JSON object per line: ``{"progress": 0.4}``,
 ``{"checkpoint": "<path>"}`` (a file or folder under ``DAGFOLD_CHECKPOINT_DIR``;
@@ -42,6 +51,7 @@ from typing import Any
 
 from dagfold.artifacts import Artifact, ArtifactError, ArtifactStore, checkpoint_prefix, output_prefix
 from dagfold.clock import now_ms
+from dagfold.services.worker.handlers import TaskRuntime
 
 log = logging.getLogger("dagfold.agent")
 MAX_RESULT_BYTES = 64 * 1024
@@ -107,15 +117,27 @@ class JobProcess:
         return json.dumps(self.results[0] if len(self.results) == 1 else self.results, separators=(",", ":"))
 
 
+def _real_dir(path: Path, *, empty: bool) -> None:
+    """A folder of its own at ``path`` (a symlink or file there is removed, never followed), emptied if asked."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif empty:
+        shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+
+
 class Launcher:
     """Starts and stops job processes; ``command`` is the job's argv.
 
     ``store`` is the artifact storage (outputs, checkpoints); ``work_dir`` the
-    host-local folder of the processes' checkpoint and output folders.
+    host-local folder of the processes' checkpoint and output folders; ``runtime``
+    the environment allow list and user of the processes (``TaskRuntime``).
+    Relative folders are made absolute once, here: the processes' working
+    directory is this process's at start.
     """
 
     def __init__(self, command: list[str], store: ArtifactStore | Path, work_dir: Path | None = None,
-                 speed: float = 1.0) -> None:
+                 speed: float = 1.0, runtime: TaskRuntime | None = None) -> None:
         from dagfold.artifacts import LocalArtifactStore
 
         self.command = command
@@ -123,8 +145,10 @@ class Launcher:
             work_dir = work_dir or store.parent / (store.name + "-work")
             store = LocalArtifactStore(store)
         self.store = store
-        self.work_dir = work_dir or Path(".dagfold") / "agent-work"
+        self.cwd = Path.cwd()  # the processes' working directory
+        self.work_dir = (work_dir or Path(".dagfold") / "agent-work").absolute()
         self.speed = speed
+        self.runtime = runtime if runtime is not None else TaskRuntime()
         self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="agent-upload")
 
     def task_dir(self, job_id: str, task_id: str) -> Path:
@@ -132,31 +156,43 @@ class Launcher:
 
         d = self.work_dir / quote(job_id, safe="") / quote(task_id, safe="")
         d.mkdir(parents=True, exist_ok=True)
+        self.runtime.hand_over(d)  # the process writes its checkpoints and outputs there (task user)
         return d
 
     def start(self, alloc_id: str, epoch: int, job_id: str, task_id: str, attempt: int, gpus: list[int],
               resume: str | None, args_json: str = "{}", tenant: str = "default") -> JobProcess:
         jp = JobProcess(alloc_id, epoch, job_id, task_id, attempt, None, gpus,  # type: ignore[arg-type]
                         tenant=tenant, work=self.task_dir(job_id, task_id))
-        jp.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(jp.output_dir, ignore_errors=True)
-        jp.output_dir.mkdir(parents=True)
-        env = dict(os.environ)
-        env.update({"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "DAGFOLD_ALLOC_ID": alloc_id,
-                    "DAGFOLD_EPOCH": str(epoch), "DAGFOLD_JOB_ID": job_id, "DAGFOLD_TASK_ID": task_id,
-                    "DAGFOLD_ATTEMPT": str(attempt),
-                    "DAGFOLD_CHECKPOINT_DIR": str(jp.checkpoint_dir), "DAGFOLD_OUTPUT_DIR": str(jp.output_dir),
-                    "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed)})
+        # both live in the task's folder, where an earlier attempt may have left a symlink or a file
+        _real_dir(jp.checkpoint_dir, empty=False)
+        self.runtime.hand_over(jp.checkpoint_dir)
+        _real_dir(jp.output_dir, empty=True)
+        self.runtime.hand_over(jp.output_dir)
+        task_vars = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus), "DAGFOLD_ALLOC_ID": alloc_id,
+                     "DAGFOLD_EPOCH": str(epoch), "DAGFOLD_JOB_ID": job_id, "DAGFOLD_TASK_ID": task_id,
+                     "DAGFOLD_ATTEMPT": str(attempt),
+                     "DAGFOLD_CHECKPOINT_DIR": str(jp.checkpoint_dir), "DAGFOLD_OUTPUT_DIR": str(jp.output_dir),
+                     "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed)}
         if resume:
             jp.checkpoint_uri = resume
-            local = self._fetch(resume, jp.checkpoint_dir)
+            # into a folder of the agent's that no task process can write (an earlier attempt's could
+            # have left symlinks in its checkpoint folder for this agent to write through)
+            fresh = self._resume_dir(jp)
+            shutil.rmtree(fresh, ignore_errors=True)
+            local = self._fetch(resume, fresh)
             if local is not None:
-                env["DAGFOLD_RESUME_CHECKPOINT"] = str(local)
-        jp.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, bufsize=1)
+                task_vars["DAGFOLD_RESUME_CHECKPOINT"] = str(local)
+        # the same allow list as a shell task's, never the agent's own environment (its credentials)
+        env = self.runtime.process_env({}, task_vars, str(jp.work))
+        env["PWD"] = str(self.cwd)
+        jp.proc = self.runtime.spawn(self.command, env, str(self.cwd), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
         jp._reader = threading.Thread(target=self._read, args=(jp,), daemon=True)
         jp._reader.start()
         return jp
+
+    def _resume_dir(self, jp: JobProcess) -> Path:
+        return self.work_dir / ".resume" / jp.alloc_id.replace("/", "_")
 
     def _fetch(self, uri: str, dest: Path) -> Path | None:
         """The stored checkpoint, brought into the local checkpoint folder (None: not found; start over)."""
@@ -171,15 +207,15 @@ class Launcher:
 
     def _store_checkpoint(self, jp: JobProcess, reported: str) -> None:
         """Upload a checkpoint the process reported; only paths inside its checkpoint folder are taken."""
-        base = jp.checkpoint_dir.resolve()
-        path = Path(reported)
-        path = (path if path.is_absolute() else base / path).resolve()
-        if path == base or base not in path.parents or not path.exists():
+        base = Path(os.path.normpath(jp.checkpoint_dir))
+        # a relative path is the process's own: relative to its working directory, as it wrote it
+        path = Path(os.path.normpath(self.cwd / reported))
+        if path == base or base not in path.parents or not os.path.lexists(path):
             log.warning("%s: checkpoint %r ignored: not inside DAGFOLD_CHECKPOINT_DIR", jp.alloc_id, reported)
             return
-        try:
+        try:  # read without following a symlink (the process may still be running): upload_checkpoint
             jp.checkpoint_uri = self.store.upload_checkpoint(
-                path, checkpoint_prefix(jp.tenant, jp.job_id, jp.task_id))
+                path, checkpoint_prefix(jp.tenant, jp.job_id, jp.task_id), owner=self.runtime.owner(), base=base)
         except Exception as exc:  # storage errors: the previous checkpoint stays the resume point
             log.warning("%s: checkpoint upload failed: %r", jp.alloc_id, exc)
             return
@@ -189,7 +225,8 @@ class Launcher:
         """Upload the outputs of a process that exited 0 (in the background: big outputs do not stall
         the agent's heartbeats)."""
         jp.upload = self._uploads.submit(self.store.upload_outputs, jp.output_dir,
-                                         output_prefix(jp.tenant, jp.job_id, jp.task_id, jp.attempt))
+                                         output_prefix(jp.tenant, jp.job_id, jp.task_id, jp.attempt),
+                                         owner=self.runtime.owner())
         return jp.upload
 
     def drop_checkpoints(self, jp: JobProcess) -> int:
@@ -242,3 +279,5 @@ class Launcher:
     def finish(self, jp: JobProcess) -> None:
         if jp._reader is not None:
             jp._reader.join(timeout=10)  # the last checkpoint's upload, after a SIGTERM
+        if jp.exited() is not None:
+            shutil.rmtree(self._resume_dir(jp), ignore_errors=True)

@@ -21,7 +21,7 @@ Custom handlers, the small Python API::
 or, on a registry of one's own, ``@registry.handler("resize")``.
 
 Built-ins: ``noop``, ``sleep`` (``args.seconds``) and ``shell`` (``args.cmd``
-run by ``/bin/sh -c`` in its own process group; optional ``args.env`` (object),
+run by ``/bin/sh -c`` under its own reaper, ``dagfold.services.worker.reaper``; optional ``args.env`` (object),
 ``args.cwd``, ``args.kill_grace_s``). ``shell`` is a capability a worker must
 enable (``HandlerRegistry.with_builtins(shell=True)``, ``--handlers ...,shell``);
 see ``dagfold.services.worker.capabilities`` and docs/security.md. A handler may carry
@@ -30,7 +30,9 @@ registry, and by the worker before every attempt.
 
 Process handlers run without the service's secrets (``TaskRuntime``): a
 minimal environment, a fresh per-attempt work folder, and another user where
-one is configured and the worker runs as root.
+one is configured and the worker runs as root. Every process a task starts
+ends with it (``TaskRuntime.spawn``: the reaper), even when the worker is
+killed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import pwd
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from dagfold.services.worker import reaper
 from dagfold.services.worker.capabilities import ArgsCheck, check_noop, check_shell, check_sleep
 from dagfold.services.worker.exceptions import (
     NonRetryableError,
@@ -79,16 +83,31 @@ class TaskRuntime:
     is a fresh folder per attempt (``HOME`` and ``TMPDIR`` too), under
     ``work_root`` (default: the system's temp folder), removed after the
     attempt. With ``user`` set and the worker running as root, the process runs
-    as that user (its primary group, no supplementary groups).
+    as that user (its primary group, no supplementary groups). GPU job
+    processes of a node agent get the same environment and user (one allow
+    list for every task process).
+
+    Running task processes as root with no ``user`` is refused by ``check``
+    (root reads every secret of the host) unless ``allow_root`` says the
+    operator wants it (``--allow-root-tasks``).
     """
 
     pass_env: tuple[str, ...] = PASS_ENV_DEFAULT
     set_env: Mapping[str, str] = field(default_factory=dict)
     user: str | None = None
     work_root: Path | None = None
+    allow_root: bool = False
 
-    def check(self) -> None:
-        """Raise ValueError for a setting that cannot work (unknown user, user without root)."""
+    def __post_init__(self) -> None:
+        if self.work_root is not None:  # made absolute once: HOME, TMPDIR and the working directory hold it
+            object.__setattr__(self, "work_root", self.work_root.absolute())
+
+    def check(self, *, runs_processes: bool = True) -> None:
+        """Raise ValueError for a setting that cannot work (unknown user, user without root), or for task
+        processes that would run as root (``runs_processes``) without a task user or ``allow_root``."""
+        if runs_processes and self.user is None and os.geteuid() == 0 and not self.allow_root:
+            raise ValueError("task processes would run as root and could read every secret of this host: "
+                             "give --task-user USER (e.g. nobody), or --allow-root-tasks to run them as root anyway")
         if self.user is not None:
             try:
                 pwd.getpwnam(self.user)
@@ -134,17 +153,34 @@ class TaskRuntime:
         return env
 
     def hand_over(self, path: str | Path) -> None:
-        """Make a folder the task's (owned by the task user, when tasks run as one): e.g. its output folder."""
+        """Make a folder the task's (owned by the task user, when tasks run as one): e.g. its output folder.
+
+        A symlink there is never followed (a task could have left one in a folder it owns).
+        """
         acct = self._account()
         if acct is not None:
-            os.chown(path, acct.pw_uid, acct.pw_gid)
+            os.chown(path, acct.pw_uid, acct.pw_gid, follow_symlinks=False)
 
-    def popen_identity(self) -> dict[str, Any]:
-        """``subprocess.Popen`` arguments that switch to the task user (none without one)."""
+    def owner(self) -> int | None:
+        """The user ID task processes run as, when it is not the service's (their outputs must be theirs)."""
         acct = self._account()
-        if acct is None:
-            return {}
-        return {"user": acct.pw_uid, "group": acct.pw_gid, "extra_groups": [], "umask": 0o077}
+        return None if acct is None else acct.pw_uid
+
+    def spawn(self, argv: list[str], env: dict[str, str], cwd: str | None, *, stdout: Any, stderr: Any,
+              text: bool = False, bufsize: int = -1) -> ReapedPopen:
+        """Start a task process under its own reaper (``dagfold.services.worker.reaper``), in a new session,
+        as the task user if any (no supplementary groups, umask 077).
+
+        ``terminate`` the Popen to signal the task's process group, ``kill`` it to end every process of
+        the task; its ``wait`` returns once all of them are gone, with the command's status.
+        """
+        acct = self._account()
+        uid, gid = (str(acct.pw_uid), str(acct.pw_gid)) if acct is not None else ("-", "-")
+        # the standard library only, no site packages, no PYTHON* variables: the task's environment
+        # cannot steer the reaper
+        head = [sys.executable, "-I", "-S", reaper.__file__, str(os.getpid()), uid, gid, "077", "--"]
+        return ReapedPopen([*head, *argv], env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout,
+                           stderr=stderr, text=text, bufsize=bufsize, start_new_session=True)
 
     @contextlib.contextmanager
     def attempt_dir(self, ctx: TaskContext) -> Iterator[str]:
@@ -156,6 +192,17 @@ class TaskRuntime:
             yield path
         finally:
             shutil.rmtree(path, ignore_errors=True)
+
+
+class ReapedPopen(subprocess.Popen):  # type: ignore[type-arg]
+    """The Popen of a task's reaper: ``kill`` ends every process of the task (a SIGKILL would end the
+    reaper alone and leave the task's processes to init); ``terminate``/``send_signal(SIGTERM)`` reach
+    the command's process group; ``wait`` returns once they are all gone, with the command's status."""
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.send_signal(reaper.KILL_SIGNAL)
 
 
 @dataclass
@@ -388,22 +435,18 @@ def _drain(stream: IO[bytes], tail: _Tail) -> None:
         stream.close()
 
 
-def _killpg(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
-def _kill_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM the process group, SIGKILL it after ``grace_s``, reap the leader."""
-    _killpg(proc.pid, signal.SIGTERM)
+def _kill_task(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the task's process group, end every process of the task after ``grace_s``, reap the reaper."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)  # the reaper hands it to the command's group
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
-    _killpg(proc.pid, signal.SIGKILL)
+    proc.kill()  # a ReapedPopen: every process of the task
     proc.wait()
 
 
 def shell(ctx: TaskContext) -> None:
-    """Runs ``args.cmd`` with ``/bin/sh -c`` in its own process group, in a fresh work folder.
+    """Runs ``args.cmd`` with ``/bin/sh -c`` under its own reaper, in a fresh work folder.
 
     The environment is ``ctx.runtime``'s minimal one (never the worker's own),
     plus ``args.env``, plus ``DAGFOLD_JOB_ID``, ``DAGFOLD_TASK_ID``,
@@ -414,8 +457,9 @@ def shell(ctx: TaskContext) -> None:
     deadlock on big outputs) and their last ``TAIL_BYTES`` bytes are left in
     ``ctx.stdout_tail``/``stderr_tail``. On cancellation or after
     ``ctx.start_to_close_s`` the whole group gets SIGTERM, then SIGKILL after
-    ``args.kill_grace_s`` (default 2 s). Processes the command leaves behind
-    holding its output open are killed too.
+    ``args.kill_grace_s`` (default 2 s). Every process the command leaves
+    behind (in its group or not: ``setsid``, double forks) is killed when it
+    exits, before its outputs are read (``reaper``).
     """
     bad = check_shell(ctx.args)
     if bad:
@@ -439,16 +483,7 @@ shell_handler = shell  # with_builtins' keyword ``shell`` hides the function's n
 def _run_shell(ctx: TaskContext, cmd: str, env: dict[str, str], cwd: str, grace: float) -> None:
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(
-            ["/bin/sh", "-c", cmd],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            cwd=cwd,
-            start_new_session=True,
-            **ctx.runtime.popen_identity(),
-        )
+        proc = ctx.runtime.spawn(["/bin/sh", "-c", cmd], env, cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as exc:
         raise NonRetryableError(f"shell: cannot start /bin/sh: {exc}") from exc
     assert proc.stdout is not None and proc.stderr is not None
@@ -476,15 +511,10 @@ def _run_shell(ctx: TaskContext, cmd: str, env: dict[str, str], cwd: str, grace:
                 break
     finally:
         if proc.returncode is None:  # cancelled, timed out, or interrupted
-            _kill_group(proc, grace)
-    # Leftover processes of the group may still hold the pipes open.
-    end = time.monotonic() + 0.5
+            _kill_task(proc, grace)
+    # The reaper has exited: every process of the task is gone, and the pipes with them.
     for t in readers:
-        t.join(timeout=max(0.0, end - time.monotonic()))
-    if any(t.is_alive() for t in readers):
-        _killpg(proc.pid, signal.SIGKILL)
-        for t in readers:
-            t.join(timeout=2.0)
+        t.join(timeout=2.0)
     ctx.stdout_tail, ctx.stderr_tail = out.text(), err.text()
     if stopped_by == "timeout":
         raise TaskTimeout()

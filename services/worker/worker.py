@@ -646,7 +646,10 @@ class Worker:
             if report is None or report["type"] != "dagfold.command.TaskSucceeded":
                 return report
             try:
-                arts = self.artifacts.upload_outputs(folder, output_prefix(d["tenant"], *key))
+                # the task's processes are all gone (its reaper waited for them): nothing rewrites or
+                # swaps a file while it is read; each is read once, its digest over the stored bytes
+                arts = self.artifacts.upload_outputs(folder, output_prefix(d["tenant"], *key),
+                                                     owner=self.runtime.owner())
             except Exception as exc:  # storage refused or unreachable, or outputs over the limits
                 ctx = TaskContext(job_id=key[0], task_id=key[1], attempt=key[2],
                                   idempotency_key=d["idempotency_key"], tenant=d["tenant"])
