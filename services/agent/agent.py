@@ -24,6 +24,13 @@ average at 2.0, such a job's host is never found slow at the default ratio (0.5)
 go at under half the fleet's pace is. With no such process the device model's figure is sent
 (``SimulatedDevices``: its speed; NVML: none, since clocks say nothing about a job's progress).
 
+Grants: a GpuTaskDispatch (from the scheduler) starts a process only if the allocator's own
+AllocationGranted on ``allocator.events`` names the same allocation, epoch, job, task, attempt and
+tenant, and this host with the same GPUs (``grant_refusal``). A dispatch whose grant is not read yet
+waits for it up to ``GRANT_WAIT_S``; one that differs from it, or whose grant never comes, is refused
+(logged as a warning): an agent runs what the allocator
+granted to its host, not whatever reaches its control partition.
+
 Fencing: every process carries its allocation's epoch, and its reports carry
 its allocation ID, which the scheduler accepts only from the attempt's current
 grant. A process whose allocation was released, expired or is unknown to the
@@ -52,6 +59,7 @@ from dagfold.services.allocator import commands as cmds
 log = logging.getLogger("dagfold.agent")
 A = "dagfold.allocator."
 PERF_CAP = 2.0  # the most a job's throughput counts (module docstring): loose runtimes cannot lift the average
+GRANT_WAIT_S = 30.0  # how long a dispatch waits for its AllocationGranted to be read (module docstring)
 
 
 class NodeAgent:
@@ -75,6 +83,9 @@ class NodeAgent:
         self.clock = clock
         self.perf_window_s = perf_window_s
         self.runtime_s: dict[str, float] = {}  # allocation on this host -> its declared max_runtime_s
+        self.grants: dict[str, Record] = {}  # AllocationGranted naming this host, by allocation, until it ends
+        self.waiting: dict[str, tuple[Record, float]] = {}  # dispatches waiting for their grant: (dispatch, since)
+        self.refused = 0  # dispatches refused (grant_refusal)
         self.codec = default_codec()
         self.incarnation = int(clock() * 1000)
         self.procs: dict[str, JobProcess] = {}
@@ -174,14 +185,53 @@ class NodeAgent:
     def _ended(self, alloc_id: str) -> None:
         self.ended[alloc_id] = None
         self.runtime_s.pop(alloc_id, None)
+        self.grants.pop(alloc_id, None)
+        self.waiting.pop(alloc_id, None)
         if len(self.ended) > 10_000:
             del self.ended[next(iter(self.ended))]
 
+    def grant_refusal(self, d: Record) -> str | None:
+        """Why the allocator's grant does not cover dispatch ``d`` on this host ("" while it is not read
+        yet); None if it does (module docstring)."""
+        g = self.grants.get(d["alloc_id"])
+        if g is None:
+            return ""
+        for f in ("epoch", "job_id", "task_id", "attempt", "tenant"):
+            if g[f] != d[f]:
+                return f"{f} {d[f]!r} is not the grant's ({g[f]!r})"
+        mine = [list(h["gpu_indices"]) for h in g["hosts"] if h["node_id"] == self.node_id]
+        if mine != [list(d["gpu_indices"])]:
+            return f"GPUs {list(d['gpu_indices'])[:16]} are not the ones granted on {self.node_id} ({mine[:1]})"
+        return None
+
+    def _refuse(self, d: Record, why: str) -> None:
+        self.waiting.pop(d["alloc_id"], None)
+        self.refused += 1
+        log.warning("%s: dispatch of %s/%s attempt %s as allocation %s refused: %s", self.node_id, d["job_id"],
+                    d["task_id"], d["attempt"], d["alloc_id"], why)
+
+    def _launch_waiting(self) -> None:
+        """Dispatches whose grant was read since: launched or refused; those waiting too long refused."""
+        now = self.clock()
+        for aid, (d, since) in list(self.waiting.items()):
+            if aid in self.grants:
+                del self.waiting[aid]
+                self.launch(d)
+            elif now - since > GRANT_WAIT_S:
+                self._refuse(d, f"no AllocationGranted for it on allocator.events within {GRANT_WAIT_S:g} s")
+
     def launch(self, d: Record) -> None:
-        """Start this host's part of a dispatched GPU attempt (once per allocation)."""
+        """Start this host's part of a dispatched GPU attempt (once per allocation), as granted."""
         aid = d["alloc_id"]
         if aid in self.procs or aid in self.ended:
             return  # a redelivered dispatch, or one for an allocation already over
+        why = self.grant_refusal(d)
+        if why == "":
+            self.waiting.setdefault(aid, (d, self.clock()))
+            return
+        if why is not None:
+            self._refuse(d, why)
+            return
         jp = self.launcher.start(aid, d["epoch"], d["job_id"], d["task_id"], d["attempt"],
                                  list(d["gpu_indices"]), d["resume_checkpoint"], args_json=d["args_json"],
                                  tenant=d["tenant"])
@@ -196,6 +246,9 @@ class NodeAgent:
         if t == "AllocationGranted" and e.get("max_runtime_s") and e["alloc_id"] not in self.ended \
                 and any(h.get("node_id") == self.node_id for h in e.get("hosts") or ()):
             self.runtime_s[e["alloc_id"]] = float(e["max_runtime_s"])  # the pace its throughput is held to
+        if t == "AllocationGranted" and e["pool"] == self.pool and e["alloc_id"] not in self.ended \
+                and any(h["node_id"] == self.node_id for h in e["hosts"]):
+            self.grants[e["alloc_id"]] = e
         if t in ("AllocationReleased", "AllocationExpired"):
             self._ended(e["alloc_id"])
         if t == "PreemptionRequested" and e["alloc_id"] in self.procs:
@@ -295,6 +348,7 @@ class NodeAgent:
                     except CodecError:
                         continue
                     handler(rec)
+            self._launch_waiting()
         self._reap()
         if self.partitioned:
             return
