@@ -17,12 +17,15 @@ Throughput (the heartbeat's ``perf``) comes from the jobs themselves: for each r
 whose allocation declares ``max_runtime_s`` (read from its AllocationGranted event), its progress
 per second over the last ``perf_window_s`` (the ``{"progress": f}`` lines it prints) times that
 runtime: how fast the job goes against the pace its declared runtime allows (1.0: it would end
-exactly at its limit), capped at ``PERF_CAP``; the host reports the median over its processes. The
-allocator compares it with its GPU type's average and drains a host far below it as ``slow``.
-Because a job that keeps within its declared runtime scores at least 1.0 and the cap bounds the
-average at 2.0, such a job's host is never found slow at the default ratio (0.5); a host whose jobs
-go at under half the fleet's pace is. With no such process the device model's figure is sent
-(``SimulatedDevices``: its speed; NVML: none, since clocks say nothing about a job's progress).
+exactly at its limit), capped at ``PERF_CAP``: each process's ``pace`` in the heartbeat. The
+allocator takes their median as the host's throughput and compares it with its GPU type's
+average, but finds the host ``slow`` from paces only when jobs of several tenants go below it: a
+job's pace is that job's claim (a job slower than it declared is stopped by its runtime limit,
+which counts across its grants), never a verdict on the host its neighbours share. Because a job
+that keeps within its declared runtime scores at least 1.0 and the cap bounds the average at 2.0,
+such a job's host is never found slow at the default ratio (0.5). The heartbeat's ``perf`` is the
+device model's own figure, taken when no job tells its pace (``SimulatedDevices``: its speed; NVML:
+none, since clocks say nothing about a job's progress).
 
 Grants: a GpuTaskDispatch (from the scheduler) starts a process only if the allocator's own
 AllocationGranted on ``allocator.events`` names the same allocation, epoch, job, task, attempt and
@@ -133,15 +136,13 @@ class NodeAgent:
     def heartbeat(self) -> None:
         busy = frozenset(g for jp in self.procs.values() if jp.exited() is None for g in jp.gpus)
         h = self.last_health = self.devices.health(busy)
-        perf = self.progress_perf()
-        if perf is None:
-            perf = h.perf
-        statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress,
+        paces = self.paces()
+        statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress, pace=paces.get(jp.alloc_id),
                                       last_checkpoint_ms=jp.last_checkpoint_ms, checkpoint_uri=jp.checkpoint_uri)
                     for jp in self.procs.values() if jp.active]
         self._alloc_cmd(cmds.node_heartbeat(
             self.pool, self.node_id, incarnation=self.incarnation, ts_ms=self._now_ms(), health=h.health,
-            detail=h.detail, perf=perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
+            detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
             xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses,
             gpus=[g.record() for g in h.gpus]))
         metrics.observe_agent(self.node_id, h.gpus, len(statuses))
@@ -151,22 +152,18 @@ class NodeAgent:
                 self._next_report[aid] = now + self.report_every_s.get(aid, self.hb_interval_s)
                 self._sched("Heartbeat", jp, progress=jp.progress, message=jp.checkpoint_uri)
 
-    def progress_perf(self) -> float | None:
-        """The host's throughput from its jobs' progress (module docstring); None if no job tells it."""
+    def paces(self) -> dict[str, float]:
+        """Each running job's pace against its declared runtime (module docstring), by allocation."""
         now = time.monotonic()
-        perfs = []
+        out = {}
         for aid, jp in self.procs.items():
             runtime = self.runtime_s.get(aid)
             if runtime is None or jp.exited() is not None or jp.stop_reason is not None:
                 continue
             rate = jp.progress_rate(self.perf_window_s, now)
             if rate is not None:
-                perfs.append(min(PERF_CAP, rate * runtime))
-        if not perfs:
-            return None
-        perfs.sort()
-        mid = len(perfs) // 2
-        return round(perfs[mid] if len(perfs) % 2 else (perfs[mid - 1] + perfs[mid]) / 2, 4)
+                out[aid] = round(min(PERF_CAP, rate * runtime), 4)
+        return out
 
     # -- faults (tests and demos) ----------------------------------------------------------------
     def crash(self) -> None:
