@@ -31,8 +31,8 @@ Grants: a GpuTaskDispatch (from the scheduler) starts a process only if the allo
 AllocationGranted on ``allocator.events`` names the same allocation, epoch, job, task, attempt and
 tenant, and this host with the same GPUs (``grant_refusal``). A dispatch whose grant is not read yet
 waits for it up to ``GRANT_WAIT_S``; one that differs from it, or whose grant never comes, is refused
-(logged as a warning): an agent runs what the allocator
-granted to its host, not whatever reaches its control partition.
+(logged as a warning): an agent runs what the allocator granted to its host, not whatever reaches
+its control partition.
 
 Fencing: every process carries its allocation's epoch, and its reports carry
 its allocation ID, which the scheduler accepts only from the attempt's current
