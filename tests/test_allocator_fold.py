@@ -530,14 +530,14 @@ def test_a_run_on_a_host_that_failed_does_not_count_against_the_jobs_runtime() -
 
 
 def test_a_job_past_its_runtime_when_moved_is_not_requeued() -> None:
-    h = harness(hosts=2, runtime_grace_s=0.0, grace_s=30.0)
+    h = harness(hosts=1, runtime_grace_s=0.0, grace_s=30.0)
     h.request("liar", tenant="mallory", gpus=8, max_runtime_s=60, checkpoint=True)
     first = granted(h, "liar")
     h.advance(59_000)
-    h.heartbeat(first["hosts"][0]["node_id"], health="throttled")
+    h.request("vip", tenant="acme", tier="enterprise", gpus=8)  # preempts it
     h.now_ms += 2_000  # its checkpointed stop reaches the allocator after its runtime, before the timer fired
-    h.release(first["alloc_id"], "preempted")
+    h.release(first["alloc_id"], "preempted", checkpoint_uri="/ckpt/liar/1")
     [released] = h.of_type("AllocationReleased")
     assert not released["requeued"] and "not requeued: max_runtime_s exceeded" in released["reason"]
-    assert len(h.of_type("AllocationGranted")) == 1
-    assert h.scheduler_commands[-1]["status"] == "ended"
+    assert [g["job_id"] for g in h.of_type("AllocationGranted")] == ["liar", "vip"]
+    assert [c["status"] for c in h.scheduler_commands if c["job_id"] == "liar"][-1] == "ended"

@@ -71,9 +71,10 @@ def _end(ctx: Ctx, a: AllocView, name: str, reason: str, *, requeue: bool, stop_
     """Release or expire ``a``; stop it on ``stop_nodes`` (None: all its hosts); requeue it if asked,
     unless it has held GPUs for its whole declared runtime over all its grants (then it ends here)."""
     left = a.req.runtime_left_ms(int(ctx.opts.runtime_grace_s * 1000))
-    if requeue and left is not None and ctx.now_ms - a.granted_ms >= left:
+    if requeue and left is not None and ctx.now_ms - a.granted_ms >= left and not _host_failed(reason):
         ran = a.req.ran_ms + ctx.now_ms - a.granted_ms
-        reason = (f"{reason}; not requeued: max_runtime_s exceeded ({a.req.max_runtime_ms / 1000:g} s declared, "
+        declared = (a.req.max_runtime_ms or 0) / 1000
+        reason = (f"{reason}; not requeued: max_runtime_s exceeded ({declared:g} s declared, "
                   f"GPUs held {ran / 1000:g} s over {a.req.grants} grant(s))")
         requeue, tell_scheduler = False, True
     ctx.event(name, alloc_id=a.id, epoch=a.epoch, job_id=a.req.job_id, task_id=a.req.task_id,
