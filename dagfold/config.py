@@ -20,6 +20,10 @@ from dagfold.log.namespace import Namespace
 # boundary: dagfold.log.namespace), so a deployment with DAGFOLD_TOPIC_PREFIX=prod.dagfold reads and
 # writes ``prod.dagfold.commands`` while this code keeps saying COMMANDS.
 COMMANDS = "commands"
+# What only dagfold's own services tell the scheduler (the allocators' TaskAllocation grants): keyed by
+# job ID and partitioned as ``commands`` (the scheduler reads partition p of both into partition p's
+# fold), but writable by the allocator principal alone (docs/security.md, Boundaries inside a deployment).
+SCHEDULER_INTERNAL = "scheduler.internal"
 EVENTS = "events"
 CONTROL = "control"
 DEADLETTER = "deadletter"
@@ -215,6 +219,7 @@ class Config:
         return [
             # job specs travel in SubmitJob (commands), JobAccepted (events) and dead letters
             TopicSpec(COMMANDS, self.partitions, self.commands_retention_ms, r, isr, MAX_RECORD_BYTES),
+            TopicSpec(SCHEDULER_INTERNAL, self.partitions, self.commands_retention_ms, r, isr),
             TopicSpec(EVENTS, self.partitions, self.events_retention_ms, r, isr, MAX_RECORD_BYTES),
             TopicSpec(CONTROL, self.partitions, self.commands_retention_ms, r, isr),
             TopicSpec(DEADLETTER, 1, self.events_retention_ms, r, isr, MAX_RECORD_BYTES),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dagfold.clock import now_ms
 from dagfold.codec import Record
-from dagfold.config import COMMANDS, DEADLETTER
+from dagfold.config import DEADLETTER
 from dagfold.log.base import LogRecord
 
 
@@ -36,7 +36,7 @@ def forward_misrouted(rec: LogRecord, command: Record, job_id: str,
     """
     if job_partition(job_id.encode()) == rec.partition:
         return None
-    return [Output(COMMANDS, job_id, command)]
+    return [Output(rec.topic, job_id, command)]  # commands, or the partitioned-alike scheduler.internal
 
 
 def dead_letter(rec: LogRecord, reason: str, service: str) -> Output:

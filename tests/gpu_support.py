@@ -17,7 +17,7 @@ from typing import Any
 
 from dagfold.codec import Record, default_codec
 from dagfold.commands import CommandSender, submit_job
-from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, Config
+from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, SCHEDULER_INTERNAL, Config
 from dagfold.log import Log, TopicPartition, open_log
 from dagfold.services.agent.agent import NodeAgent, simulated
 from dagfold.services.agent.devices import SimulatedDevices
@@ -92,7 +92,8 @@ class GpuCluster:
         return read_all(self.log, EVENTS) + read_all(self.log, ALLOCATOR_EVENTS)
 
     def commands(self, job_id: str) -> list[Record]:
-        return [r for r in read_all(self.log, COMMANDS) if r.get("job_id") == job_id]
+        """The job's commands: reports on ``commands``, then the allocator's on ``scheduler.internal``."""
+        return [r for t in (COMMANDS, SCHEDULER_INTERNAL) for r in read_all(self.log, t) if r.get("job_id") == job_id]
 
     def round(self) -> None:
         self.allocator.step(0.0)

@@ -4,7 +4,9 @@ CPU work on the fold (issue 14 part 6) must leave every decision as it was; this
 Three policies take the fold's three fair-share paths: ``ours`` (weighted DRF per tier, frag placement,
 backfill, preemption), ``bestfit`` (the same with best-fit placement) and ``fifo`` (one queue for all
 tiers, no fair share, first-fit). The digests were taken on main at 07ebbb9, before the changes they
-guard. A change meant to alter decisions updates them, and says why in its commit.
+guard. A change meant to alter decisions updates them, and says why in its commit. Last: issue 24 recipe 7
+(a requeued request carries ``ran_ms``, its runtime limit counts across grants; the simulator's jobs that do
+not checkpoint stop with no checkpoint URI).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from dagfold.services.allocator import sim_core
 from dagfold.services.allocator.sim_day import run_day
 
 PINNED = {
-    "ours": "b80a6c64b8d3392721d868b39aa6d605f463f19353529f7f5f70638fd2f2a246",
-    "bestfit": "cca793e494d955c809031ba79a0ef33284bd0677845fb7562fa454c781e087af",
-    "fifo": "35b638d7ce7d173a2c0ea8c4de5ec274d71feeb94fcb13acd4ba9acc67d14d8d",
+    "ours": "0120b45c26b5df84ff34d657de96374b73e296591213c55f03c1980578f370c0",
+    "bestfit": "03429c2f523f6f67c260c083586bbcbc14523a074039d167566d190d27d80ef6",
+    "fifo": "986ee63eaefd7130cdb3ccb7541637f084026558b149a936f7f9dfc4f0d8bde6",
 }
 
 

@@ -450,3 +450,94 @@ def test_an_allocation_its_first_host_never_runs_is_requeued_after_the_grace() -
     h.now_ms += 60_000
     h.heartbeat(listed["hosts"][0]["node_id"], allocations=[cmds.alloc_status(listed["alloc_id"], listed["epoch"])])
     assert listed["alloc_id"] in h.fold.state.allocs  # a running allocation is left alone
+
+
+# -- issue 24, recipe 7: a tenant's own declaration never drains a host ------------------------------------------
+# Before: the agent reported the median of its jobs' paces (progress against the max_runtime_s each job declared)
+# as the host's perf, and the allocator drained a host whose perf fell below half the fleet's. A job declaring 3 s
+# for 100 s of work drained its host as "slow" 6 times in 126 s, checkpointing and requeueing another tenant's job
+# there each time, then hopped to the next host; its runtime limit restarted with every grant.
+
+def _paces(h: AllocatorHarness, node: str, *allocs: tuple[dict, float]) -> list:
+    """A heartbeat as the agent sends it: each job's pace, and no figure of the host's own (NVML)."""
+    return h.heartbeat(node, allocations=[cmds.alloc_status(g["alloc_id"], g["epoch"], pace=p) for g, p in allocs])
+
+
+def test_one_tenants_slow_jobs_do_not_drain_the_host_they_share() -> None:
+    h = harness(hosts=1)
+    h.request("honest", tenant="acme", gpus=4, max_runtime_s=600, checkpoint=True)
+    h.request("liar", task_id="t1", tenant="mallory", gpus=2, max_runtime_s=3, checkpoint=True)
+    h.request("liar", task_id="t2", tenant="mallory", gpus=2, max_runtime_s=3, checkpoint=True)
+    honest, l1, l2 = granted(h, "honest"), *[e for e in h.of_type("AllocationGranted") if e["job_id"] == "liar"]
+    for _ in range(3):  # the fleet's pace: every job keeps to what it declared
+        _paces(h, "n0", (honest, 1.5), (l1, 1.5), (l2, 1.5))
+    assert h.fold.state.perf["H100"] == pytest.approx(1.5)
+    for _ in range(5):  # mallory's jobs go at 3% of what they declared: 2 of 3, the host's median
+        _paces(h, "n0", (honest, 1.5), (l1, 0.03), (l2, 0.03))
+        h.advance(1_000)
+    assert not h.of_type("NodeDrained") and not h.of_type("PreemptionRequested")
+    assert h.fold.state.nodes["n0"].state == "up"
+    assert h.fold.state.perf["H100"] == pytest.approx(1.5)  # and their claim does not move the fleet's average
+
+
+def test_jobs_of_several_tenants_going_slow_drain_the_host() -> None:
+    h = harness(hosts=1)
+    h.request("a", tenant="acme", gpus=4, max_runtime_s=600, checkpoint=True)
+    h.request("b", tenant="globex", gpus=4, max_runtime_s=600, checkpoint=True)
+    a, b = granted(h, "a"), granted(h, "b")
+    for _ in range(3):
+        _paces(h, "n0", (a, 1.5), (b, 1.5))
+    _paces(h, "n0", (a, 0.4), (b, 0.5))
+    drained = h.of_type("NodeDrained")
+    assert drained and drained[-1]["reason"].startswith("slow")
+    assert {e["job_id"] for e in h.of_type("PreemptionRequested")} == {"a", "b"}
+
+
+def test_a_jobs_runtime_limit_counts_across_its_grants() -> None:
+    h = harness(hosts=1, runtime_grace_s=10.0, grace_s=1.0)
+    h.request("liar", tenant="mallory", gpus=8, max_runtime_s=3, checkpoint=True)
+    first = granted(h, "liar")
+    h.advance(8_000)
+    h.request("vip", tenant="acme", tier="enterprise", gpus=8)  # preempts it: checkpoint, stop, requeue
+    h.release(first["alloc_id"], "preempted", checkpoint_uri="/ckpt/liar/1")
+    assert h.of_type("RequestQueued")[-1]["ran_ms"] == 8_000  # the run it keeps counts
+    h.release(granted(h, "vip")["alloc_id"])
+    second = granted(h, "liar")
+    assert second["alloc_id"] != first["alloc_id"]
+    # 3 s declared, 8 s used by the first grant: nothing left but the 10 s grace, not 3 s + 10 s again
+    h.advance(9_900)
+    assert not h.of_type("AllocationExpired")
+    h.advance(200)
+    [expired] = h.of_type("AllocationExpired")
+    assert expired["alloc_id"] == second["alloc_id"] and expired["reason"] == "max_runtime_s exceeded over 2 grants"
+    assert not expired["requeued"]
+    assert [(c["status"], c["reason"]) for c in h.scheduler_commands][-1] == ("ended", expired["reason"])
+
+
+def test_a_run_on_a_host_that_failed_does_not_count_against_the_jobs_runtime() -> None:
+    h = harness(hosts=2, runtime_grace_s=10.0, grace_s=1.0)
+    h.request("j", gpus=8, max_runtime_s=3, checkpoint=True)
+    first = granted(h, "j")
+    h.advance(8_000)
+    h.heartbeat(first["hosts"][0]["node_id"], health="throttled")  # the host's own evidence: it slowed the job
+    h.release(first["alloc_id"], "preempted", checkpoint_uri="/ckpt/j/1")
+    assert h.of_type("RequestQueued")[-1]["ran_ms"] == 0
+    second = granted(h, "j")
+    h.advance(12_900)
+    assert not h.of_type("AllocationExpired")  # a full 3 s + 10 s on the new host
+    h.advance(200)
+    assert h.of_type("AllocationExpired")[-1]["alloc_id"] == second["alloc_id"]
+
+
+def test_a_job_past_its_runtime_when_moved_is_not_requeued() -> None:
+    h = harness(hosts=1, runtime_grace_s=0.0, grace_s=30.0)
+    h.request("liar", tenant="mallory", gpus=8, max_runtime_s=60, checkpoint=True)
+    first = granted(h, "liar")
+    h.advance(59_000)
+    h.request("vip", tenant="acme", tier="enterprise", gpus=8)  # preempts it
+    h.now_ms += 2_000  # its checkpointed stop reaches the allocator after its runtime, before the timer fired
+    h.release(first["alloc_id"], "preempted", checkpoint_uri="/ckpt/liar/1")
+    [released] = h.of_type("AllocationReleased")
+    assert not released["requeued"] and "not requeued: max_runtime_s exceeded" in released["reason"]
+    assert [g["job_id"] for g in h.of_type("AllocationGranted")] == ["liar", "vip"]
+    assert [c["status"] for c in h.scheduler_commands if c["job_id"] == "liar"][-1] == "ended"

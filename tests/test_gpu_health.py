@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,8 @@ def test_one_bad_gpu_is_cordoned_and_its_job_moves_to_the_hosts_other_gpus(tmp_p
 
 def test_a_host_whose_jobs_progress_slowly_is_drained_as_slow(tmp_path: Path) -> None:
     """Throughput comes from the jobs' progress lines, not from clocks: both hosts' GPUs (fake NVML) run at
-    full SM clock, but on n1 the job progresses at a quarter of n0's pace; the allocator drains n1 as slow."""
+    full SM clock, but on one host the jobs of two tenants progress at a quarter of the other's pace; the
+    allocator drains it as slow (one tenant's jobs alone would not: the next test)."""
     c = GpuCluster(tmp_path, nodes=2, steps=400, step_s=0.05, gpus=2)
     for a in c.agents:
         a.devices = NvmlDevices(FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3") for _ in range(2)]).module())
@@ -101,13 +103,38 @@ def test_a_host_whose_jobs_progress_slowly_is_drained_as_slow(tmp_path: Path) ->
         assert 1.0 < perf <= 2.0  # progress/s x max_runtime_s (3, capped at 2, on an idle machine)
         slow = "n1" if fast == "n0" else "n0"
         c.agents[int(slow[1:])].launcher.speed = 0.25  # its jobs go at a quarter of the pace, clocks unchanged
-        c.submit(gpu_job("slow", gpus=2, max_runtime_s=60))
+        c.submit(gpu_job("slow", gpus=1, max_runtime_s=60, tenant="acme"))
+        c.submit(gpu_job("slow-too", gpus=1, max_runtime_s=60, tenant="globex"))
         ev = c.until(lambda ev: bool(of(ev, "NodeDrained", node_id=slow)), timeout_s=60)
         drained = of(ev, "NodeDrained", node_id=slow)[0]
         assert drained["reason"].startswith("slow") and not drained["lost"]
         beats = [e["perf"] for e in of(ev, "NodeHeartbeatRecorded", node_id=slow) if e["perf"] is not None]
         assert beats and beats[-1] < 0.5 * perf  # about 1/80 per s x 60 s = 0.75 on an idle machine
-        assert of(ev, "PreemptionRequested", job_id="slow")  # its job checkpoints and moves
+        assert of(ev, "PreemptionRequested", job_id="slow")  # its jobs checkpoint and move
+        assert of(ev, "PreemptionRequested", job_id="slow-too")
         assert not of(ev, "NodeDrained", node_id=fast)
+    finally:
+        c.close()
+
+
+def test_a_job_slower_than_it_declared_does_not_drain_the_host_it_shares(tmp_path: Path) -> None:
+    """Issue 24, recipe 7: a job's pace is held to the runtime it declared. Before, one tenant's jobs
+    declaring 0.5 s for 20 s of work made their host's median pace 2.5% of the fleet's: the host was
+    drained as slow, and the job of another tenant on it checkpointed and requeued. Now a host is slow
+    only when jobs of several tenants there say so; these jobs' runtime limit is theirs to meet."""
+    c = GpuCluster(tmp_path, nodes=1, steps=400, step_s=0.05, gpus=3)
+    for a in c.agents:
+        a.devices = NvmlDevices(FakeNvml([FakeGpu(name="NVIDIA H100 80GB HBM3") for _ in range(3)]).module())
+        a.perf_window_s = 2.0
+    try:
+        c.submit(gpu_job("honest", gpus=1, max_runtime_s=60, tenant="acme"))
+        c.until(lambda ev: any(e["perf"] is not None for e in of(ev, "NodeHeartbeatRecorded")))  # the fleet's pace
+        for j in ("liar-1", "liar-2"):
+            c.submit(gpu_job(j, gpus=1, max_runtime_s=0.5, tenant="mallory"))
+        ev = c.until(lambda ev: len(of(ev, "AllocationGranted")) == 3)
+        until = time.monotonic() + 3 * a.perf_window_s + 2.0  # their paces known for several heartbeats
+        ev = c.until(lambda ev: bool(of(ev, "NodeDrained")) or time.monotonic() > until, timeout_s=60)
+        assert not of(ev, "NodeDrained") and not of(ev, "PreemptionRequested")
+        assert not of(ev, "AllocationReleased", job_id="honest")
     finally:
         c.close()

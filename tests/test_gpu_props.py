@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from dagfold.codec import Record
-from dagfold.config import ALLOCATOR_COMMANDS, COMMANDS, CONTROL, EVENTS
+from dagfold.config import ALLOCATOR_COMMANDS, COMMANDS, CONTROL, EVENTS, SCHEDULER_INTERNAL
 from dagfold.outputs import Output
 from dagfold.services.allocator import commands as acmds
 from dagfold.services.allocator.harness import AllocatorHarness
@@ -98,7 +98,7 @@ class World:
         for o in outs:
             if o.topic == EVENTS:
                 self.sched_events.append(o.record)
-            elif o.topic == COMMANDS:
+            elif o.topic in (COMMANDS, SCHEDULER_INTERNAL):
                 self.send(source, "sched", o.record)
             elif o.topic == ALLOCATOR_COMMANDS:
                 self.send(source, "alloc", o.record)

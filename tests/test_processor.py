@@ -16,7 +16,15 @@ import pytest
 
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
-from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, EVENTS, Config, dispatch_topic
+from dagfold.config import (
+    ALLOCATOR_COMMANDS,
+    ALLOCATOR_EVENTS,
+    COMMANDS,
+    EVENTS,
+    SCHEDULER_INTERNAL,
+    Config,
+    dispatch_topic,
+)
 from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
 from dagfold.log import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog, EmbeddedTransactionalProducer
@@ -236,7 +244,7 @@ def test_an_allocator_grant_whose_commit_outcome_is_unknown_is_neither_lost_nor_
         assert fault.left == 0 and runner.reconciled == 1
         grants = [e for e in alloc_events(log) if e["type"].endswith("AllocationGranted")]
         assert len(grants) == 1  # not doubled on the log
-        told = [r for p in range(PARTS) for r in log.read(TopicPartition(COMMANDS, p), 0, 1000)]
+        told = [r for p in range(PARTS) for r in log.read(TopicPartition(SCHEDULER_INTERNAL, p), 0, 1000)]
         assert sum(codec.decode(r.value)["type"].endswith("TaskAllocation") for r in told) == 1
         state = runner.folds[0].state  # type: ignore[attr-defined]
         assert [a.req.job_id for a in state.allocs.values()] == ["job1"]  # not lost from the state

@@ -103,7 +103,13 @@ class ProcessorSpec:
       committed nothing yet starts where ``former_group`` stood (an upgrade moves on from there);
     * ``cache_values``: how many decoded state values each partition's store keeps between
       transactions (``dagfold.state.store.ValueCache``; 0: none). Only for a fold that never
-      mutates a stored value in place.
+      mutates a stored value in place;
+    * ``inputs``: topics read besides ``commands`` and partitioned as it (the scheduler's
+      ``scheduler.internal``, which only dagfold's services may write): partition p of each is
+      folded by partition p's fold, read from the group's committed offsets whenever ``commands``'
+      partition p is taken here (by a consumer without a group, so that the group's assignor,
+      cooperative-sticky on Kafka, cannot give the two to different instances), and its offsets are
+      committed in the same transaction as the commands'.
     """
 
     service: str
@@ -127,6 +133,7 @@ class ProcessorSpec:
     clock: Callable[[], int] = now_ms
     former_group: str | None = None
     cache_values: int = 0
+    inputs: Sequence[str] = ()
 
 
 @dataclass(slots=True)
@@ -158,6 +165,8 @@ class PartitionProcessor:
         # the transactional producer first: its initialisation fences an older instance
         self.producer = log_.transactional_producer(spec.transactional_id)
         self.consumer = log_.consumer(spec.group, client_id=client_id)
+        # spec.inputs' partitions of the partitions owned here, assigned by hand (ProcessorSpec)
+        self.inputs = log_.consumer(None, client_id=f"{client_id}-inputs") if spec.inputs else None
         self.early_producer: Producer | None = None  # outputs of spec.before_commit topics, created on first use
         self.timer_producer = log_.producer(f"{client_id}-timer") if spec.timers is not None else None
         self.timers = TimerScanner(spec.timers, self.timer_producer) \
@@ -187,7 +196,10 @@ class PartitionProcessor:
         applied here, and the applied offset moved past them with the next commit.
         """
         new = [tp for tp in tps if tp.topic == self.spec.commands and tp.partition not in self.stores]
-        offsets = self._committed(new) if new else {}
+        side = [TopicPartition(t, tp.partition) for tp in new for t in self.spec.inputs]
+        offsets = self._committed(new + side) if new else {}
+        if side and self.inputs is not None:
+            self._assign_inputs({tp: offsets.pop(tp) for tp in side})
         for tp in new:
             store = self._open_store(tp.partition)
             try:
@@ -246,7 +258,18 @@ class PartitionProcessor:
                 time.sleep(delay)
         return self.consumer.committed(tps)
 
+    def _assign_inputs(self, add: dict[TopicPartition, int], drop: Iterable[int] = ()) -> None:
+        """Read ``add`` from the given offsets besides what the inputs consumer reads now, less
+        the partitions ``drop``."""
+        assert self.inputs is not None
+        gone = set(drop)
+        keep = {tp: self.inputs.position(tp) for tp in self.inputs.assignment()
+                if tp.partition not in gone and tp not in add}
+        self.inputs.assign({**keep, **add})
+
     def _on_revoke(self, tps: list[TopicPartition]) -> None:
+        if self.inputs is not None:
+            self._assign_inputs({}, drop=[tp.partition for tp in tps if tp.topic == self.spec.commands])
         for tp in tps:
             store = self.stores.pop(tp.partition, None)
             self.folds.pop(tp.partition, None)
@@ -288,6 +311,8 @@ class PartitionProcessor:
             return 0
         wait = self.spec.poll_timeout_s if timeout_s is None else timeout_s
         recs = self.consumer.poll(self.spec.batch_max_records, wait)
+        if self.inputs is not None and self.stores:
+            recs = recs + self.inputs.poll(self.spec.batch_max_records, 0.0)
         if recs:
             self.process_batch(recs)
         mono = time.monotonic()
@@ -326,7 +351,6 @@ class PartitionProcessor:
         started = time.perf_counter()
         now = self.spec.clock()
         b = _Batch()
-        commands = self.spec.commands
         for rec in recs:
             p = rec.partition
             fold = self.folds.get(p)
@@ -336,7 +360,7 @@ class PartitionProcessor:
             if txn is None:
                 txn = b.txns[p] = PartitionTransaction(self.stores[p])
             b.outputs.extend((p, o) for o in self._fold_record(fold, txn, rec, now))
-            b.offsets[TopicPartition(commands, p)] = rec.offset + 1
+            b.offsets[TopicPartition(rec.topic, p)] = rec.offset + 1
         if not b.offsets:
             return
         self._ensure_topics(o.topic for _, o in b.outputs)
@@ -418,10 +442,12 @@ class PartitionProcessor:
 
     def _rewind(self, partitions: Iterable[int]) -> None:
         """Read the partitions again from the group's committed offsets."""
+        partitions = list(partitions)
         owned = set(self.consumer.assignment())
         tps = [tp for tp in (TopicPartition(self.spec.commands, p) for p in partitions) if tp in owned]
-        for tp, off in self.consumer.committed(tps).items():
-            self.consumer.seek(tp, off)
+        side = [TopicPartition(t, tp.partition) for tp in tps for t in self.spec.inputs]
+        for tp, off in self.consumer.committed(tps + side).items():
+            (self.consumer if tp.topic == self.spec.commands else self.inputs).seek(tp, off)  # type: ignore[union-attr]
 
     def _reconcile(self) -> bool:
         """Settle a commit of unknown outcome (module docstring); False if the log is not reachable
@@ -472,6 +498,8 @@ class PartitionProcessor:
         try:
             positions = {tp: self.consumer.position(tp)
                          for tp in (TopicPartition(self.spec.commands, p) for p in self.stores)}
+            if self.inputs is not None:
+                positions.update({tp: self.inputs.position(tp) for tp in self.inputs.assignment()})
         except LogError:
             return
         self._lag.report(self.log, positions)
@@ -482,6 +510,8 @@ class PartitionProcessor:
         self.stores.clear()
         self.folds.clear()
         closers = [self.consumer.close, self.producer.close]
+        if self.inputs is not None:
+            closers.append(self.inputs.close)
         if self.timer_producer is not None:
             closers.append(self.timer_producer.close)
         if self.early_producer is not None:

@@ -17,12 +17,22 @@ Throughput (the heartbeat's ``perf``) comes from the jobs themselves: for each r
 whose allocation declares ``max_runtime_s`` (read from its AllocationGranted event), its progress
 per second over the last ``perf_window_s`` (the ``{"progress": f}`` lines it prints) times that
 runtime: how fast the job goes against the pace its declared runtime allows (1.0: it would end
-exactly at its limit), capped at ``PERF_CAP``; the host reports the median over its processes. The
-allocator compares it with its GPU type's average and drains a host far below it as ``slow``.
-Because a job that keeps within its declared runtime scores at least 1.0 and the cap bounds the
-average at 2.0, such a job's host is never found slow at the default ratio (0.5); a host whose jobs
-go at under half the fleet's pace is. With no such process the device model's figure is sent
-(``SimulatedDevices``: its speed; NVML: none, since clocks say nothing about a job's progress).
+exactly at its limit), capped at ``PERF_CAP``: each process's ``pace`` in the heartbeat. The
+allocator takes their median as the host's throughput and compares it with its GPU type's
+average, but finds the host ``slow`` from paces only when jobs of several tenants go below it: a
+job's pace is that job's claim (a job slower than it declared is stopped by its runtime limit,
+which counts across its grants), never a verdict on the host its neighbours share. Because a job
+that keeps within its declared runtime scores at least 1.0 and the cap bounds the average at 2.0,
+such a job's host is never found slow at the default ratio (0.5). The heartbeat's ``perf`` is the
+device model's own figure, taken when no job tells its pace (``SimulatedDevices``: its speed; NVML:
+none, since clocks say nothing about a job's progress).
+
+Grants: a GpuTaskDispatch (from the scheduler) starts a process only if the allocator's own
+AllocationGranted on ``allocator.events`` names the same allocation, epoch, job, task, attempt and
+tenant, and this host with the same GPUs (``grant_refusal``). A dispatch whose grant is not read yet
+waits for it up to ``GRANT_WAIT_S``; one that differs from it, or whose grant never comes, is refused
+(logged as a warning): an agent runs what the allocator granted to its host, not whatever reaches
+its control partition.
 
 Fencing: every process carries its allocation's epoch, and its reports carry
 its allocation ID, which the scheduler accepts only from the attempt's current
@@ -52,6 +62,7 @@ from dagfold.services.allocator import commands as cmds
 log = logging.getLogger("dagfold.agent")
 A = "dagfold.allocator."
 PERF_CAP = 2.0  # the most a job's throughput counts (module docstring): loose runtimes cannot lift the average
+GRANT_WAIT_S = 30.0  # how long a dispatch waits for its AllocationGranted to be read (module docstring)
 
 
 class NodeAgent:
@@ -75,6 +86,9 @@ class NodeAgent:
         self.clock = clock
         self.perf_window_s = perf_window_s
         self.runtime_s: dict[str, float] = {}  # allocation on this host -> its declared max_runtime_s
+        self.grants: dict[str, Record] = {}  # AllocationGranted naming this host, by allocation, until it ends
+        self.waiting: dict[str, tuple[Record, float]] = {}  # dispatches waiting for their grant: (dispatch, since)
+        self.refused = 0  # dispatches refused (grant_refusal)
         self.codec = default_codec()
         self.incarnation = int(clock() * 1000)
         self.procs: dict[str, JobProcess] = {}
@@ -122,15 +136,13 @@ class NodeAgent:
     def heartbeat(self) -> None:
         busy = frozenset(g for jp in self.procs.values() if jp.exited() is None for g in jp.gpus)
         h = self.last_health = self.devices.health(busy)
-        perf = self.progress_perf()
-        if perf is None:
-            perf = h.perf
-        statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress,
+        paces = self.paces()
+        statuses = [cmds.alloc_status(jp.alloc_id, jp.epoch, progress=jp.progress, pace=paces.get(jp.alloc_id),
                                       last_checkpoint_ms=jp.last_checkpoint_ms, checkpoint_uri=jp.checkpoint_uri)
                     for jp in self.procs.values() if jp.active]
         self._alloc_cmd(cmds.node_heartbeat(
             self.pool, self.node_id, incarnation=self.incarnation, ts_ms=self._now_ms(), health=h.health,
-            detail=h.detail, perf=perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
+            detail=h.detail, perf=h.perf, temperature_c=h.temperature_c, ecc_errors=h.ecc_errors,
             xid_errors=h.xid_errors, throttle_events=h.throttle_events, allocations=statuses,
             gpus=[g.record() for g in h.gpus]))
         metrics.observe_agent(self.node_id, h.gpus, len(statuses))
@@ -140,22 +152,18 @@ class NodeAgent:
                 self._next_report[aid] = now + self.report_every_s.get(aid, self.hb_interval_s)
                 self._sched("Heartbeat", jp, progress=jp.progress, message=jp.checkpoint_uri)
 
-    def progress_perf(self) -> float | None:
-        """The host's throughput from its jobs' progress (module docstring); None if no job tells it."""
+    def paces(self) -> dict[str, float]:
+        """Each running job's pace against its declared runtime (module docstring), by allocation."""
         now = time.monotonic()
-        perfs = []
+        out = {}
         for aid, jp in self.procs.items():
             runtime = self.runtime_s.get(aid)
             if runtime is None or jp.exited() is not None or jp.stop_reason is not None:
                 continue
             rate = jp.progress_rate(self.perf_window_s, now)
             if rate is not None:
-                perfs.append(min(PERF_CAP, rate * runtime))
-        if not perfs:
-            return None
-        perfs.sort()
-        mid = len(perfs) // 2
-        return round(perfs[mid] if len(perfs) % 2 else (perfs[mid - 1] + perfs[mid]) / 2, 4)
+                out[aid] = round(min(PERF_CAP, rate * runtime), 4)
+        return out
 
     # -- faults (tests and demos) ----------------------------------------------------------------
     def crash(self) -> None:
@@ -174,14 +182,53 @@ class NodeAgent:
     def _ended(self, alloc_id: str) -> None:
         self.ended[alloc_id] = None
         self.runtime_s.pop(alloc_id, None)
+        self.grants.pop(alloc_id, None)
+        self.waiting.pop(alloc_id, None)
         if len(self.ended) > 10_000:
             del self.ended[next(iter(self.ended))]
 
+    def grant_refusal(self, d: Record) -> str | None:
+        """Why the allocator's grant does not cover dispatch ``d`` on this host ("" while it is not read
+        yet); None if it does (module docstring)."""
+        g = self.grants.get(d["alloc_id"])
+        if g is None:
+            return ""
+        for f in ("epoch", "job_id", "task_id", "attempt", "tenant"):
+            if g[f] != d[f]:
+                return f"{f} {d[f]!r} is not the grant's ({g[f]!r})"
+        mine = [list(h["gpu_indices"]) for h in g["hosts"] if h["node_id"] == self.node_id]
+        if mine != [list(d["gpu_indices"])]:
+            return f"GPUs {list(d['gpu_indices'])[:16]} are not the ones granted on {self.node_id} ({mine[:1]})"
+        return None
+
+    def _refuse(self, d: Record, why: str) -> None:
+        self.waiting.pop(d["alloc_id"], None)
+        self.refused += 1
+        log.warning("%s: dispatch of %s/%s attempt %s as allocation %s refused: %s", self.node_id, d["job_id"],
+                    d["task_id"], d["attempt"], d["alloc_id"], why)
+
+    def _launch_waiting(self) -> None:
+        """Dispatches whose grant was read since: launched or refused; those waiting too long refused."""
+        now = self.clock()
+        for aid, (d, since) in list(self.waiting.items()):
+            if aid in self.grants:
+                del self.waiting[aid]
+                self.launch(d)
+            elif now - since > GRANT_WAIT_S:
+                self._refuse(d, f"no AllocationGranted for it on allocator.events within {GRANT_WAIT_S:g} s")
+
     def launch(self, d: Record) -> None:
-        """Start this host's part of a dispatched GPU attempt (once per allocation)."""
+        """Start this host's part of a dispatched GPU attempt (once per allocation), as granted."""
         aid = d["alloc_id"]
         if aid in self.procs or aid in self.ended:
             return  # a redelivered dispatch, or one for an allocation already over
+        why = self.grant_refusal(d)
+        if why == "":
+            self.waiting.setdefault(aid, (d, self.clock()))
+            return
+        if why is not None:
+            self._refuse(d, why)
+            return
         jp = self.launcher.start(aid, d["epoch"], d["job_id"], d["task_id"], d["attempt"],
                                  list(d["gpu_indices"]), d["resume_checkpoint"], args_json=d["args_json"],
                                  tenant=d["tenant"])
@@ -196,6 +243,9 @@ class NodeAgent:
         if t == "AllocationGranted" and e.get("max_runtime_s") and e["alloc_id"] not in self.ended \
                 and any(h.get("node_id") == self.node_id for h in e.get("hosts") or ()):
             self.runtime_s[e["alloc_id"]] = float(e["max_runtime_s"])  # the pace its throughput is held to
+        if t == "AllocationGranted" and e["pool"] == self.pool and e["alloc_id"] not in self.ended \
+                and any(h["node_id"] == self.node_id for h in e["hosts"]):
+            self.grants[e["alloc_id"]] = e
         if t in ("AllocationReleased", "AllocationExpired"):
             self._ended(e["alloc_id"])
         if t == "PreemptionRequested" and e["alloc_id"] in self.procs:
@@ -295,6 +345,7 @@ class NodeAgent:
                     except CodecError:
                         continue
                     handler(rec)
+            self._launch_waiting()
         self._reap()
         if self.partitioned:
             return

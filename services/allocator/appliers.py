@@ -90,7 +90,8 @@ def _request_queued(st: PoolState, e: Record) -> None:
         "tier": e["tier"], "gpus": e["gpus"], "gpu_type": e["gpu_type"], "hosts": e["hosts"],
         "gpu_milli": e["gpu_milli"], "cpu_milli": e["cpu_milli"], "memory_mib": e["memory_mib"],
         "max_runtime_ms": e["max_runtime_ms"], "checkpoint": e["checkpoint"], "submitted_ms": e["submitted_ms"],
-        "seq": e["seq"], "queued_ms": e["ts_ms"], "resume": e["resume_checkpoint"], "grants": e["grants"]})
+        "seq": e["seq"], "queued_ms": e["ts_ms"], "resume": e["resume_checkpoint"], "grants": e["grants"],
+        "ran_ms": e.get("ran_ms") or 0})
     st.put_request(r)
     if e["requeued"]:
         return
@@ -144,8 +145,9 @@ def _allocation_granted(st: PoolState, e: Record) -> None:
     st.put_alloc(a)
     st.link_alloc(a)
     st.add_usage(r.tier, r.tenant, r.total_milli)
-    if r.max_runtime_ms is not None:
-        st.set_timer("runtime", a.id, a.granted_ms + r.max_runtime_ms + int(st.opts.runtime_grace_s * 1000))
+    left = r.runtime_left_ms(int(st.opts.runtime_grace_s * 1000))
+    if left is not None:
+        st.set_timer("runtime", a.id, a.granted_ms + left)
     st.meta["epoch"] = max(st.meta["epoch"], e["epoch"])
     st.meta["reservations"].pop(key, None)
     st.put_meta()

@@ -22,9 +22,12 @@ def register_node(pool: str, node_id: str, gpu_type: str, gpus: int, *, cpu_mill
 
 
 def alloc_status(alloc_id: str, epoch: int, *, progress: float | None = None, last_checkpoint_ms: int | None = None,
-                 checkpoint_uri: str | None = None) -> Record:
-    return {"alloc_id": alloc_id, "epoch": epoch, "progress": progress, "last_checkpoint_ms": last_checkpoint_ms,
-            "checkpoint_uri": checkpoint_uri}
+                 checkpoint_uri: str | None = None, pace: float | None = None) -> Record:
+    rec: Record = {"alloc_id": alloc_id, "epoch": epoch, "progress": progress, "last_checkpoint_ms": last_checkpoint_ms,
+           "checkpoint_uri": checkpoint_uri}
+    if pace is not None:  # absent: the record as before paces (the simulator's heartbeats, pinned digests)
+        rec["pace"] = pace
+    return rec
 
 
 def node_heartbeat(pool: str, node_id: str, *, incarnation: int = 1, ts_ms: int = 0, health: str = "ok",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagfold.codec import Record
-from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, CONTROL
+from dagfold.config import ALLOCATOR_EVENTS, CONTROL, SCHEDULER_INTERNAL
 from dagfold.outputs import Output
 from dagfold.processor.fold import FoldContext
 from dagfold.services.allocator.appliers import A, apply_event
@@ -39,11 +39,12 @@ class Ctx(FoldContext):
                epoch: int = 0, hosts: list[Record] | None = None, reason: str = "",
                checkpoint_uri: str | None = None) -> None:
         """Tell the scheduler what happened to a task's request: a TaskAllocation command into the job's
-        partition of ``commands`` (the allocator is one writer per pool, the scheduler one per job
-        partition, so the decision crosses as a command, like Zeebe's inter-partition commands)."""
+        partition of ``scheduler.internal`` (the allocator is one writer per pool, the scheduler one per
+        job partition, so the decision crosses as a command, like Zeebe's inter-partition commands; on a
+        topic only allocators may write, since a grant on ``commands`` could come from anyone)."""
         if not self.opts.notify_scheduler:
             return
-        self.emit(COMMANDS, job_id, {
+        self.emit(SCHEDULER_INTERNAL, job_id, {
             "type": "dagfold.command.TaskAllocation", "job_id": job_id, "task_id": task_id, "attempt": attempt,
             "pool": self.opts.pool, "ts_ms": self.now_ms, "status": status, "alloc_id": alloc_id, "epoch": epoch,
             "hosts": hosts or [], "reason": reason, "checkpoint_uri": checkpoint_uri, "cause_offset": self.offset})

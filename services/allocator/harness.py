@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dagfold.codec import Record
-from dagfold.config import ALLOCATOR_EVENTS, COMMANDS
+from dagfold.config import ALLOCATOR_EVENTS, SCHEDULER_INTERNAL
 from dagfold.outputs import Output
 from dagfold.services.allocator import commands as cmds
 from dagfold.services.allocator.fold import AllocatorFold
@@ -54,7 +54,7 @@ class AllocatorHarness:
                     self.events.append(o.record)
             elif not self.keep_events:
                 continue
-            elif o.topic == COMMANDS:
+            elif o.topic == SCHEDULER_INTERNAL:
                 self.scheduler_commands.append(o.record)
             else:
                 self.controls.append(o.record)

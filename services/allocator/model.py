@@ -85,7 +85,7 @@ class RequestView:
     """A request for a gang: ``hosts`` hosts, each with ``gpus`` GPUs (or a ``milli`` share of one)."""
 
     __slots__ = ("attempt", "checkpoint", "cpu", "gpu_shape", "gpu_types", "gpus", "grants", "hosts",
-                 "job_id", "key", "max_runtime_ms", "mem", "milli", "queued_ms", "resume", "seq", "shape",
+                 "job_id", "key", "max_runtime_ms", "mem", "milli", "queued_ms", "ran_ms", "resume", "seq", "shape",
                  "submitted_ms", "task_id", "tenant", "tier", "total_milli")
 
     def __init__(self, key: str, r: dict[str, Any]) -> None:
@@ -108,6 +108,8 @@ class RequestView:
         self.queued_ms: int = r["queued_ms"]
         self.resume: str | None = r["resume"]
         self.grants: int = r["grants"]
+        # time its earlier allocations held GPUs: max_runtime_ms counts across grants (runtime_budget_ms)
+        self.ran_ms: int = r.get("ran_ms", 0)
         # The shape never changes, so what derives from it is computed once, here.
         per_gpu = self.milli if self.gpus == 1 else FULL
         # GPU milli the whole gang holds: the DRF and quota currency
@@ -120,13 +122,21 @@ class RequestView:
     def per_gpu_milli(self) -> int:
         return self.milli if self.gpus == 1 else FULL
 
+    def runtime_left_ms(self, runtime_grace_ms: int) -> int | None:
+        """How long its next allocation may hold GPUs: the declared ``max_runtime_ms`` plus the grace,
+        once, less what its earlier allocations held (None: unbounded). A limit per grant restarted
+        with every requeue, so a job slower than it declared, moved by drains, never stopped."""
+        if self.max_runtime_ms is None:
+            return None
+        return max(0, self.max_runtime_ms - self.ran_ms) + runtime_grace_ms
+
     def record(self) -> dict[str, Any]:
         return {"job_id": self.job_id, "task_id": self.task_id, "attempt": self.attempt, "tenant": self.tenant,
                 "tier": self.tier, "gpus": self.gpus, "gpu_type": list(self.gpu_types), "hosts": self.hosts,
                 "gpu_milli": self.milli, "cpu_milli": self.cpu, "memory_mib": self.mem,
                 "max_runtime_ms": self.max_runtime_ms, "checkpoint": self.checkpoint,
                 "submitted_ms": self.submitted_ms, "seq": self.seq, "queued_ms": self.queued_ms,
-                "resume": self.resume, "grants": self.grants}
+                "resume": self.resume, "grants": self.grants, **({"ran_ms": self.ran_ms} if self.ran_ms else {})}
 
 
 class AllocView:
@@ -151,9 +161,8 @@ class AllocView:
         """Latest time this allocation can still hold its GPUs (None: unbounded)."""
         if self.preempt_deadline is not None:
             return self.preempt_deadline
-        if self.req.max_runtime_ms is None:
-            return None
-        return self.granted_ms + self.req.max_runtime_ms + runtime_grace_ms
+        left = self.req.runtime_left_ms(runtime_grace_ms)
+        return None if left is None else self.granted_ms + left
 
     def record(self) -> dict[str, Any]:
         return {"req_key": self.req.key, "req": self.req.record(), "parts": [p.record() for p in self.parts],

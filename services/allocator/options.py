@@ -91,6 +91,10 @@ class AllocatorOptions:
     # Gray failures.
     undrain_ok_heartbeats: int = 3  # a throttled/slow node returns after N healthy heartbeats
     slow_perf_ratio: float = 0.5  # perf below this fraction of the fleet average drains the node
+    # Jobs' paces (AllocationStatus.pace: progress against the runtime each job declared) find a host slow
+    # only when jobs of this many tenants on it go below the ratio: one tenant's declaration is a claim
+    # about its own job, never a verdict on the host its neighbours share (docs/gpu-scheduling.md).
+    slow_min_tenants: int = 2
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:

@@ -23,26 +23,67 @@ from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
 C = "dagfold.allocator."
 
 
-def _requeue(ctx: Ctx, a: AllocView, checkpoint_uri: str | None = None) -> None:
-    """Put an allocation's request back in its queue at its original position, to resume from a checkpoint."""
+PACES = "paces of "  # how a slow verdict from the jobs' paces starts its detail (_perf_from_paces)
+
+
+def _host_failed(reason: str) -> bool:
+    """Whether an allocation moved for ``reason`` was moved by its host's failure, on the host's own
+    evidence (lost, re-registered, a GPU cordoned, drained for throttling, ECC or Xid errors or its own
+    slow figure): its run there does not count against the job's runtime, since the host slowed it. A
+    drain on its jobs' paces counts (those jobs' tenants said so), and so does a preemption."""
+    if reason.startswith(("node re-registered", "GPU cordoned on node ", "not running on ")):
+        return True
+    head, drained, rest = reason.partition(" drained: ")
+    if not head.startswith("node "):
+        return False
+    if not drained:
+        return reason.endswith(" lease expired")
+    health, _, detail = rest.partition(": ")
+    return health in DRAIN_HEALTH and not detail.startswith(PACES)
+
+
+def _kept_ms(ctx: Ctx, a: AllocView, checkpoint_uri: str | None, reason: str) -> int:
+    """How much of ``a``'s run counts against its job's runtime when it is moved: none if its host
+    failed (``_host_failed``); else up to now if it checkpointed as it stopped, else up to its last
+    checkpoint of this grant (the work after it is done again: not the job's doing)."""
+    if _host_failed(reason):
+        return 0
+    if checkpoint_uri:
+        return ctx.now_ms - a.granted_ms
+    ck = a.last_ckpt_ms
+    return ck - a.granted_ms if ck is not None and a.granted_ms <= ck <= ctx.now_ms else 0
+
+
+def _requeue(ctx: Ctx, a: AllocView, checkpoint_uri: str | None, reason: str) -> None:
+    """Put an allocation's request back in its queue at its original position, to resume from a checkpoint.
+    The run it keeps counts against its declared runtime (``ran_ms``: the limit spans its grants)."""
     r = a.req
     ctx.event("RequestQueued", job_id=r.job_id, task_id=r.task_id, attempt=r.attempt, tenant=r.tenant, tier=r.tier,
               gpus=r.gpus, gpu_type=list(r.gpu_types), hosts=r.hosts, gpu_milli=r.milli, cpu_milli=r.cpu,
               memory_mib=r.mem, max_runtime_ms=r.max_runtime_ms, checkpoint=r.checkpoint,
               submitted_ms=r.submitted_ms, seq=r.seq, requeued=True,
-              resume_checkpoint=checkpoint_uri or a.last_ckpt_uri, grants=r.grants)
+              resume_checkpoint=checkpoint_uri or a.last_ckpt_uri, grants=r.grants,
+              ran_ms=r.ran_ms + _kept_ms(ctx, a, checkpoint_uri, reason))
 
 
 def _end(ctx: Ctx, a: AllocView, name: str, reason: str, *, requeue: bool, stop_nodes: list[str] | None,
          checkpoint_uri: str | None = None, tell_scheduler: bool = False) -> None:
-    """Release or expire ``a``; stop it on ``stop_nodes`` (None: all its hosts); requeue it if asked."""
+    """Release or expire ``a``; stop it on ``stop_nodes`` (None: all its hosts); requeue it if asked,
+    unless it has held GPUs for its whole declared runtime over all its grants (then it ends here)."""
+    left = a.req.runtime_left_ms(int(ctx.opts.runtime_grace_s * 1000))
+    if requeue and left is not None and ctx.now_ms - a.granted_ms >= left and not _host_failed(reason):
+        ran = a.req.ran_ms + ctx.now_ms - a.granted_ms
+        declared = (a.req.max_runtime_ms or 0) / 1000
+        reason = (f"{reason}; not requeued: max_runtime_s exceeded ({declared:g} s declared, "
+                  f"GPUs held {ran / 1000:g} s over {a.req.grants} grant(s))")
+        requeue, tell_scheduler = False, True
     ctx.event(name, alloc_id=a.id, epoch=a.epoch, job_id=a.req.job_id, task_id=a.req.task_id,
               attempt=a.req.attempt, tenant=a.req.tenant, tier=a.req.tier, reason=reason,
               node_ids=[p.node for p in a.parts], requeued=requeue, held_ms=ctx.now_ms - a.granted_ms)
     if stop_nodes is None or stop_nodes:
         ctx.stop(a, reason, nodes=stop_nodes)
     if requeue:
-        _requeue(ctx, a, checkpoint_uri)
+        _requeue(ctx, a, checkpoint_uri, reason)
     # completions, failures and cancels are reported by their own authors (the gang's first host, the
     # scheduler); what only the allocator sees is told here
     if requeue or name == "AllocationExpired" or tell_scheduler:
@@ -132,6 +173,25 @@ def _end_orphans(ctx: Ctx, n: NodeView, listed: set[str]) -> bool:
     return ended
 
 
+def _perf_from_paces(ctx: Ctx, paces: list[tuple[str, float]], avg: float | None,
+                     health: str) -> tuple[float | None, str, str | None]:
+    """The host's throughput from its jobs' paces (their median) and its health: ``slow`` only when
+    jobs of ``slow_min_tenants`` tenants go below the ratio of the fleet average. Below it with fewer
+    tenants, the paces say something about those jobs (slower than they declared: their runtime limit
+    stops them), nothing about the host: no verdict, and no figure for the fleet average either.
+    Returns the perf to record, the health, and the detail of a slow verdict (None: none here)."""
+    values = sorted(p for _, p in paces)
+    mid = len(values) // 2
+    perf = round(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2, 4)
+    if health != "ok" or not avg or perf >= ctx.opts.slow_perf_ratio * avg:
+        return perf, health, None
+    slow_tenants = {t for t, p in paces if p < ctx.opts.slow_perf_ratio * avg}
+    if len(slow_tenants) >= ctx.opts.slow_min_tenants:
+        ratio = ctx.opts.slow_perf_ratio
+        return perf, "slow", f"{PACES}{len(slow_tenants)} tenants' jobs below {ratio:g} of the fleet's"
+    return None, health, None
+
+
 def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     st = ctx.st
     nid = cmd["node_id"]
@@ -146,6 +206,7 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
         return
     ckpts = []
     listed = set()
+    paces: list[tuple[str, float]] = []  # (tenant, pace) of this host's current allocations that report one
     for s in cmd["allocations"]:
         aid = s["alloc_id"]
         listed.add(aid)
@@ -153,6 +214,9 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
         if a is None or a.epoch != s["epoch"] or (a.parts[0].node != nid and all(p.node != nid for p in a.parts)):
             ctx.fence(nid, aid, s["epoch"], "fenced: allocation is not current")
             continue
+        pace = s.get("pace")
+        if pace is not None and math.isfinite(pace) and pace >= 0:
+            paces.append((a.req.tenant, pace))
         ck = s["last_checkpoint_ms"]
         if ck is not None and ck != a.last_ckpt_ms:
             ckpts.append({"alloc_id": aid, "last_checkpoint_ms": ck, "checkpoint_uri": s["checkpoint_uri"]})
@@ -161,7 +225,10 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     if perf is not None and not (math.isfinite(perf) and perf >= 0):
         perf = None  # NaN or infinite from a hostile or broken agent: no measurement, not a poisoned average
     avg = st.perf.get(n.gpu_type)
-    if health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
+    pace_detail = None
+    if paces:  # the jobs' paces, where they tell it (the device model's figure is for a host without them)
+        perf, health, pace_detail = _perf_from_paces(ctx, paces, avg, health)
+    elif health == "ok" and perf is not None and avg and perf < ctx.opts.slow_perf_ratio * avg:
         health = "slow"
     cordoned, utilization = _gpu_report(cmd, n)
     lease_deadline = ctx.now_ms + int(ctx.opts.lease_s * 1000)
@@ -193,7 +260,7 @@ def node_heartbeat(ctx: Ctx, cmd: Record) -> None:
     if _end_orphans(ctx, n, listed):
         schedule(ctx)
     if n.state == "up" and health in DRAIN_HEALTH:
-        detail = cmd["detail"] or health
+        detail = pace_detail or cmd["detail"] or health
         _drain(ctx, nid, f"{health}: {detail}")
         schedule(ctx)
     elif n.state == "draining" and health == "ok" and n.draining_reason is not None \
@@ -357,7 +424,8 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
         x = st.allocs.get(target)
         if x is None:
             return
-        _end(ctx, x, "AllocationExpired", "max_runtime_s exceeded", requeue=False, stop_nodes=None)
+        why = "max_runtime_s exceeded" + (f" over {x.req.grants} grants" if x.req.grants > 1 else "")
+        _end(ctx, x, "AllocationExpired", why, requeue=False, stop_nodes=None)
     elif kind == "pass":
         ctx.event("PassDeferred", due_ms=None)
     schedule(ctx)

@@ -264,8 +264,10 @@ class World:
         a = self.harness.fold.state.allocs.get(aid)
         if a is None or j.alloc != aid:
             return
+        # a job that does not checkpoint stops with none (as an agent's process does): its work is lost
+        uri = f"ckpt://{jid}/{int(j.done_ms)}" if j.checkpoint else None
         self.process(cmds.release_allocation(self.opts.pool, aid, epoch, a.parts[0].node, "preempted",
-                                             checkpoint_uri=f"ckpt://{jid}/{int(j.done_ms)}", ts_ms=self.now()))
+                                             checkpoint_uri=uri, ts_ms=self.now()))
 
     def register(self, node: str, gpu_type: str, gpus: int, cpu: int = 0, mem: int = 0) -> None:
         inc = self.node_inc.get(node, 0) + 1

@@ -650,15 +650,35 @@ def timer_fired(ctx: Ctx, cmd: Record) -> None:
 
 
 def _gpu_dispatch(ctx: Ctx, cmd: Record, t: Mapping[str, Any], tenant: str) -> None:
-    """The grant's hosts get the attempt on control, keyed by node; the first host reports it."""
+    """The grant's hosts get the attempt on control, keyed by node; the first host reports it.
+
+    It resumes from the checkpoint the scheduler knows for this task (``t["ckpt"]``: the one it asked
+    the pool to resume from, or its own requeue's), never from a URI the grant carries."""
     lease_s = lease_timeout_ms(ctx, t) / 1000
     for i, h in enumerate(cmd["hosts"]):
         ctx.emit(CONTROL, h["node_id"], {
             "type": "dagfold.control.GpuTaskDispatch", "node_id": h["node_id"], "pool": cmd["pool"],
             "alloc_id": cmd["alloc_id"], "epoch": cmd["epoch"], "job_id": cmd["job_id"], "task_id": cmd["task_id"],
             "attempt": cmd["attempt"], "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
-            "gpu_indices": list(h["gpu_indices"]), "leader": i == 0, "resume_checkpoint": cmd["checkpoint_uri"],
+            "gpu_indices": list(h["gpu_indices"]), "leader": i == 0, "resume_checkpoint": t.get("ckpt"),
             "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms})
+
+
+def _grant_mismatch(t: Mapping[str, Any], cmd: Record) -> str | None:
+    """Why a grant does not answer the request the scheduler made for the attempt (its pool, its shape:
+    ``hosts`` distinct hosts of ``gpus`` distinct GPUs each); None if it does."""
+    res = t["resources"]
+    if cmd["pool"] != t["queue"]:
+        return f"granted by pool {cmd['pool']!r}; the request went to {t['queue']!r}"
+    hosts = cmd["hosts"]
+    nodes = {h["node_id"] for h in hosts}
+    if len(hosts) != res["hosts"] or len(nodes) != len(hosts):
+        return f"grant names {len(hosts)} host(s) ({len(nodes)} distinct); the request asked for {res['hosts']}"
+    for h in hosts:
+        if len(set(h["gpu_indices"])) != len(h["gpu_indices"]) or len(h["gpu_indices"]) != res["gpus"]:
+            return (f"grant names GPUs {list(h['gpu_indices'])[:16]} on {h['node_id']}; the request asked for "
+                    f"{res['gpus']} per host")
+    return None
 
 
 def _allocation_mismatch(t: Mapping[str, Any], status: str, alloc: str | None) -> str | None:
@@ -689,6 +709,8 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
     why = not_current(t, j, attempt)
     if why is None and t is not None:
         why = _allocation_mismatch(t, status, alloc)
+    if why is None and t is not None and status == "granted":
+        why = _grant_mismatch(t, cmd)
     if why is not None or t is None or j is None:
         ctx.event("ReportIgnored", job_id, task_id=task_id, attempt=attempt, worker_id=alloc or "",
                   report=f"allocation {status}", reason=why or "")
@@ -702,7 +724,7 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
     if status == "granted":
         ctx.event("TaskAllocated", job_id, task_id=task_id, attempt=attempt, pool=cmd["pool"], alloc_id=alloc,
                   epoch=cmd["epoch"], node_ids=[h["node_id"] for h in cmd["hosts"]],
-                  resume_checkpoint=cmd["checkpoint_uri"])
+                  resume_checkpoint=t.get("ckpt"))
         _gpu_dispatch(ctx, cmd, t, j["tenant"])
     elif status == "checkpointing":
         ctx.event("TaskCheckpointing", job_id, task_id=task_id, attempt=attempt, alloc_id=alloc,

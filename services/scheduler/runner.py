@@ -1,7 +1,8 @@
 """The scheduler: the partition-processor runtime configured with the scheduler fold.
 
 Wiring only (the cycle, its transactions, catch-up and timers live in ``dagfold.processor``):
-the commands topic's partitions shared by the group ``dagfold-scheduler``; events to the
+the commands topic's partitions shared by the group ``dagfold-scheduler``, and the same partitions
+of ``scheduler.internal`` (allocation grants: accepted only there, ``wrong_topic``); events to the
 command's own partition of ``events``; dispatch and control records by key; dispatch
 topics created on first use; TimerFired commands from the due-time index; and the check
 that a command's key is its job ID on the job's partition.
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dagfold import metrics
 from dagfold.codec import Record
 from dagfold.commands import job_id_of
-from dagfold.config import COMMANDS, DISPATCH_PREFIX, EVENTS, SCHEDULER_GROUP, Config
+from dagfold.config import COMMANDS, DISPATCH_PREFIX, EVENTS, SCHEDULER_GROUP, SCHEDULER_INTERNAL, Config
 from dagfold.log import Log, LogRecord, TopicSpec, partition_for
 from dagfold.outputs import Output, dead_letter, forward_misrouted
 from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
@@ -40,6 +41,21 @@ def _record_events(outputs: Sequence[tuple[int, Output]]) -> None:
 
 SCHEDULER_TIMERS = TimerPolicy(COMMANDS, due_timers, _timer_key)
 
+#: what the scheduler takes only from ``scheduler.internal``, the topic the allocators alone may write
+#: (docs/security.md, Boundaries inside a deployment): on ``commands`` anyone who may submit could forge it
+INTERNAL_ONLY = frozenset({"dagfold.command.TaskAllocation"})
+
+
+def wrong_topic(topic: str, command_type: str) -> str | None:
+    """Why a command may not arrive on ``topic`` (its writers may not say it); None if it may."""
+    internal = command_type in INTERNAL_ONLY
+    if topic == COMMANDS and internal:
+        return (f"{command_type} is taken only from {SCHEDULER_INTERNAL}, which only allocators may write; "
+                f"on {COMMANDS} any producer could forge a grant")
+    if topic == SCHEDULER_INTERNAL and not internal:
+        return f"{command_type} does not travel on {SCHEDULER_INTERNAL} (only allocation grants do)"
+    return None
+
 
 def scheduler_spec(config: Config, instance_id: str = "0",
                    partition_of: Callable[[bytes], int] | None = None) -> ProcessorSpec:
@@ -60,6 +76,9 @@ def scheduler_spec(config: Config, instance_id: str = "0",
             return [dead_letter(rec, f"{cmd['type']} is not a scheduler command", "scheduler")]
         if rec.key != job_id.encode():
             return [dead_letter(rec, f"record key {rec.key!r} is not the job ID {job_id!r}", "scheduler")]
+        why = wrong_topic(rec.topic, cmd["type"])
+        if why is not None:
+            return [dead_letter(rec, why, "scheduler")]
         return forward_misrouted(rec, cmd, job_id, job_partition)
 
     def fold_for(partition: int, store: Store) -> SchedulerFold:
@@ -80,7 +99,7 @@ def scheduler_spec(config: Config, instance_id: str = "0",
         before_commit=lambda topic: topic.startswith(DISPATCH_PREFIX),
         create_topics=config.core_topics(), batch_max_records=config.scheduler.batch_max_records,
         poll_timeout_s=config.scheduler.poll_timeout_s, on_committed=_record_events,
-        cache_values=SchedulerFold.CACHE_VALUES)
+        cache_values=SchedulerFold.CACHE_VALUES, inputs=(SCHEDULER_INTERNAL,))
 
 
 class SchedulerRunner(PartitionProcessor):
