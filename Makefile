@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # DAGFOLD_TEST_KAFKA, one broker for every test, requires).
 PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
+.PHONY: install run test systemd-tools soak kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
 install: $(STAMP)
 
@@ -47,7 +47,12 @@ browser:
 screenshots: install browser
 	$(BIN)/python -m tests.screenshots --out docs/img
 
-test: install kafka-fetch s3-fetch browser
+# systemd-analyze for tests/test_systemd_units.py (checks deploy/systemd without a running systemd)
+systemd-tools:
+	@command -v systemd-analyze >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update && $$SUDO apt-get install -y systemd; }
+
+test: install kafka-fetch s3-fetch browser systemd-tools
 	$(BIN)/pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 kafka-up: kafka-fetch
