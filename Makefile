@@ -75,6 +75,12 @@ bench-peers: install kafka-fetch
 bench-scale: install
 	$(BIN)/python -m bench.scale
 
+# The soak: the job mix of bench/soak.py (DAGs of 1-2,000 tasks, GPU jobs, cancels, retries, callbacks) against
+# `dagfold up` for SOAK_MINUTES; RSS, disk and API p99 every 10 s into bench/results/soak.json and docs/img/soak.png
+SOAK_MINUTES ?= 60
+soak: install
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
+
 # Hostile input against a live `dagfold up`: answers, crash, peak RSS growth (bench/results/hostile_api.json)
 bench-hostile: install
 	$(BIN)/python -m bench.hostile_api
