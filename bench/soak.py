@@ -21,6 +21,7 @@ child processes (the demo GPU jobs), the data folder's size on disk, the p99 of 
 
     python -m bench.soak --minutes 60                      # make soak: bench/results/soak.json, docs/img/soak.png
     python -m bench.soak --jobs 2000 --tracemalloc DIR    # snapshots of the stack's allocations, for diffs
+    python -m bench.soak --direct --jobs 20000 --max-tasks 4 --plot ''   # tests/test_soak.py's run
 
 The handler ``soak_flaky`` lives in bench/soak_handlers.py (`dagfold up --handler-module bench.soak_handlers`).
 """
