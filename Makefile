@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # DAGFOLD_TEST_KAFKA, one broker for every test, requires).
 PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
+.PHONY: install run test systemd-tools soak kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
 install: $(STAMP)
 
@@ -51,7 +51,12 @@ browser:
 screenshots: install browser
 	$(BIN)/python -m tests.screenshots --out docs/img
 
-test: install kafka-fetch s3-fetch browser
+# systemd-analyze for tests/test_systemd_units.py (checks deploy/systemd without a running systemd)
+systemd-tools:
+	@command -v systemd-analyze >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update && $$SUDO apt-get install -y systemd; }
+
+test: install kafka-fetch s3-fetch browser systemd-tools
 	$(BIN)/pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 kafka-up: kafka-fetch
@@ -73,6 +78,12 @@ bench-peers: install kafka-fetch
 # Synthetic layered DAGs of 1k to 1M tasks on the embedded stack (about 10 minutes; 6 GiB at 1M)
 bench-scale: install
 	$(BIN)/python -m bench.scale
+
+# The soak: the job mix of bench/soak.py (DAGs of 1-2,000 tasks, GPU jobs, cancels, retries, callbacks) against
+# `dagfold up` for SOAK_MINUTES; RSS, disk and API p99 every 10 s into bench/results/soak.json and docs/img/soak.png
+SOAK_MINUTES ?= 60
+soak: install
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
 
 # Hostile input against a live `dagfold up`: answers, crash, peak RSS growth (bench/results/hostile_api.json)
 bench-hostile: install

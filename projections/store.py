@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from rocksdict import Options, Rdict, ReadOptions, WriteBatch
+from rocksdict import Rdict, ReadOptions, WriteBatch
 
+from dagfold import rocks
 from dagfold.projections.exceptions import StoreError
 
 _DELETED: Any = object()
@@ -105,7 +106,7 @@ class ReadModelStore:
     def __init__(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
         self.path = path
-        opts = Options(raw_mode=True)
+        opts = rocks.options()  # the process's RocksDB memory budget
         opts.create_if_missing(True)
         try:
             self._db = Rdict(str(path), options=opts)

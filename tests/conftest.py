@@ -59,6 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # longest first (from `make test`'s durations); the other files keep their collection order
 LONG_FIRST = (
     "tests/test_chaos.py",
+    "tests/test_soak.py",
     "tests/test_gpu_kafka.py",
     "tests/test_kafka_e2e.py",
     "tests/test_fold_properties.py",

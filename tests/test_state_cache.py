@@ -109,3 +109,27 @@ def test_the_scheduler_fold_decides_the_same_with_and_without_the_cache() -> Non
     assert runs[0][3] is not None and runs[0][3]["state"] == "succeeded"
     assert runs[0][0] == runs[1][0]
     assert runs[0][1] == runs[1][1] == runs[1][2]
+
+
+def test_a_finished_jobs_records_and_its_deleted_timers_leave_the_cache() -> None:
+    """Issue 25: the cache kept every finished job's records (and a None for each deleted timer, whose key
+    holds its due time) until its bound pushed them out, so `dagfold up`'s memory grew with every job up to
+    16,384 values per partition. Once the job has ended none of its keys stays; a redrive then reads them
+    from the store and runs the job to its end as before."""
+    store = MemoryStore(cache_values=100_000)
+    h = FoldHarness(SchedulerOptions(lease_timeout_s=10), store=store)
+    h.submit(to_job_spec(load_spec_text(SPEC.replace("id: J", "id: J\ntimeouts: {start_to_close_s: 30}"))))
+    for _ in range(2):  # both attempts of a fail: the job fails, b, c and d are skipped
+        d = h.dispatched.popleft()
+        h.report("Started", d)
+        h.report("Failed", d, reason="boom", exit_code=1)
+        h.advance(60_000)  # the backoff timer
+    assert h.job("J") is not None and h.job("J")["state"] == "failed"
+    assert store.values is not None
+    assert [k for k in store.values.values if b"J" in k] == []
+    assert not [k for k in store.data if k.startswith(b"T\x1f")]  # the timers are gone from the store too
+    h.process({"type": "dagfold.command.RedriveJob", "job_id": "J", "requested_at_ms": 0})
+    h.run_all()
+    assert h.job("J") is not None and h.job("J")["state"] == "succeeded"
+    assert [k for k in store.values.values if b"J" in k] == []
+    assert h.digest() == h.replayed_digest()

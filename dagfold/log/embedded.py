@@ -39,8 +39,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
-from rocksdict import AccessType, Options, Rdict, ReadOptions, WriteBatch
+from rocksdict import AccessType, Rdict, ReadOptions, WriteBatch
 
+from dagfold import rocks
 from dagfold.clock import now_ms
 from dagfold.exceptions import FencedError, LogError
 from dagfold.log.base import (
@@ -148,7 +149,7 @@ class EmbeddedLog:
         self.url = "embedded"
         self.path = path
         self.read_only = read_only
-        opts = Options(raw_mode=True)
+        opts = rocks.options()  # the process's RocksDB memory budget
         try:
             if read_only:
                 if not path.exists():

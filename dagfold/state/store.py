@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from rocksdict import AccessType, Options, Rdict, ReadOptions, WriteBatch
+from rocksdict import AccessType, Rdict, ReadOptions, WriteBatch
 
+from dagfold import rocks
 from dagfold.state.exceptions import StateError
 
 _enc = msgspec.msgpack.Encoder()
@@ -51,6 +52,12 @@ class ValueCache:
         if len(v) > self.max_entries:
             for k in list(itertools.islice(v, len(v) - self.max_entries * 3 // 4)):
                 del v[k]
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Drop these keys (values no later transaction is expected to read)."""
+        v = self.values
+        for k in keys:
+            v.pop(k, None)
 
 
 class Store(Protocol):
@@ -99,7 +106,7 @@ class PartitionStore:
 
     def __init__(self, path: Path, read_only: bool = False, cache_values: int = 0) -> None:
         self.values = ValueCache(cache_values) if cache_values > 0 else None
-        opts = Options(raw_mode=True)
+        opts = rocks.options()  # the process's RocksDB memory budget
         try:
             if read_only:
                 self._db = Rdict(str(path), options=opts, access_type=AccessType.read_only())
@@ -173,6 +180,7 @@ class PartitionTransaction:
         self._cache: dict[bytes, Any] = {}
         self._dirty: set[bytes] = set()
         self._undo: list[tuple[bytes, Any, bool]] | None = None
+        self._uncache: list[bytes] = []
         self._open = True
 
     def get(self, key: bytes) -> Any:
@@ -197,6 +205,15 @@ class PartitionTransaction:
 
     def delete(self, key: bytes) -> None:
         self.put(key, None)
+
+    def uncache(self, key: bytes) -> None:
+        """Keep ``key`` out of the store's shared cache once this transaction commits: a value no later
+        transaction is expected to read (a deleted timer, whose key holds its due time; a finished job's
+        records). Without this the cache filled with finished jobs' records until its bound (16,384 values
+        per scheduler partition, about 25 MB each), evicting live ones first-in first-out. Only the cache:
+        a later read of the key reads the store."""
+        if self._shared is not None:
+            self._uncache.append(key)
 
     def written_keys(self) -> set[bytes]:
         """The keys this transaction has written (put or deleted) and not rolled back: a copy."""
@@ -250,3 +267,4 @@ class PartitionTransaction:
             # what was read stands where this transaction did not overwrite it
             self._read.update((k, self._cache[k]) for k in self._dirty)
             self._shared.remember(self._read)
+            self._shared.forget(self._uncache)

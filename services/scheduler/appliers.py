@@ -65,7 +65,7 @@ def _set_timer(txn: PartitionTransaction, job_id: str, task_id: str, t: dict[str
     timers = dict(t.get("timers") or {})
     old = timers.pop(kind, None)
     if old is not None:
-        txn.delete(keys.timer(old, job_id, task_id, kind))
+        _delete_timer(txn, keys.timer(old, job_id, task_id, kind))
     if due is not None:
         timers[kind] = due
         txn.put(keys.timer(due, job_id, task_id, kind), attempt)
@@ -74,8 +74,14 @@ def _set_timer(txn: PartitionTransaction, job_id: str, task_id: str, t: dict[str
 
 def _clear_timers(txn: PartitionTransaction, job_id: str, task_id: str, t: dict[str, Any]) -> None:
     for kind, due in (t.get("timers") or {}).items():
-        txn.delete(keys.timer(due, job_id, task_id, kind))
+        _delete_timer(txn, keys.timer(due, job_id, task_id, kind))
     t["timers"] = {}
+
+
+def _delete_timer(txn: PartitionTransaction, key: bytes) -> None:
+    """A timer's key holds its due time: once deleted it is never read again, so it leaves the cache too."""
+    txn.delete(key)
+    txn.uncache(key)
 
 
 def _finish_task(txn: PartitionTransaction, e: Record, state: str, outcome: str) -> None:
@@ -286,8 +292,20 @@ def _job_ended(state: str) -> Applier:
         j["state"] = "succeeded_partial" if state == "succeeded" and e.get("partial") else state
         j["ended_ms"] = e["ts_ms"]
         txn.put(keys.job(e["job_id"]), j)
+        _uncache_job(txn, e["job_id"])
 
     return apply
+
+
+def _uncache_job(txn: PartitionTransaction, job_id: str) -> None:
+    """A finished job's records leave the shared cache (``PartitionTransaction.uncache``); a redrive, a
+    retry or a late report reads them from the store again."""
+    task_ids = txn.get(keys.task_list(job_id)) or []
+    for key in (keys.job(job_id), keys.task_list(job_id)):
+        txn.uncache(key)
+    for task_id in task_ids:
+        txn.uncache(keys.task(job_id, task_id))
+        txn.uncache(keys.dependents(job_id, task_id))
 
 
 def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
