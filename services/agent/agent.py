@@ -184,7 +184,7 @@ class NodeAgent:
             return  # a redelivered dispatch, or one for an allocation already over
         jp = self.launcher.start(aid, d["epoch"], d["job_id"], d["task_id"], d["attempt"],
                                  list(d["gpu_indices"]), d["resume_checkpoint"], args_json=d["args_json"],
-                                 tenant=d["tenant"])
+                                 tenant=d["tenant"], traceparent=d.get("traceparent") or "")
         self.procs[aid] = jp
         if d["leader"]:
             self.leader_of.add(aid)

@@ -42,6 +42,7 @@ from typing import Any
 
 from dagfold.artifacts import Artifact, ArtifactError, ArtifactStore, checkpoint_prefix, output_prefix
 from dagfold.clock import now_ms
+from dagfold.tracing import attempt_traceparent
 
 log = logging.getLogger("dagfold.agent")
 MAX_RESULT_BYTES = 64 * 1024
@@ -135,7 +136,7 @@ class Launcher:
         return d
 
     def start(self, alloc_id: str, epoch: int, job_id: str, task_id: str, attempt: int, gpus: list[int],
-              resume: str | None, args_json: str = "{}", tenant: str = "default") -> JobProcess:
+              resume: str | None, args_json: str = "{}", tenant: str = "default", traceparent: str = "") -> JobProcess:
         jp = JobProcess(alloc_id, epoch, job_id, task_id, attempt, None, gpus,  # type: ignore[arg-type]
                         tenant=tenant, work=self.task_dir(job_id, task_id))
         jp.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +147,8 @@ class Launcher:
                     "DAGFOLD_EPOCH": str(epoch), "DAGFOLD_JOB_ID": job_id, "DAGFOLD_TASK_ID": task_id,
                     "DAGFOLD_ATTEMPT": str(attempt),
                     "DAGFOLD_CHECKPOINT_DIR": str(jp.checkpoint_dir), "DAGFOLD_OUTPUT_DIR": str(jp.output_dir),
-                    "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed)})
+                    "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed),
+                    "TRACEPARENT": traceparent or attempt_traceparent(job_id, task_id, attempt)})
         if resume:
             jp.checkpoint_uri = resume
             local = self._fetch(resume, jp.checkpoint_dir)

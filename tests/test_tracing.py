@@ -1,0 +1,265 @@
+"""A job is a trace: trace context kept by the fold, and spans built from the events alone.
+
+The fold runs in the virtual-time harness (no log, no clock); the spans come from its events through
+``TraceBuilder``, the same code the span exporter runs on a consumer. The real backend is in
+tests/test_tracing_jaeger.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import fastavro
+import pytest
+from fastavro.schema import load_schema
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from dagfold.codec import MAGIC, default_codec, schema_fingerprint
+from dagfold.codec import SCHEMA_DIR as SCHEMAS
+from dagfold.config import SchedulerOptions
+from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+from dagfold.services.worker.handlers import TaskContext
+from dagfold.tracing import (
+    SpanRecord,
+    SpanSink,
+    TraceBuilder,
+    attempt_span_id,
+    attempt_traceparent,
+    clean_traceparent,
+    job_span_id,
+    job_trace_id,
+    otlp_enabled,
+    otlp_protocol,
+    parse_traceparent,
+)
+
+SUBMITTER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+RETRIED = "id: J\ntasks: [{id: a, retry: {max_attempts: 2, initial_interval_s: 1, jitter: false}}, " \
+          "{id: b, depends_on: [a]}]"
+
+
+def spec_of(text: str) -> dict[str, Any]:
+    return to_job_spec(load_spec_text(text))
+
+
+def spans_of(events: list[dict[str, Any]]) -> list[SpanRecord]:
+    b = TraceBuilder()
+    return [s for e in events for s in b.apply(e)]
+
+
+def run_retried(h: FoldHarness, traceparent: str = "") -> None:
+    h.process({"type": "dagfold.command.SubmitJob", "spec": spec_of(RETRIED), "submitted_at_ms": h.now_ms,
+               "source": "test", "traceparent": traceparent})
+    d1 = h.dispatched.popleft()
+    h.now_ms += 5
+    h.report("Started", d1, "w1")
+    h.now_ms += 20
+    h.report("Failed", d1, "w1", reason="exit code 3", exit_code=3)
+    h.advance(1000)  # the retry timer
+    h.now_ms += 7
+    h.run_all("w2")
+
+
+def test_a_retried_task_gives_one_span_per_attempt_nested_under_the_job() -> None:
+    h = FoldHarness()
+    run_retried(h)
+    spans = spans_of(h.events)
+    by_name: dict[str, list[SpanRecord]] = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    trace = job_trace_id("J")
+    assert {s.trace_id for s in spans} == {trace}
+    (job,) = by_name["job"]
+    assert job.parent_id is None and job.span_id == job_span_id("J") and job.error is None
+    assert job.attributes["dagfold.outcome"] == "succeeded"
+    a1, a2 = sorted(by_name["task a"], key=lambda s: s.attributes["dagfold.attempt"])
+    assert a1.parent_id == a2.parent_id == job.span_id
+    assert a1.span_id == attempt_span_id("J", "a", 1) and a2.span_id == attempt_span_id("J", "a", 2)
+    assert a1.error == "exit code 3" and a1.attributes["dagfold.outcome"] == "failed"
+    assert a1.attributes["dagfold.exit_code"] == 3 and a1.attributes["dagfold.worker_id"] == "w1"
+    assert a2.error is None and a2.attributes["dagfold.retry_of"] == 1 and a2.attributes["dagfold.worker_id"] == "w2"
+    # the attempt's phases: queued until a worker's lease, then running until its outcome
+    phases = [s for s in spans if s.parent_id == a1.span_id]
+    assert [(s.name, s.end_ms - s.start_ms) for s in phases] == [("queued", 5), ("running", 20)]
+    assert phases[1].error == "exit code 3" and phases[1].attributes["dagfold.worker_id"] == "w1"
+    (backoff,) = by_name["retry backoff"]
+    assert backoff.parent_id == job.span_id and backoff.end_ms - backoff.start_ms == 1000
+    assert by_name["task b"][0].parent_id == job.span_id
+    # times are the events' own: the job spans its first dispatch to its end
+    assert job.start_ms == a1.start_ms and job.end_ms == max(s.end_ms for s in spans)
+
+
+def test_the_same_events_replayed_give_the_same_spans() -> None:
+    h = FoldHarness()
+    run_retried(h)
+    assert spans_of(h.events) == spans_of(list(h.events))
+    # a builder that starts mid-log (a consumer's committed position) names the later spans identically
+    first = spans_of(h.events)
+    cut = next(i for i, e in enumerate(h.events) if e["type"].endswith("TaskRetryScheduled")) + 1
+    later = spans_of(h.events[cut:])
+    assert later and all(s in first for s in later if s.name != "job") and \
+        {s.span_id for s in later} <= {s.span_id for s in first}
+
+
+def test_the_dispatch_carries_the_attempt_traceparent_a_worker_gives_its_process() -> None:
+    h = FoldHarness()
+    h.submit(spec_of(RETRIED))
+    d = h.dispatched[0]
+    assert d["traceparent"] == attempt_traceparent("J", "a", 1) == \
+        f"00-{job_trace_id('J')}-{attempt_span_id('J', 'a', 1)}-01"
+    ctx = TaskContext(job_id="J", task_id="a", attempt=1, idempotency_key="J/a", traceparent=d["traceparent"])
+    assert ctx.env()["TRACEPARENT"] == d["traceparent"]
+
+
+def test_a_submitters_traceparent_is_kept_and_the_job_continues_its_trace() -> None:
+    h = FoldHarness()
+    run_retried(h, traceparent=SUBMITTER.upper())
+    accepted = next(e for e in h.events if e["type"].endswith("JobAccepted"))
+    assert accepted["traceparent"] == ""  # upper-case hex is not valid W3C: ignored, not repaired
+    h = FoldHarness()
+    run_retried(h, traceparent=SUBMITTER)
+    accepted = next(e for e in h.events if e["type"].endswith("JobAccepted"))
+    assert accepted["traceparent"] == SUBMITTER
+    spans = spans_of(h.events)
+    assert {s.trace_id for s in spans} == {"4bf92f3577b34da6a3ce929d0e0e4736"}
+    (job,) = [s for s in spans if s.name == "job"]
+    assert job.parent_id == "00f067aa0ba902b7"
+    # the dispatched attempts name the submitter's trace too (b's dispatch was the last one)
+    assert h.task("J", "a")["tp"] == SUBMITTER
+
+
+@pytest.mark.parametrize("value", [
+    "", "garbage", "00-" + "0" * 32 + "-00f067aa0ba902b7-01", "00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01",
+    "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", SUBMITTER + "-extra", "x" * 10_000,
+    "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
+    "\u00e9" * 55,
+])
+def test_an_invalid_traceparent_is_ignored_and_the_job_starts_a_trace_of_its_own(value: str) -> None:
+    assert parse_traceparent(value) is None and clean_traceparent(value) == ""
+    h = FoldHarness()
+    h.process({"type": "dagfold.command.SubmitJob", "spec": spec_of("id: J\ntasks: [{id: a}]"),
+               "submitted_at_ms": 0, "source": "test", "traceparent": value})
+    assert h.events[0]["type"].endswith("JobAccepted") and h.events[0]["traceparent"] == ""
+    assert h.dispatched[0]["traceparent"] == attempt_traceparent("J", "a", 1)
+
+
+def test_a_later_version_traceparent_keeps_its_ids() -> None:
+    later = "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-more"
+    assert clean_traceparent(later) == SUBMITTER
+
+
+def test_a_submit_job_written_before_traceparent_existed_is_still_read() -> None:
+    """Producers with the old schema (kept in schemas/history) still submit: the field defaults to ""."""
+    old = load_schema(str(SCHEMAS / "history" / "v1-no-traceparent" / "dagfold.command.SubmitJob.avsc"))
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, old, {"spec": spec_of("id: J\ntasks: [{id: a}]"), "submitted_at_ms": 1,
+                                          "source": "old"})
+    rec = default_codec().decode(MAGIC + schema_fingerprint(old) + buf.getvalue())
+    assert rec["type"] == "dagfold.command.SubmitJob" and rec["traceparent"] == ""
+    assert schema_fingerprint(old) != default_codec().schema("dagfold.command.SubmitJob").fingerprint
+
+
+def test_a_gpu_job_preempted_once_waits_for_gpus_again_in_the_same_attempt() -> None:
+    h = FoldHarness()
+    h.submit(spec_of("id: G\ntasks: [{id: train, queue: gpu, resources: {gpus: 1}}]"))
+    req = h.controls[-1]
+    assert req["type"] == "dagfold.allocator.RequestAllocation"
+
+    def status(kind: str, alloc: str, **kw: Any) -> None:
+        h.process({"type": "dagfold.command.TaskAllocation", "job_id": "G", "task_id": "train", "attempt": 1,
+                   "pool": "gpu", "status": kind, "alloc_id": alloc, "epoch": 1, "ts_ms": h.now_ms,
+                   "hosts": [{"node_id": "n1", "gpu_indices": [0]}], "reason": kw.get("reason", ""),
+                   "checkpoint_uri": kw.get("checkpoint_uri")})
+
+    h.now_ms += 10
+    status("granted", "a1")
+    h.report("Started", {"job_id": "G", "task_id": "train", "attempt": 1}, "a1")  # GPU attempts: by allocation
+    dispatch = next(c for c in h.controls if c["type"] == "dagfold.control.GpuTaskDispatch")
+    assert dispatch["traceparent"] == attempt_traceparent("G", "train", 1)
+    h.now_ms += 100
+    status("checkpointing", "a1", reason="preempted by a higher tier", checkpoint_uri="s3://b/ck1")
+    h.now_ms += 50
+    status("requeued", "a1", reason="preempted by a higher tier", checkpoint_uri="s3://b/ck1")
+    h.now_ms += 30
+    status("granted", "a2", checkpoint_uri="s3://b/ck1")
+    h.report("Started", {"job_id": "G", "task_id": "train", "attempt": 1}, "a2")
+    h.now_ms += 200
+    h.report("Succeeded", {"job_id": "G", "task_id": "train", "attempt": 1}, "a2")
+    spans = spans_of(h.events)
+    names = [s.name for s in spans]
+    assert names.count("task train") == 1 and names[-1] == "job"
+    (att,) = [s for s in spans if s.name == "task train"]
+    assert att.attributes["dagfold.preemptions"] == 1 and att.error is None
+    assert [e.name for e in att.events] == ["preempted", "resumed from checkpoint"]
+    phases = [(s.name, s.end_ms - s.start_ms, s.attributes.get("dagfold.alloc_id")) for s in spans
+              if s.parent_id == att.span_id]
+    assert phases == [("gpu allocation wait", 10, None), ("running", 150, "a1"), ("gpu allocation wait", 30, None),
+                      ("running", 200, "a2")]
+    preempted_run = [s for s in spans if s.parent_id == att.span_id][1]
+    assert [e.name for e in preempted_run.events] == ["checkpointing", "preempted"]
+    assert preempted_run.error is not None and preempted_run.error.startswith("preempted")
+
+
+def test_tracing_is_on_only_with_an_otlp_endpoint_and_a_known_protocol() -> None:
+    assert not otlp_enabled({})
+    assert otlp_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"})
+    assert otlp_enabled({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"})
+    assert not otlp_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_SDK_DISABLED": "true"})
+    assert not otlp_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x", "OTEL_TRACES_EXPORTER": "none"})
+    assert otlp_protocol({}) == "http/protobuf"
+    assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
+    assert otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                          "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}) == "http/protobuf"
+    with pytest.raises(ValueError, match="grpc or http/protobuf"):
+        otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+def test_the_sink_gives_the_sdk_our_ids_times_and_parents(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "dagfold-test")
+    h = FoldHarness()
+    run_retried(h, traceparent=SUBMITTER)
+    spans = spans_of(h.events)
+    mem = InMemorySpanExporter()
+    sink = SpanSink("scheduler", exporter=mem)
+    sink.export(spans)
+    assert sink.flush(10)
+    got = {f"{s.context.span_id:016x}": s for s in mem.get_finished_spans()}
+    assert set(got) == {s.span_id for s in spans}
+    for s in spans:
+        o = got[s.span_id]
+        assert f"{o.context.trace_id:032x}" == s.trace_id and o.name == s.name
+        assert (f"{o.parent.span_id:016x}" if o.parent else None) == s.parent_id
+        assert (o.start_time, o.end_time) == (s.start_ms * 1_000_000, s.end_ms * 1_000_000)
+        assert o.resource.attributes["service.name"] == "dagfold-test"
+    sink.close()
+
+
+def test_a_ratio_sampler_keeps_or_drops_whole_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    spans: list[SpanRecord] = []
+    for i in range(40):
+        h = FoldHarness()
+        h.submit(spec_of(f"id: J{i}\ntasks: [{{id: a}}, {{id: b, depends_on: [a]}}]"))
+        h.run_all()
+        spans += spans_of(h.events)
+    mem = InMemorySpanExporter()
+    sink = SpanSink("scheduler", exporter=mem)
+    sink.export(spans)
+    sink.flush(10)
+    kept = mem.get_finished_spans()
+    per_trace: dict[int, int] = {}
+    for s in kept:
+        per_trace[s.context.trace_id] = per_trace.get(s.context.trace_id, 0) + 1
+    assert 0 < len(per_trace) < 40 and set(per_trace.values()) == {len(spans) // 40}
+    sink.close()
+
+
+def test_span_records_are_json_for_the_audit_export() -> None:
+    h = FoldHarness(SchedulerOptions())
+    run_retried(h)
+    doc = json.loads(json.dumps([s.to_dict() for s in spans_of(h.events)]))
+    assert {d["name"] for d in doc} >= {"job", "task a", "task b", "queued", "running", "retry backoff"}
