@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # DAGFOLD_TEST_KAFKA, one broker for every test, requires).
 PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch jaeger-fetch jaeger-up jaeger-down browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
 install: $(STAMP)
 
@@ -34,6 +34,17 @@ run: install
 kafka-fetch:
 	deploy/kafka/kafka.sh fetch
 
+# Jaeger all-in-one (tests/test_tracing_jaeger.py, `make jaeger-up` to look at traces): built once with the
+# Go toolchain into .cache/jaeger/<version>/ (several minutes on 2 cores)
+jaeger-fetch:
+	deploy/jaeger/jaeger.sh fetch
+
+jaeger-up: jaeger-fetch
+	deploy/jaeger/jaeger.sh start
+
+jaeger-down:
+	deploy/jaeger/jaeger.sh stop
+
 # S3Proxy (S3-compatible object storage for the artifact tests), fetched once into .cache/m2
 s3-fetch:
 	deploy/s3proxy/s3proxy.sh fetch
@@ -47,7 +58,7 @@ browser:
 screenshots: install browser
 	$(BIN)/python -m tests.screenshots --out docs/img
 
-test: install kafka-fetch s3-fetch browser
+test: install kafka-fetch s3-fetch jaeger-fetch browser
 	$(BIN)/pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 kafka-up: kafka-fetch

@@ -263,3 +263,28 @@ def test_span_records_are_json_for_the_audit_export() -> None:
     run_retried(h)
     doc = json.loads(json.dumps([s.to_dict() for s in spans_of(h.events)]))
     assert {d["name"] for d in doc} >= {"job", "task a", "task b", "queued", "running", "retry backoff"}
+
+
+def test_dagfold_config_is_readable_at_80_columns_and_shows_tracing() -> None:
+    """Each setting's variable whole on its line with its value, its meaning wrapped in words, grouped;
+    before, a five-column table split names (``DAGFOLD_TOPIC_`` / ``PREFIX``) over 233 lines."""
+    import os
+    import subprocess
+    import sys
+
+    from dagfold.settings import Settings, env_name
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("DAGFOLD_", "OTEL_"))}, "COLUMNS": "80",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    r = subprocess.run([sys.executable, "-m", "dagfold", "config"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    for name in Settings.model_fields:
+        assert any(line.startswith(f"  {env_name(name)} = ") for line in lines), name
+    text = " ".join(line.strip() for line in lines)
+    assert all(Settings.model_fields[n].description in text for n in Settings.model_fields)
+    assert {"log and storage", "API and dashboard", "job-end callbacks"} <= set(lines)
+    assert "  enabled = yes" in lines and "  protocol = grpc" in lines and "  endpoint = http://127.0.0.1:4318" in lines
+    assert len(lines) < 150

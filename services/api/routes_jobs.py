@@ -10,6 +10,7 @@ for other tenants' jobs.
 # Annotated[..., Depends(local)] objects, which string annotations would hide.
 
 import json
+import os
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
@@ -322,9 +323,14 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                                 name=name, id_prefix=id_prefix)
         return _page(page, "jobs")
 
+    trace_ui = os.environ.get("DAGFOLD_TRACE_UI", "")  # a trace viewer's page: {trace_id} replaced
+
     @r.get("/v1/jobs/{job_id}", summary="Job summary")
     def get_job(job_id: str, principal: Caller) -> dict[str, Any]:
-        return ctx.job_summary_for(job_id, principal)
+        job = ctx.job_summary_for(job_id, principal)
+        if trace_ui and job.get("trace_id"):
+            job = {**job, "trace_url": trace_ui.replace("{trace_id}", job["trace_id"])}
+        return job
 
     @r.get("/v1/jobs/{job_id}/tasks", summary="Tasks of a job, by task ID")
     def get_tasks(job_id: str, principal: Caller, state: TaskState | None = None, limit: Limit = 100,
