@@ -288,3 +288,69 @@ def test_dagfold_config_is_readable_at_80_columns_and_shows_tracing() -> None:
     assert {"log and storage", "API and dashboard", "job-end callbacks"} <= set(lines)
     assert "  enabled = yes" in lines and "  protocol = grpc" in lines and "  endpoint = http://127.0.0.1:4318" in lines
     assert len(lines) < 150
+
+
+def test_a_gpu_process_has_its_attempts_traceparent_and_the_agents_json_lines_name_it(tmp_path: Any) -> None:
+    """The launcher's lines about a process (here: a checkpoint outside its folder, logged by the
+    process's reader thread) carry job, task, attempt, alloc_id and trace_id as JSON fields."""
+    import logging
+    import sys
+
+    from dagfold.logs import JsonFormatter
+    from dagfold.services.agent.launcher import Launcher
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("dagfold")
+    logger.addHandler(handler)
+    script = ("import json, os; print(json.dumps({'checkpoint': '/etc/hostname'}), flush=True); "
+              "print(json.dumps({'output': os.environ['TRACEPARENT']}), flush=True)")
+    launcher = Launcher([sys.executable, "-c", script], tmp_path / "store", work_dir=tmp_path / "work")
+    try:
+        jp = launcher.start("alloc-7", 1, "G", "train", 2, [0], None, traceparent=SUBMITTER)
+        assert jp.proc.wait(30) == 0
+        assert jp._reader is not None
+        jp._reader.join(10)
+    finally:
+        logger.removeHandler(handler)
+        launcher.close()
+    assert jp.results == [SUBMITTER]  # the process saw the dispatch's TRACEPARENT
+    lines = [json.loads(x) for x in buf.getvalue().splitlines()]
+    (warned,) = [x for x in lines if "ignored: not inside" in x["message"]]
+    assert {k: warned.get(k) for k in ("job", "task", "attempt", "alloc_id", "trace_id")} == {
+        "job": "G", "task": "train", "attempt": 2, "alloc_id": "alloc-7", "trace_id": SUBMITTER[3:35]}
+    # without one from the scheduler (an older one), the agent derives the attempt's own
+    launcher = Launcher([sys.executable, "-c", "import os; print(os.environ['TRACEPARENT'])"], tmp_path / "store",
+                        work_dir=tmp_path / "work2")
+    try:
+        jp = launcher.start("alloc-8", 1, "G", "train", 3, [0], None)
+        jp.proc.wait(30)
+        assert jp._reader is not None
+        jp._reader.join(10)
+    finally:
+        launcher.close()
+    assert jp.lines == [attempt_traceparent("G", "train", 3)]
+
+
+def test_a_submission_with_a_traceparent_header_keeps_it_and_metrics_carry_trace_exemplars(tmp_path: Any) -> None:
+    """REST: the W3C header goes into SubmitJob and the answer names the trace; an invalid header is
+    dropped, not refused. /metrics in OpenMetrics shows the task-duration exemplar's trace ID."""
+    from dagfold import metrics
+    from tests.api_support import ApiHarness
+
+    api = ApiHarness(tmp_path)
+    r = api.client.post("/v1/jobs", json={"id": "tp-job", "tasks": [{"id": "a"}]}, headers={"traceparent": SUBMITTER})
+    assert r.status_code == 202 and r.json()["trace_id"] == SUBMITTER.split("-")[1]
+    r = api.client.post("/v1/jobs", json={"id": "bad-tp", "tasks": [{"id": "a"}]}, headers={"traceparent": "zz"})
+    assert r.status_code == 202 and r.json()["trace_id"] == job_trace_id("bad-tp")
+    sent = {c["spec"]["job_id"]: c["traceparent"] for c in api.commands() if c["type"].endswith("SubmitJob")}
+    assert sent == {"tp-job": SUBMITTER, "bad-tp": ""}
+    trace = job_trace_id("ex-job")
+    metrics.observe_worker_task("exemplars", {"type": "dagfold.command.TaskSucceeded"}, 0.2, trace)
+    om = api.client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert om.text.endswith("# EOF\n") and om.text.count("# EOF") == 1
+    assert f'queue="exemplars"}} 1.0 # {{trace_id="{trace}"}} 0.2' in om.text
+    plain = api.client.get("/metrics").text
+    assert "dagfold_worker_task_duration_seconds_bucket" in plain and "# {trace_id" not in plain

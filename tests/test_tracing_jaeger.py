@@ -128,15 +128,15 @@ def test_a_dag_job_and_a_preempted_gpu_job_are_traces_in_jaeger(jaeger: Jaeger, 
             time.sleep(0.05)
         (jp,) = agent.procs.values()
         environ = Path(f"/proc/{jp.proc.pid}/environ").read_bytes().split(b"\0")
-        assert f"TRACEPARENT=00-{SUBMITTER_TRACE}-{attempt_span_id('traced-gpu', 'train', 1)}-01".encode() in environ
+        assert f"TRACEPARENT=00-{SUBMITTER_TRACE}-{attempt_span_id('traced-gpu', 'run', 1)}-01".encode() in environ
         time.sleep(0.5)
         ent = {**std, "job_id": "urgent-gpu", "tier": "enterprise", "params": {"steps": 3, "step_s": 0.01}}
         assert httpx.post(f"{base}/v1/gpu-jobs", json=ent, timeout=10).status_code == 202
         for job in ("traced-dag", "urgent-gpu", "traced-gpu"):
             assert (stack.wait_job(job, timeout_s=90) or {}).get("state") == "succeeded", job
         assert httpx.get(f"{base}/v1/jobs/traced-dag", timeout=10).json()["trace_id"] == trace_id
-        echo = httpx.get(f"{base}/v1/jobs/traced-dag/tasks/echo", timeout=10).json()
-        assert f"tp={attempt_traceparent('traced-dag', 'echo', 1)}" in str(echo), echo
+        (echo,) = httpx.get(f"{base}/v1/jobs/traced-dag/tasks/echo/attempts", timeout=10).json()["attempts"]
+        assert echo["stdout_tail"].strip() == f"tp={attempt_traceparent('traced-dag', 'echo', 1)}", echo
         assert not stack.failed, stack.errors
 
     # -- the DAG job: job > attempts > phases; the retry's backoff; the handler's own span
@@ -166,7 +166,7 @@ def test_a_dag_job_and_a_preempted_gpu_job_are_traces_in_jaeger(jaeger: Jaeger, 
     spans = jaeger.trace(SUBMITTER_TRACE, want=6)
     (job,) = named(spans, "job")
     assert parent(job) == SUBMITTER_SPAN
-    (att,) = named(spans, "task train")
+    (att,) = named(spans, "task run")
     assert parent(att) == job["spanID"] and tags(att)["dagfold.preemptions"] == 1
     assert {f["value"] for log in att["logs"] for f in log["fields"] if f["key"] == "event"} >= {"preempted"}
     phases = sorted((s for s in spans if parent(s) == att["spanID"]), key=lambda s: s["startTime"])

@@ -45,6 +45,7 @@ from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition
+from dagfold.logs import log_context
 from dagfold.services.agent.devices import Devices, Health, SimulatedDevices
 from dagfold.services.agent.launcher import MAX_RESULT_BYTES, JobProcess, Launcher
 from dagfold.services.allocator import commands as cmds
@@ -304,10 +305,11 @@ class NodeAgent:
         self.producer.flush()
 
     def run(self, should_stop: Callable[[], bool], tick_s: float = 0.05) -> None:
-        self.register()
-        while not should_stop():
-            self.step()
-            time.sleep(tick_s)
+        with log_context(node=self.node_id):  # every line this agent's loop logs names its node
+            self.register()
+            while not should_stop():
+                self.step()
+                time.sleep(tick_s)
 
     def close(self) -> None:
         for jp in self.procs.values():

@@ -35,6 +35,7 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,7 @@ from typing import Any
 
 from dagfold.artifacts import Artifact, ArtifactError, ArtifactStore, checkpoint_prefix, output_prefix
 from dagfold.clock import now_ms
+from dagfold.logs import log_context
 from dagfold.tracing import attempt_traceparent
 
 log = logging.getLogger("dagfold.agent")
@@ -73,6 +75,12 @@ class JobProcess:
     # (monotonic time read, progress) of the latest progress lines: the job's throughput
     progress_seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=PROGRESS_SAMPLES))
     _reader: threading.Thread | None = None
+    traceparent: str = ""  # the attempt's (dagfold.tracing): TRACEPARENT of the process
+
+    def log_fields(self) -> dict[str, Any]:
+        """What log lines about this process carry as fields (dagfold.logs)."""
+        return {"job": self.job_id, "task": self.task_id, "attempt": self.attempt, "alloc_id": self.alloc_id,
+                "trace_id": self.traceparent[3:35] or None}
 
     def progress_rate(self, window_s: float, now: float | None = None) -> float | None:
         """Progress per second over the last ``window_s`` seconds of progress lines; None until two
@@ -138,7 +146,8 @@ class Launcher:
     def start(self, alloc_id: str, epoch: int, job_id: str, task_id: str, attempt: int, gpus: list[int],
               resume: str | None, args_json: str = "{}", tenant: str = "default", traceparent: str = "") -> JobProcess:
         jp = JobProcess(alloc_id, epoch, job_id, task_id, attempt, None, gpus,  # type: ignore[arg-type]
-                        tenant=tenant, work=self.task_dir(job_id, task_id))
+                        tenant=tenant, work=self.task_dir(job_id, task_id),
+                        traceparent=traceparent or attempt_traceparent(job_id, task_id, attempt))
         jp.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(jp.output_dir, ignore_errors=True)
         jp.output_dir.mkdir(parents=True)
@@ -148,15 +157,16 @@ class Launcher:
                     "DAGFOLD_ATTEMPT": str(attempt),
                     "DAGFOLD_CHECKPOINT_DIR": str(jp.checkpoint_dir), "DAGFOLD_OUTPUT_DIR": str(jp.output_dir),
                     "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed),
-                    "TRACEPARENT": traceparent or attempt_traceparent(job_id, task_id, attempt)})
+                    "TRACEPARENT": jp.traceparent})
         if resume:
             jp.checkpoint_uri = resume
-            local = self._fetch(resume, jp.checkpoint_dir)
+            with log_context(**jp.log_fields()):
+                local = self._fetch(resume, jp.checkpoint_dir)
             if local is not None:
                 env["DAGFOLD_RESUME_CHECKPOINT"] = str(local)
         jp.proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, bufsize=1)
-        jp._reader = threading.Thread(target=self._read, args=(jp,), daemon=True)
+        jp._reader = threading.Thread(target=_with_log_fields, args=(jp, self._read), daemon=True)
         jp._reader.start()
         return jp
 
@@ -244,3 +254,9 @@ class Launcher:
     def finish(self, jp: JobProcess) -> None:
         if jp._reader is not None:
             jp._reader.join(timeout=10)  # the last checkpoint's upload, after a SIGTERM
+
+
+def _with_log_fields(jp: JobProcess, fn: Callable[[JobProcess], None]) -> None:
+    """``fn(jp)`` with ``jp``'s log fields on every line it logs (a reader thread of its own)."""
+    with log_context(**jp.log_fields()):
+        fn(jp)
