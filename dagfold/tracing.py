@@ -30,6 +30,7 @@ endpoint is set nothing of OpenTelemetry is imported.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -103,6 +104,7 @@ def span_id(*parts: object) -> str:
     return (d if any(d) else b"\x01" * 8).hex()
 
 
+@functools.lru_cache(maxsize=65_536)  # the fold asks once per dispatch; a job's tasks ask alike
 def job_trace_id(job_id: str, traceparent: str = "") -> str:
     """The job's trace: the submitter's, or 32 hex digits derived from the job ID."""
     parsed = parse_traceparent(traceparent)

@@ -354,3 +354,30 @@ def test_a_submission_with_a_traceparent_header_keeps_it_and_metrics_carry_trace
     assert f'queue="exemplars"}} 1.0 # {{trace_id="{trace}"}} 0.2' in om.text
     plain = api.client.get("/metrics").text
     assert "dagfold_worker_task_duration_seconds_bucket" in plain and "# {trace_id" not in plain
+
+
+def test_the_sdk_sends_the_callers_current_span_as_the_jobs_parent(tmp_path: Any) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from dagfold.client import Job, RestClient
+    from dagfold.tracing import current_traceparent
+    from tests.api_support import ApiHarness
+
+    api = ApiHarness(tmp_path)
+    client = RestClient("http://127.0.0.1", transport=api.client._transport)
+    assert current_traceparent() == ""  # no span: the job starts a trace of its own
+    tracer = TracerProvider().get_tracer("submitter")
+    with tracer.start_as_current_span("nightly batch") as span:
+        ctx = span.get_span_context()
+        job = Job("sdk-traced")
+        job.task("a")
+        sub = client.submit(job)
+    assert sub.trace_id == f"{ctx.trace_id:032x}"
+    plain = Job("sdk-plain")
+    plain.task("a")
+    untraced = client.submit(plain)
+    assert untraced.trace_id == job_trace_id("sdk-plain")
+    sent = {c["spec"]["job_id"]: c["traceparent"] for c in api.commands() if c["type"].endswith("SubmitJob")}
+    flags = int(ctx.trace_flags)  # sampled, and (W3C level 2) random
+    assert sent == {"sdk-traced": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{flags:02x}", "sdk-plain": ""}
