@@ -357,7 +357,6 @@ def test_a_submission_with_a_traceparent_header_keeps_it_and_metrics_carry_trace
 
 
 def test_the_sdk_sends_the_callers_current_span_as_the_jobs_parent(tmp_path: Any) -> None:
-    from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
     from dagfold.client import Job, RestClient
