@@ -242,13 +242,13 @@ class KafkaClient:
             raise ClientError(None, rejection.code, rejection.reason)
         tp = self._tp(spec["job_id"])
         self._start.setdefault(spec["job_id"], self.log.end_offsets([tp])[tp])
+        parent = clean_traceparent(current_traceparent() if traceparent is None else traceparent)
         try:
-            tp = clean_traceparent(current_traceparent() if traceparent is None else traceparent)
             self._sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="sdk",
-                                   traceparent=tp))
+                                   traceparent=parent))
         except DagfoldError as exc:
             raise ClientError(None, "not_sent", str(exc)) from None
-        return Submission(spec["job_id"], created=None, trace_id=job_trace_id(spec["job_id"], tp))
+        return Submission(spec["job_id"], created=None, trace_id=job_trace_id(spec["job_id"], parent))
 
     def _read(self, job_id: str, until_done: bool, timeout_s: float) -> JobStatus | None:
         tp = self._tp(job_id)
