@@ -8,8 +8,10 @@ preempts; the test asks Jaeger for each trace and checks its spans, their parent
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +163,19 @@ def test_a_dag_job_and_a_preempted_gpu_job_are_traces_in_jaeger(jaeger: Jaeger, 
     assert parent(echo_span) == job["spanID"]
     processes = {p["serviceName"] for p in jaeger_processes(jaeger, trace_id)}
     assert processes == {"dagfold-test"}
+
+    # the audit rebuilds the job's spans from the log: the IDs the live exporter gave them, exported again
+    audit_env = {**os.environ, "OTEL_SERVICE_NAME": "dagfold-audit"}
+    r = subprocess.run([sys.executable, "-m", "dagfold", "audit", "traced-dag", "--trace", "--data",
+                        str(cfg.data_dir)], capture_output=True, text=True, timeout=120, env=audit_env)
+    assert r.returncode == 0, r.stderr
+    rebuilt = json.loads(r.stdout)
+    assert {s["span_id"] for s in rebuilt} == {s["spanID"] for s in spans if s["operationName"] != "handler work"}
+    assert f"exported {len(rebuilt)} spans of trace {trace_id}" in r.stderr
+    deadline = time.monotonic() + 30
+    while "dagfold-audit" not in {p["serviceName"] for p in jaeger_processes(jaeger, trace_id)}:
+        assert time.monotonic() < deadline, "the audit's spans did not reach Jaeger"
+        time.sleep(0.3)
 
     # -- the GPU job: one attempt, waiting for GPUs twice around its preemption
     spans = jaeger.trace(SUBMITTER_TRACE, want=6)

@@ -200,7 +200,9 @@ def _audit_trace(job_id: str, log: str | None, data: Path | None) -> None:
     except DagfoldError as exc:
         raise fail(str(exc), 1) from None
     try:
-        spans = job_spans(lg, job_id, cfg.partitions)
+        spans = job_spans(lg, job_id)
+    except DagfoldError as exc:
+        raise fail(str(exc), 1) from None
     finally:
         lg.close()
     if not spans:

@@ -129,11 +129,11 @@ class SpanExporter:
                 self._consumer = None
 
 
-def job_spans(log_: Log, job_id: str, partitions: int) -> list[SpanRecord]:
+def job_spans(log_: Log, job_id: str) -> list[SpanRecord]:
     """Every span of ``job_id``, rebuilt from its partition of ``events`` (the same IDs and times as the
     live exporter's): what ``dagfold audit JOB --trace`` prints and re-exports."""
     codec = default_codec()
-    p = log_.partition_for(job_id.encode(), partitions)
+    p = log_.partition_for(job_id.encode(), log_.partitions(EVENTS))  # the topic's own count, not a setting
     key = job_id.encode()
     builder = TraceBuilder()
     out: list[SpanRecord] = []
