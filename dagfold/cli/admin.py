@@ -48,6 +48,25 @@ def scheduler(log: LogOpt = None, data: DataOpt = None,
 
 
 @app.command()
+def traces(log: LogOpt = None, data: DataOpt = None, verbose: VerboseOpt = False) -> None:
+    """Export each job's spans over OTLP, built from the events (needs OTEL_EXPORTER_OTLP_ENDPOINT).
+
+    What `dagfold up` runs when tracing is on; several processes share the partitions (group dagfold-traces).
+    """
+    from dagfold.log import open_log
+    from dagfold.services.tracing import SpanExporter
+    from dagfold.tracing import otlp_enabled
+
+    _logging(verbose)
+    if not otlp_enabled():
+        raise fail("tracing is off: set OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    cfg = _config(log, data)
+    lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
+    exporter = SpanExporter(lg)
+    run_until_stopped(exporter.run, exporter.close, lg.close)
+
+
+@app.command()
 def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the rebuilt state"),
            log: LogOpt = None, data: DataOpt = None,
            from_ts: str | None = typer.Option(None, "--from", help=(

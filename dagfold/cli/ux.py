@@ -38,7 +38,7 @@ PANELS: dict[str, str] = {
     "history": CLIENT, "cancel": CLIENT, "redrive": CLIENT, "retry": CLIENT, "mark-succeeded": CLIENT,
     "stuck": OPERATE, "queues": OPERATE, "tenants": OPERATE, "failures": OPERATE, "replay": OPERATE,
     "audit": OPERATE, "deadletters": OPERATE,
-    "scheduler": KAFKA, "worker": KAFKA, "callbacks": KAFKA,
+    "scheduler": KAFKA, "worker": KAFKA, "callbacks": KAFKA, "traces": KAFKA,
     "allocator": GPU, "agent": GPU, "cluster": GPU, "sim": GPU,
 }
 
@@ -68,6 +68,7 @@ EXAMPLES: dict[str, str] = {
     "scheduler": "dagfold scheduler --log kafka://127.0.0.1:9092 --data /var/lib/dagfold/s0 --instance s0",
     "worker": "dagfold worker --log kafka://127.0.0.1:9092 --queue default --concurrency 4",
     "callbacks": "dagfold callbacks --log kafka://127.0.0.1:9092 --data /var/lib/dagfold/callbacks",
+    "traces": "OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4318 dagfold traces --log kafka://127.0.0.1:9092",
     "allocator": "dagfold allocator --log kafka://127.0.0.1:9092 --pool default",
     "agent": "dagfold agent --log kafka://127.0.0.1:9092 --pool default --node gpu-01 --simulate",
     "cluster": "dagfold cluster --nodes",
