@@ -90,9 +90,17 @@ def run(out: Path, ui_assets: Path, time_scale: float, montage_file: Path = MONT
             for name, trace_id in (("trace-montage.png", montage_trace), ("trace-gpu-preempted.png", gpu_trace)):
                 page.goto(f"{query}/trace/{trace_id}", wait_until="networkidle")
                 page.wait_for_selector("text=Trace Start", timeout=30_000)
+                if name == "trace-montage.png":  # the job and its 103 attempts; their phases folded
+                    page.locator(".TimelineCollapser--btn-size").nth(1).click()
+                else:  # the preempted run's details: its events (checkpointing, preempted) and attributes
+                    page.locator(".span-name", has_text="running").first.click()
+                    for header in (".AccordianKeyValues--header", ".AccordianLogs--header"):
+                        time.sleep(0.5)  # its attributes, then its events (checkpointing, preempted)
+                        page.locator(header).first.click()
+                page.mouse.move(5, 990)  # no tooltip over the picture
                 time.sleep(1.0)
                 path = out / name
-                page.screenshot(path=str(path), full_page=name == "trace-gpu-preempted.png")
+                page.screenshot(path=str(path))
                 written.append(path)
             browser.close()
     finally:
