@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # DAGFOLD_TEST_KAFKA, one broker for every test, requires).
 PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch jaeger-fetch jaeger-up jaeger-down browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
+.PHONY: install run test kafka-up kafka-down kafka-fetch s3-fetch jaeger-fetch jaeger-up jaeger-down trace-screenshots browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ jaeger-up: jaeger-fetch
 
 jaeger-down:
 	deploy/jaeger/jaeger.sh stop
+
+# docs/img/trace-*.png: a Montage trace and a preempted GPU job's in Jaeger's UI (needs .cache/jaeger/ui-v1.76.0)
+trace-screenshots: install jaeger-fetch browser
+	$(BIN)/python -m tests.trace_screenshots --out docs/img --ui-assets .cache/jaeger/ui-v1.76.0
 
 # S3Proxy (S3-compatible object storage for the artifact tests), fetched once into .cache/m2
 s3-fetch:

@@ -25,7 +25,10 @@
 #   JAEGER_MAX_TRACES=100000        traces kept in memory (the oldest go first)
 #   JAEGER_DATA=.cache/jaeger/run-$JAEGER_QUERY_PORT   config, log and pid file
 #   JAEGER_START_TIMEOUT=60         seconds to wait for readiness
-#   JAEGER_UI_ASSETS=               a built jaeger-ui folder (index.html, static/) to serve as the UI
+#   JAEGER_UI_ASSETS=               a built jaeger-ui folder (index.html, static/) to serve as the UI;
+#                                   default .cache/jaeger/ui-<version> when it exists (jaeger-ui's tag of the
+#                                   same number, built with `npm ci && npm run build` in its checkout:
+#                                   packages/jaeger-ui/build; node 20 builds v1.76.0 with --engine-strict=false)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -42,6 +45,8 @@ MAX_TRACES="${JAEGER_MAX_TRACES:-100000}"
 DATA="${JAEGER_DATA:-$ROOT/.cache/jaeger/run-$QUERY}"
 START_TIMEOUT="${JAEGER_START_TIMEOUT:-60}"
 UI_ASSETS="${JAEGER_UI_ASSETS:-}"
+# a jaeger-ui build kept in the cache (see the header) is served when none is named
+[[ -z "$UI_ASSETS" && -f "$ROOT/.cache/jaeger/ui-$VERSION/index.html" ]] && UI_ASSETS="$ROOT/.cache/jaeger/ui-$VERSION"
 HOST=127.0.0.1
 
 die() { echo "jaeger.sh: $*" >&2; exit 1; }
