@@ -150,7 +150,7 @@ class SpanRecord:
     attributes: Attrs
     events: tuple[SpanEvent, ...] = ()
     error: str | None = None  # the status description of a failed span; None: ok
-    sampled: bool = True  # the submitter's flags (a job of our own trace: always)
+    submitter_sampled: bool | None = None  # the submitter's sampled flag; None: the job's own trace
 
     def to_dict(self) -> dict[str, Any]:
         return {"trace_id": self.trace_id, "span_id": self.span_id, "parent_id": self.parent_id,
@@ -176,7 +176,7 @@ class _Open:
 class _Job:
     trace_id: str
     parent_id: str | None  # the submitter's span
-    sampled: bool
+    submitter_sampled: bool | None
     round: int = 0
     span: _Open | None = None
     attempts: dict[tuple[str, int], _Open] = field(default_factory=dict)
@@ -214,14 +214,14 @@ class TraceBuilder:
     def _job(self, job_id: str) -> _Job:
         j = self._jobs.get(job_id)
         if j is None:
-            j = self._ended.pop(job_id, None) or _Job(job_trace_id(job_id), None, True)
+            j = self._ended.pop(job_id, None) or _Job(job_trace_id(job_id), None, None)
             self._jobs[job_id] = j
         return j
 
     def _finish(self, j: _Job, s: _Open, end_ms: int, error: str | None = None, **attrs: AttrValue) -> SpanRecord:
         s.attributes.update(attrs)
         return SpanRecord(j.trace_id, s.span_id, s.parent_id, s.name, s.start_ms, max(end_ms, s.start_ms),
-                          dict(s.attributes), tuple(s.events), error, j.sampled)
+                          dict(s.attributes), tuple(s.events), error, j.submitter_sampled)
 
     def _job_span_id(self, job_id: str, j: _Job) -> str:
         return j.span.span_id if j.span is not None else job_span_id(job_id, j.round)
@@ -271,7 +271,7 @@ class TraceBuilder:
             if j is None:  # a new job (or one re-read: its context is derived again, identically)
                 self._ended.pop(job_id, None)
                 j = self._jobs[job_id] = _Job(job_trace_id(job_id, tp), parsed[1] if parsed else None,
-                                              bool(parsed[2] & 1) if parsed else True)
+                                              bool(parsed[2] & 1) if parsed else None)
             j.span = _Open(job_span_id(job_id, j.round), j.parent_id, "job", ts, {
                 "dagfold.job_id": job_id, "dagfold.tenant": spec.get("tenant", ""),
                 "dagfold.tasks": len(spec.get("tasks") or []),
@@ -364,7 +364,7 @@ class TraceBuilder:
                                   self._job_span_id(job_id, j), "retry backoff", ts, max(ts, retry_at), {
                                       "dagfold.task_id": task_id, "dagfold.attempt": attempt,
                                       "dagfold.next_attempt": int(ev.get("next_attempt") or attempt + 1),
-                                      "dagfold.reason": str(ev.get("reason", ""))}, (), None, j.sampled))
+                                      "dagfold.reason": str(ev.get("reason", ""))}, (), None, j.submitter_sampled))
         if j.span is None and not j.attempts:
             self._retire(job_id, j)
         return out
@@ -451,25 +451,28 @@ class SpanSink:
 
         self._resource = _resource(component)
         self._sampler = TracerProvider(resource=self._resource).sampler  # OTEL_TRACES_SAMPLER(_ARG)
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
         self._processor = BatchSpanProcessor(exporter if exporter is not None else _span_exporter())
+        self._scope = InstrumentationScope("dagfold.tracing")
+        self._decisions: OrderedDict[str, bool] = OrderedDict()  # trace ID -> sampled
         self.exported = 0
 
     def export(self, spans: list[SpanRecord]) -> None:
         from opentelemetry import trace
         from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
         from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
-        scope = InstrumentationScope("dagfold.tracing")
+        scope = self._scope
+        flags = TraceFlags(1)
         for s in spans:
             tid, sid = int(s.trace_id, 16), int(s.span_id, 16)
-            parent = (SpanContext(tid, int(s.parent_id, 16), is_remote=True,
-                                  trace_flags=TraceFlags(1 if s.sampled else 0)) if s.parent_id else None)
-            ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent)) if parent is not None else None
-            if not self._sampler.should_sample(ctx, tid, s.name, attributes=s.attributes).decision.is_sampled():
+            parent = (SpanContext(tid, int(s.parent_id, 16), is_remote=True, trace_flags=flags)
+                      if s.parent_id else None)
+            if not self._sampled(s, tid):
                 continue
             span = ReadableSpan(
-                name=s.name, context=SpanContext(tid, sid, is_remote=False, trace_flags=TraceFlags(1)),
+                name=s.name, context=SpanContext(tid, sid, is_remote=False, trace_flags=flags),
                 parent=parent, resource=self._resource, attributes=s.attributes,
                 events=[Event(e.name, e.attributes, e.ts_ms * 1_000_000) for e in s.events],
                 kind=trace.SpanKind.INTERNAL, instrumentation_scope=scope,
@@ -477,6 +480,25 @@ class SpanSink:
                 start_time=s.start_ms * 1_000_000, end_time=s.end_ms * 1_000_000)
             self._processor.on_end(span)
             self.exported += 1
+
+    def _sampled(self, s: SpanRecord, tid: int) -> bool:
+        """The sampler's decision for the span's trace, asked once per trace as for the job's span: a root
+        (the job's own trace) or the child of the submitter's span, with its flags. The ratio samplers
+        read the trace ID, the parent-based ones the submitter's flags: every span of a trace goes alike."""
+        kept = self._decisions.get(s.trace_id)
+        if kept is None:
+            ctx = None
+            if s.submitter_sampled is not None:
+                from opentelemetry import trace
+                from opentelemetry.trace import SpanContext, TraceFlags
+
+                ctx = trace.set_span_in_context(trace.NonRecordingSpan(SpanContext(
+                    tid, 1, is_remote=True, trace_flags=TraceFlags(1 if s.submitter_sampled else 0))))
+            kept = self._sampler.should_sample(ctx, tid, "job").decision.is_sampled()
+            self._decisions[s.trace_id] = kept
+            if len(self._decisions) > 10_000:
+                self._decisions.popitem(last=False)
+        return kept
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         return bool(self._processor.force_flush(int(timeout_s * 1000)))

@@ -380,3 +380,24 @@ def test_the_sdk_sends_the_callers_current_span_as_the_jobs_parent(tmp_path: Any
     sent = {c["spec"]["job_id"]: c["traceparent"] for c in api.commands() if c["type"].endswith("SubmitJob")}
     flags = int(ctx.trace_flags)  # sampled, and (W3C level 2) random
     assert sent == {"sdk-traced": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{flags:02x}", "sdk-plain": ""}
+
+
+def test_a_parent_based_sampler_decides_for_the_whole_trace_as_for_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """parentbased_traceidratio at 0: a job of its own trace (a root) is dropped whole; a job whose submitter
+    sampled its span is kept whole; one whose submitter did not is dropped whole."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    unsampled = "00-1bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+    spans: list[SpanRecord] = []
+    for tp in ("", SUBMITTER, unsampled):
+        h = FoldHarness()
+        run_retried(h, traceparent=tp)
+        spans += spans_of(h.events)
+    mem = InMemorySpanExporter()
+    sink = SpanSink("scheduler", exporter=mem)
+    sink.export(spans)
+    sink.flush(10)
+    sink.close()
+    kept = {f"{s.context.trace_id:032x}" for s in mem.get_finished_spans()}
+    assert kept == {SUBMITTER.split("-")[1]}
+    assert len(mem.get_finished_spans()) == len(spans) // 3
