@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 # DAGFOLD_TEST_KAFKA, one broker for every test, requires).
 PYTEST_XDIST ?= -n 3 --dist loadfile --no-loadscope-reorder
 
-.PHONY: install run test systemd-tools soak kafka-up kafka-down kafka-fetch s3-fetch browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
+.PHONY: install run test systemd-tools soak kafka-up kafka-down kafka-fetch s3-fetch jaeger-fetch jaeger-up jaeger-down trace-screenshots browser screenshots bench bench-peers bench-scale bench-hostile bench-kafka-runs bench-gpu-sweep bench-gpu-fleet chaos lint clean
 
 install: $(STAMP)
 
@@ -38,6 +38,21 @@ run: install
 kafka-fetch:
 	deploy/kafka/kafka.sh fetch
 
+# Jaeger all-in-one (tests/test_tracing_jaeger.py, `make jaeger-up` to look at traces): built once with the
+# Go toolchain into .cache/jaeger/<version>/ (several minutes on 2 cores)
+jaeger-fetch:
+	deploy/jaeger/jaeger.sh fetch
+
+jaeger-up: jaeger-fetch
+	deploy/jaeger/jaeger.sh start
+
+jaeger-down:
+	deploy/jaeger/jaeger.sh stop
+
+# docs/img/trace-*.png: a Montage trace and a preempted GPU job's in Jaeger's UI (needs .cache/jaeger/ui-v1.76.0)
+trace-screenshots: install jaeger-fetch browser
+	$(BIN)/python -m tests.trace_screenshots --out docs/img --ui-assets .cache/jaeger/ui-v1.76.0
+
 # S3Proxy (S3-compatible object storage for the artifact tests), fetched once into .cache/m2
 s3-fetch:
 	deploy/s3proxy/s3proxy.sh fetch
@@ -56,7 +71,7 @@ systemd-tools:
 	@command -v systemd-analyze >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update && $$SUDO apt-get install -y systemd; }
 
-test: install kafka-fetch s3-fetch browser systemd-tools
+test: install kafka-fetch s3-fetch jaeger-fetch browser systemd-tools
 	$(BIN)/pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 kafka-up: kafka-fetch

@@ -257,14 +257,18 @@ def observe_dispatch(queue: str, dispatched_at_ms: int, started_at_ms: int) -> N
     DISPATCH_LATENCY.labels(queue).observe(max(started_at_ms - dispatched_at_ms, 0) / 1000.0)
 
 
-def observe_worker_task(queue: str, report: Mapping[str, Any] | None, seconds: float) -> None:
-    """A worker finished an attempt: ``report`` is the TaskSucceeded/TaskFailed it sends (None: stopped)."""
+def observe_worker_task(queue: str, report: Mapping[str, Any] | None, seconds: float, trace_id: str = "") -> None:
+    """A worker finished an attempt: ``report`` is the TaskSucceeded/TaskFailed it sends (None: stopped).
+
+    ``trace_id`` (the attempt's, ``dagfold.tracing``) becomes the observation's exemplar: the OpenMetrics
+    exposition (``Accept: application/openmetrics-text``) links a latency bucket to a trace.
+    """
     if report is None:
         outcome = "stopped"
     else:
         outcome = "succeeded" if str(report.get("type", "")).endswith("TaskSucceeded") else "failed"
     WORKER_TASKS.labels(queue, outcome).inc()
-    WORKER_TASK_DURATION.labels(queue).observe(seconds)
+    WORKER_TASK_DURATION.labels(queue).observe(seconds, {"trace_id": trace_id} if trace_id else None)
 
 
 _servers: dict[int, Any] = {}

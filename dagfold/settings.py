@@ -97,6 +97,9 @@ class Settings(BaseSettings):
     submit_rate: float = _s(20.0, "submissions per second per tenant (token bucket)", group="api", ge=0)
     submit_burst: int = _s(50, "submission burst per tenant", group="api", ge=1)
     max_open_jobs: int = _s(10_000, "unfinished jobs per tenant; more are refused (429)", group="api", ge=1)
+    trace_ui: str = _s("", "a trace viewer's page of one trace, `{trace_id}` replaced (e.g. Jaeger's "
+                       "`http://127.0.0.1:16686/trace/{trace_id}`): the dashboard links each job to it",
+                       group="api", pattern=r"^(https?://[^\s]*\{trace_id\}[^\s]*)?$")
     # -- clients
     api: str = _s("http://127.0.0.1:8080", "the API client commands talk to", "--api", group="client",
                   pattern=r"^https?://")
@@ -104,7 +107,7 @@ class Settings(BaseSettings):
     # -- processes
     metrics_port: int | None = _s(None, "serve Prometheus /metrics on this port (worker, scheduler, ...)",
                                   "--metrics-port", group="process", ge=1, le=65535)
-    log_format: Literal["text", "json"] = _s("text", "process log lines: `text`, or `json` with job, task, "
+    log_format: Literal["text", "json"] = _s("text", "process log lines: `text`, or `json` with trace_id, job, task, "
                                              "attempt, partition and offset fields", "--log-format",
                                              group="process")
     handlers: str | None = _s(None, "handlers the workers run, comma-separated (default: noop, sleep and those "

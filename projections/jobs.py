@@ -60,6 +60,7 @@ from dagfold.projections.keys import (
     unpart,
 )
 from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
+from dagfold.tracing import job_trace_id
 
 
 class _JobTenant(msgspec.Struct):
@@ -345,7 +346,8 @@ def _job_accepted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
     job = _new_job(job_id, spec.get("tenant", "default"), ts, partition)
     job.update(tier=spec.get("tier", "standard"), failure_policy=spec.get("failure_policy", "skip_downstream"),
                idempotency_key=spec.get("idempotency_key"), labels=dict(spec.get("labels") or {}),
-               callback_url=spec.get("callback_url"), spec_hash=ev.get("spec_hash"), name=spec.get("name"))
+               callback_url=spec.get("callback_url"), spec_hash=ev.get("spec_hash"), name=spec.get("name"),
+               trace_id=job_trace_id(job_id, ev.get("traceparent") or ""))
     seen: set[str] = set()
     job_timeouts = spec.get("timeouts")
     for t in spec["tasks"]:

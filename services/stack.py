@@ -31,8 +31,10 @@ from dagfold.projections.projector import Projector
 from dagfold.services.callbacks import CallbackNotifier
 from dagfold.services.callbacks.egress import log_ports
 from dagfold.services.scheduler.runner import SchedulerRunner
+from dagfold.services.tracing import SpanExporter
 from dagfold.services.worker.handlers import HandlerRegistry, TaskRuntime, default_registry
 from dagfold.services.worker.worker import Worker
+from dagfold.tracing import otlp_enabled
 
 log = logging.getLogger("dagfold.stack")
 CLOSE_TIMEOUT_S = 15.0  # each group of clients closing at stop, in parallel
@@ -106,6 +108,10 @@ class Stack:
             notifier = self.notifier = CallbackNotifier(  # DAGFOLD_CALLBACK_* settings; never to its own API
                 self.log, cfg.data_dir, own_ports=(cfg.api_port, *log_ports(cfg.log_url)))
             self._spawn("callbacks", lambda: notifier.run(self.stop_event))
+        self.span_exporter: SpanExporter | None = None
+        if otlp_enabled():  # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT set: each job's spans, from the events
+            exporter = self.span_exporter = SpanExporter(self.log)
+            self._spawn("traces", lambda: exporter.run(self.stop_event))
         self.artifacts = open_store(cfg.artifacts_url, cfg.data_dir)  # task outputs, GPU checkpoints
         host = f"{socket.gethostname()}-{os.getpid()}"  # unique per process: a restart is a new worker
         self.workers: list[Worker] = []
@@ -208,6 +214,8 @@ class Stack:
             parts.append(("projector", self.projector.close))
         if (notifier := getattr(self, "notifier", None)) is not None:
             parts.append(("callback notifier", notifier.close))
+        if (span_exporter := getattr(self, "span_exporter", None)) is not None:
+            parts.append(("span exporter", span_exporter.close))
         if hasattr(self, "sender"):
             parts.append(("command sender", self.sender.close))
         self._close_all(parts)

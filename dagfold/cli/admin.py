@@ -48,6 +48,25 @@ def scheduler(log: LogOpt = None, data: DataOpt = None,
 
 
 @app.command()
+def traces(log: LogOpt = None, data: DataOpt = None, verbose: VerboseOpt = False) -> None:
+    """Export each job's spans over OTLP, built from the events (needs OTEL_EXPORTER_OTLP_ENDPOINT).
+
+    What `dagfold up` runs when tracing is on; several processes share the partitions (group dagfold-traces).
+    """
+    from dagfold.log import open_log
+    from dagfold.services.tracing import SpanExporter
+    from dagfold.tracing import otlp_enabled
+
+    _logging(verbose)
+    if not otlp_enabled():
+        raise fail("tracing is off: set OTEL_EXPORTER_OTLP_ENDPOINT (or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)")
+    cfg = _config(log, data)
+    lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
+    exporter = SpanExporter(lg)
+    run_until_stopped(exporter.run, exporter.close, lg.close)
+
+
+@app.command()
 def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the rebuilt state"),
            log: LogOpt = None, data: DataOpt = None,
            from_ts: str | None = typer.Option(None, "--from", help=(
@@ -150,11 +169,18 @@ class AuditFormat(StrEnum):
 def audit(job_id: Annotated[str, typer.Argument(help="the job's full ID")], log: LogOpt = None, data: DataOpt = None,
           fmt: AuditFormat = typer.Option(AuditFormat.json, "--format", help="output format"),
           since: str | None = typer.Option(None, "--since", help="only records at or after (ISO or ms)"),
-          until: str | None = typer.Option(None, "--until", help="only records at or before (ISO or ms)")) -> None:
+          until: str | None = typer.Option(None, "--until", help="only records at or before (ISO or ms)"),
+          trace: bool = typer.Option(False, "--trace", help="the job's spans instead (JSON), rebuilt from "
+                                     "its events; exported over OTLP too when OTEL_EXPORTER_OTLP_ENDPOINT is set"),
+          ) -> None:
     """Export a job's complete timeline: every command and event with partition, offset and cause."""
     from dagfold.audit import job_timeline, to_csv, to_json
     from dagfold.exceptions import DagfoldError
     from dagfold.log import open_log
+
+    if trace:
+        _audit_trace(job_id, log, data)
+        return
 
     since_ms, until_ms = _parse_ts(since), _parse_ts(until)
     if since_ms is not None and until_ms is not None and since_ms > until_ms:
@@ -175,6 +201,40 @@ def audit(job_id: Annotated[str, typer.Argument(help="the job's full ID")], log:
     sys.stdout.write(to_json(rows) if fmt == "json" else to_csv(rows))
 
 
+
+
+def _audit_trace(job_id: str, log: str | None, data: Path | None) -> None:
+    """``dagfold audit JOB --trace``: the job's spans from its partition of events (the IDs and times the
+    live exporter gave them: a backend that already holds them keeps one copy of each)."""
+    import json
+
+    from dagfold.exceptions import DagfoldError
+    from dagfold.log import open_log
+    from dagfold.services.tracing import job_spans
+    from dagfold.tracing import SpanSink, otlp_enabled
+
+    cfg = _config(log, data)
+    try:
+        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True, prefix=cfg.topic_prefix)
+    except DagfoldError as exc:
+        raise fail(str(exc), 1) from None
+    try:
+        spans = job_spans(lg, job_id)
+    except DagfoldError as exc:
+        raise fail(str(exc), 1) from None
+    finally:
+        lg.close()
+    if not spans:
+        raise fail(f"no span of job {job_id} in the log (not accepted, or no event yet ended a span)", 1)
+    sys.stdout.write(json.dumps([s.to_dict() for s in spans], indent=1) + "\n")
+    if otlp_enabled():
+        sink = SpanSink("audit")
+        sink.export(spans)
+        ok = sink.flush(30.0)
+        sink.close()
+        if not ok:
+            raise fail(f"{len(spans)} spans built; the OTLP export did not finish within 30 s", 1)
+        print(f"exported {sink.exported} spans of trace {spans[0].trace_id}", file=sys.stderr)
 
 
 @app.command()

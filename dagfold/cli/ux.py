@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import inspect
 import os
+import shutil
 import sys
 import traceback
 from enum import StrEnum
@@ -37,7 +38,7 @@ PANELS: dict[str, str] = {
     "history": CLIENT, "cancel": CLIENT, "redrive": CLIENT, "retry": CLIENT, "mark-succeeded": CLIENT,
     "stuck": OPERATE, "queues": OPERATE, "tenants": OPERATE, "failures": OPERATE, "replay": OPERATE,
     "audit": OPERATE, "deadletters": OPERATE,
-    "scheduler": KAFKA, "worker": KAFKA, "callbacks": KAFKA,
+    "scheduler": KAFKA, "worker": KAFKA, "callbacks": KAFKA, "traces": KAFKA,
     "allocator": GPU, "agent": GPU, "cluster": GPU, "sim": GPU,
 }
 
@@ -67,6 +68,7 @@ EXAMPLES: dict[str, str] = {
     "scheduler": "dagfold scheduler --log kafka://127.0.0.1:9092 --data /var/lib/dagfold/s0 --instance s0",
     "worker": "dagfold worker --log kafka://127.0.0.1:9092 --queue default --concurrency 4",
     "callbacks": "dagfold callbacks --log kafka://127.0.0.1:9092 --data /var/lib/dagfold/callbacks",
+    "traces": "OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4318 dagfold traces --log kafka://127.0.0.1:9092",
     "allocator": "dagfold allocator --log kafka://127.0.0.1:9092 --pool default",
     "agent": "dagfold agent --log kafka://127.0.0.1:9092 --pool default --node gpu-01 --simulate",
     "cluster": "dagfold cluster --nodes",
@@ -149,14 +151,38 @@ def config_cmd(as_json: bool = typer.Option(False, "--json", help="print JSON"),
     if as_json:
         out.print_json(data=rows)
         return
-    from rich.table import Table
+    sys.stdout.write(config_text(rows, path, shutil.get_terminal_size((80, 24)).columns))
 
-    t = Table(title="dagfold settings (flag > environment > file > default)" + (f"; file {path}" if path else ""))
-    for col in ("environment variable", "flag", "value", "source", "meaning"):
-        t.add_column(col, overflow="fold")
+
+GROUP_TITLES = {"core": "log and storage", "scheduler": "scheduler", "api": "API and dashboard",
+                "client": "clients", "process": "every process", "callbacks": "job-end callbacks"}
+
+
+def config_text(rows: list[dict[str, Any]], path: Any, columns: int = 80) -> str:
+    """``dagfold config``: the settings grouped, one block each (variable, value, source, flag, then the
+    meaning wrapped), readable at 80 columns; then tracing, from the OpenTelemetry ``OTEL_*`` variables."""
+    import functools
+    import textwrap
+
+    from dagfold.tracing import settings_summary
+
+    width = max(40, min(columns, 100))
+    wrap = functools.partial(textwrap.wrap, width=width, break_on_hyphens=False, break_long_words=False)
+    lines = ["dagfold settings (flag > environment > file > default)" + (f"; file {path}" if path else "")]
+    groups: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        t.add_row(r["env"], r["flag"], r["value"], r["source"], r["meaning"])
-    out.print(t, soft_wrap=False)
+        groups.setdefault(r.get("group") or "core", []).append(r)
+    for group, members in groups.items():
+        lines += ["", GROUP_TITLES.get(group, group)]
+        for r in members:
+            head = f"  {r['env']} = {r['value'] or '(unset)'}"
+            where = f"[{r['source']}{', ' + r['flag'] if r['flag'] else ''}]"
+            lines += ([f"{head}  {where}"] if len(head) + 2 + len(where) <= width else
+                      wrap(head, subsequent_indent="      ") + ["      " + where])
+            lines += wrap(r["meaning"], initial_indent="      ", subsequent_indent="      ")
+    lines += ["", "tracing (OpenTelemetry: the OTEL_* variables of its specification)"]
+    lines += [f"  {k} = {v}" for k, v in settings_summary().items()]
+    return "\n".join(lines) + "\n"
 
 
 def _flag_display_type(self: TyperOption, ctx: Any) -> str | None:

@@ -27,6 +27,7 @@ from dagfold.projections.jobs import TERMINAL_JOB_STATES
 from dagfold.rules import path_segment
 from dagfold.services.scheduler.spec import SpecError
 from dagfold.services.scheduler.validation import validate_job_spec
+from dagfold.tracing import TRACEPARENT, clean_traceparent, current_traceparent, job_trace_id
 
 
 class ClientError(DagfoldError):
@@ -49,6 +50,7 @@ class WaitTimeout(ClientError):
 class Submission:
     job_id: str
     created: bool | None  # False: the same job was submitted before; None: not known (sent to Kafka)
+    trace_id: str | None = None  # the job's trace (dagfold.tracing): the submitter's, or derived from the job ID
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,7 @@ class JobStatus:
 
 
 class Client(Protocol):
-    def submit(self, job: Job) -> Submission: ...
+    def submit(self, job: Job, traceparent: str | None = None) -> Submission: ...
 
     def status(self, job_id: str) -> JobStatus: ...
 
@@ -130,12 +132,16 @@ class RestClient:
         cls = JobNotFound if r.status_code == 404 else ClientError
         return cls(r.status_code, code, reason)
 
-    def submit(self, job: Job) -> Submission:
+    def submit(self, job: Job, traceparent: str | None = None) -> Submission:
+        """Submit ``job``; its trace continues ``traceparent`` (W3C), by default the caller's current
+        OpenTelemetry span when the caller uses OpenTelemetry."""
         _checked_record(job)  # a malformed spec fails here, before any request
-        r = self._call("POST", "/v1/jobs", json=job.to_dict())
+        tp = current_traceparent() if traceparent is None else traceparent
+        r = self._call("POST", "/v1/jobs", json=job.to_dict(), headers={TRACEPARENT: tp} if tp else None)
         if r.status_code not in (200, 202):
             raise self._error(r)
-        return Submission(str(r.json()["job_id"]), created=r.status_code == 202)
+        body = r.json()
+        return Submission(str(body["job_id"]), created=r.status_code == 202, trace_id=body.get("trace_id"))
 
     def status(self, job_id: str) -> JobStatus:
         r = self._call("GET", f"/v1/jobs/{path_segment(job_id)}")
@@ -228,18 +234,21 @@ class KafkaClient:
     def _tp(self, job_id: str) -> TopicPartition:
         return TopicPartition(EVENTS, self.log.partition_for(job_id.encode(), self.log.partitions(EVENTS)))
 
-    def submit(self, job: Job) -> Submission:
+    def submit(self, job: Job, traceparent: str | None = None) -> Submission:
+        """Write SubmitJob; ``traceparent`` as in ``RestClient.submit``."""
         spec = _checked_record(job)
         rejection = validate_job_spec(spec, self.config.scheduler.limits)
         if rejection is not None:
             raise ClientError(None, rejection.code, rejection.reason)
         tp = self._tp(spec["job_id"])
         self._start.setdefault(spec["job_id"], self.log.end_offsets([tp])[tp])
+        parent = clean_traceparent(current_traceparent() if traceparent is None else traceparent)
         try:
-            self._sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="sdk"))
+            self._sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="sdk",
+                                   traceparent=parent))
         except DagfoldError as exc:
             raise ClientError(None, "not_sent", str(exc)) from None
-        return Submission(spec["job_id"], created=None)
+        return Submission(spec["job_id"], created=None, trace_id=job_trace_id(spec["job_id"], parent))
 
     def _read(self, job_id: str, until_done: bool, timeout_s: float) -> JobStatus | None:
         tp = self._tp(job_id)

@@ -55,6 +55,7 @@ from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
 from dagfold.exceptions import CodecError
 from dagfold.log import Log, TopicPartition
+from dagfold.logs import log_context
 from dagfold.services.agent.devices import Devices, Health, SimulatedDevices
 from dagfold.services.agent.launcher import MAX_RESULT_BYTES, JobProcess, Launcher
 from dagfold.services.allocator import commands as cmds
@@ -231,7 +232,7 @@ class NodeAgent:
             return
         jp = self.launcher.start(aid, d["epoch"], d["job_id"], d["task_id"], d["attempt"],
                                  list(d["gpu_indices"]), d["resume_checkpoint"], args_json=d["args_json"],
-                                 tenant=d["tenant"])
+                                 tenant=d["tenant"], traceparent=d.get("traceparent") or "")
         self.procs[aid] = jp
         if d["leader"]:
             self.leader_of.add(aid)
@@ -355,10 +356,11 @@ class NodeAgent:
         self.producer.flush()
 
     def run(self, should_stop: Callable[[], bool], tick_s: float = 0.05) -> None:
-        self.register()
-        while not should_stop():
-            self.step()
-            time.sleep(tick_s)
+        with log_context(node=self.node_id):  # every line this agent's loop logs names its node
+            self.register()
+            while not should_stop():
+                self.step()
+                time.sleep(tick_s)
 
     def close(self) -> None:
         for jp in self.procs.values():

@@ -44,6 +44,7 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,9 @@ from typing import Any
 
 from dagfold.artifacts import Artifact, ArtifactError, ArtifactStore, checkpoint_prefix, output_prefix
 from dagfold.clock import now_ms
+from dagfold.logs import log_context
 from dagfold.services.worker.handlers import TaskRuntime
+from dagfold.tracing import attempt_traceparent
 
 log = logging.getLogger("dagfold.agent")
 MAX_RESULT_BYTES = 64 * 1024
@@ -82,6 +85,12 @@ class JobProcess:
     # (monotonic time read, progress) of the latest progress lines: the job's throughput
     progress_seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=PROGRESS_SAMPLES))
     _reader: threading.Thread | None = None
+    traceparent: str = ""  # the attempt's (dagfold.tracing): TRACEPARENT of the process
+
+    def log_fields(self) -> dict[str, Any]:
+        """What log lines about this process carry as fields (dagfold.logs)."""
+        return {"job": self.job_id, "task": self.task_id, "attempt": self.attempt, "alloc_id": self.alloc_id,
+                "trace_id": self.traceparent[3:35] or None}
 
     def progress_rate(self, window_s: float, now: float | None = None) -> float | None:
         """Progress per second over the last ``window_s`` seconds of progress lines; None until two
@@ -160,9 +169,10 @@ class Launcher:
         return d
 
     def start(self, alloc_id: str, epoch: int, job_id: str, task_id: str, attempt: int, gpus: list[int],
-              resume: str | None, args_json: str = "{}", tenant: str = "default") -> JobProcess:
+              resume: str | None, args_json: str = "{}", tenant: str = "default", traceparent: str = "") -> JobProcess:
         jp = JobProcess(alloc_id, epoch, job_id, task_id, attempt, None, gpus,  # type: ignore[arg-type]
-                        tenant=tenant, work=self.task_dir(job_id, task_id))
+                        tenant=tenant, work=self.task_dir(job_id, task_id),
+                        traceparent=traceparent or attempt_traceparent(job_id, task_id, attempt))
         # both live in the task's folder, where an earlier attempt may have left a symlink or a file
         _real_dir(jp.checkpoint_dir, empty=False)
         self.runtime.hand_over(jp.checkpoint_dir)
@@ -172,14 +182,16 @@ class Launcher:
                      "DAGFOLD_EPOCH": str(epoch), "DAGFOLD_JOB_ID": job_id, "DAGFOLD_TASK_ID": task_id,
                      "DAGFOLD_ATTEMPT": str(attempt),
                      "DAGFOLD_CHECKPOINT_DIR": str(jp.checkpoint_dir), "DAGFOLD_OUTPUT_DIR": str(jp.output_dir),
-                     "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed)}
+                     "DAGFOLD_ARGS_JSON": args_json, "DAGFOLD_SPEED": str(self.speed),
+                     "TRACEPARENT": jp.traceparent}
         if resume:
             jp.checkpoint_uri = resume
             # into a folder of the agent's that no task process can write (an earlier attempt's could
             # have left symlinks in its checkpoint folder for this agent to write through)
             fresh = self._resume_dir(jp)
             shutil.rmtree(fresh, ignore_errors=True)
-            local = self._fetch(resume, fresh)
+            with log_context(**jp.log_fields()):
+                local = self._fetch(resume, fresh)
             if local is not None:
                 task_vars["DAGFOLD_RESUME_CHECKPOINT"] = str(local)
         # the same allow list as a shell task's, never the agent's own environment (its credentials)
@@ -187,7 +199,7 @@ class Launcher:
         env["PWD"] = str(self.cwd)
         jp.proc = self.runtime.spawn(self.command, env, str(self.cwd), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1)
-        jp._reader = threading.Thread(target=self._read, args=(jp,), daemon=True)
+        jp._reader = threading.Thread(target=_with_log_fields, args=(jp, self._read), daemon=True)
         jp._reader.start()
         return jp
 
@@ -281,3 +293,9 @@ class Launcher:
             jp._reader.join(timeout=10)  # the last checkpoint's upload, after a SIGTERM
         if jp.exited() is not None:
             shutil.rmtree(self._resume_dir(jp), ignore_errors=True)
+
+
+def _with_log_fields(jp: JobProcess, fn: Callable[[JobProcess], None]) -> None:
+    """``fn(jp)`` with ``jp``'s log fields on every line it logs (a reader thread of its own)."""
+    with log_context(**jp.log_fields()):
+        fn(jp)

@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import fastapi_offline
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -187,10 +188,15 @@ def create_app(log: Log | None, read_model: ReadModel, config: Config, *, max_bo
         return {"status": "ok", "read_only": True} if read_only else {"status": "ok"}
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics (an admin key when auth is on)",
-             response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-    def prometheus(caller: Annotated[Principal, Depends(principal)]) -> Response:
+             response_class=Response,
+             responses={200: {"content": {"text/plain": {}, "application/openmetrics-text": {}}}})
+    def prometheus(caller: Annotated[Principal, Depends(principal)], request: Request) -> Response:
         if not caller.admin:
             raise ApiError(403, "forbidden", "metrics need an admin key")
+        if "application/openmetrics-text" in request.headers.get("accept", ""):  # with exemplars (trace IDs)
+            body = openmetrics.generate_latest(REGISTRY).removesuffix(b"# EOF\n")
+            return Response(body + openmetrics.generate_latest(local_registry),
+                            media_type=openmetrics.CONTENT_TYPE_LATEST)
         return Response(generate_latest(REGISTRY) + generate_latest(local_registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(routes_jobs.router(ctx, principal))

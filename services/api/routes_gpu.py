@@ -53,6 +53,7 @@ from dagfold.services.scheduler.spec import (
     parse_spec,
 )
 from dagfold.services.scheduler.validation import MAX_GPU_TYPES, MAX_SECONDS
+from dagfold.tracing import TRACEPARENT
 
 TASK_ID = "run"
 GPU_LINKS = {**job_links("/v1/gpu-jobs", (("GetGpuJob", "", "get"), ("CancelGpuJob", "/cancel", "post"))),
@@ -170,16 +171,17 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
             raise ApiError(404, "not_found", f"job {job_id!r} is not a GPU job (see /v1/jobs/{job_id})")
         return job, tasks[0]
 
-    def submit(body: bytes, principal: Principal) -> JSONResponse:
+    def submit(body: bytes, principal: Principal, traceparent: str) -> JSONResponse:
         req = parse_gpu_job(body)
         try:
             spec_in = to_spec_in(req)
         except SpecError as exc:
             raise ApiError(422, "invalid_gpu_job", str(exc)) from None
-        status, out = submit_spec(ctx, spec_in, principal)
+        status, out = submit_spec(ctx, spec_in, principal, traceparent)
         job_id = out["job_id"]
         answer = {"job_id": job_id, "state": out["state"], "tenant": out["tenant"],
-                  "idempotency_key": out.get("idempotency_key"), "links": links(job_id)}
+                  "idempotency_key": out.get("idempotency_key"), "trace_id": out.get("trace_id"),
+                  "links": links(job_id)}
         return JSONResponse(answer, status_code=status, headers={"Location": f"/v1/gpu-jobs/{job_id}"})
 
     @r.post(
@@ -212,7 +214,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         if principal.tenant is not None:  # refuse a flood before reading its bodies
             ctx.admission.check_rate(principal.tenant)
         body = await _read_body(request, ctx.body_limit)
-        return await run_in_threadpool(submit, body, principal)
+        return await run_in_threadpool(submit, body, principal, request.headers.get(TRACEPARENT, ""))
 
     @r.get("/v1/gpu-jobs/{job_id}", summary="GPU job status: job, task, allocation, callback")
     def get_gpu_job(job_id: str, principal: Caller) -> dict[str, Any]:

@@ -10,6 +10,7 @@ for other tenants' jobs.
 # Annotated[..., Depends(local)] objects, which string annotations would hide.
 
 import json
+import os
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
@@ -30,6 +31,7 @@ from dagfold.services.api.sse import claim_response, stream_response
 from dagfold.services.scheduler.processors import spec_hash, still_skipped
 from dagfold.services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
 from dagfold.services.scheduler.validation import validate_job_spec
+from dagfold.tracing import TRACEPARENT, clean_traceparent, job_trace_id
 
 JobState = Literal["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]
 TaskState = Literal["pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled"]
@@ -122,7 +124,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tuple[int, dict[str, Any]]:
+def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal,
+                traceparent: str = "") -> tuple[int, dict[str, Any]]:
     """Submit a checked spec as the caller: the path of every submission route.
 
     The tenant comes from the caller's key ("default" or none in the spec means
@@ -131,6 +134,8 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
     repeat check (200 with the existing job; 409 for the same ID or idempotency
     key with another spec), admission (429) and the SubmitJob command. Returns
     ``(202, submitted)`` or ``(200, existing job)``.
+    ``traceparent`` (the request's W3C header) goes into SubmitJob: the job's spans continue that trace
+    (an invalid one is ignored, never refused).
     """
     if principal.tenant is not None:  # "default" (or no tenant) means the key's tenant; another one is refused
         if "tenant" in spec_in.model_fields_set and spec_in.tenant not in (principal.tenant, "default"):
@@ -177,10 +182,12 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal) -> tu
         # an open API's caller is one identity whatever tenant it names: its own bucket first
         ctx.admission.check_rate(tenant, caller=None if principal.authenticated else principal.name)
     ctx.admission.check_open_jobs(tenant)
-    ctx.sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="api"), job_id)
+    traceparent = clean_traceparent(traceparent)
+    ctx.sender.send(make("dagfold.command.SubmitJob", spec=spec, submitted_at_ms=now_ms(), source="api",
+                         traceparent=traceparent), job_id)
     ctx.admission.submitted(tenant, job_id)
     return 202, {"job_id": job_id, "state": "submitted", "tasks": len(spec["tasks"]), "tenant": tenant,
-                 "idempotency_key": spec["idempotency_key"]}
+                 "idempotency_key": spec["idempotency_key"], "trace_id": job_trace_id(job_id, traceparent)}
 
 
 def check_capabilities(ctx: ApiContext, spec: dict[str, Any]) -> None:
@@ -258,12 +265,12 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
     Caller = Annotated[Principal, Depends(auth)]
 
     # -- submit ----------------------------------------------------------------
-    def prepare(body: bytes, kind: str, principal: Principal) -> JSONResponse:
+    def prepare(body: bytes, kind: str, principal: Principal, traceparent: str) -> JSONResponse:
         try:
             spec_in = _parse_body(body, kind)
         except SpecError as exc:
             raise ApiError(400, "invalid_spec", str(exc)) from None
-        status, out = submit_spec(ctx, spec_in, principal)
+        status, out = submit_spec(ctx, spec_in, principal, traceparent)
         return JSONResponse(out, status_code=status, headers={"Location": f"/v1/jobs/{out['job_id']}"})
 
     @r.post(
@@ -299,7 +306,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         if principal.tenant is not None:  # refuse a flood before reading its bodies
             ctx.admission.check_rate(principal.tenant)
         body = await _read_body(request, ctx.body_limit)
-        return await run_in_threadpool(prepare, body, kind, principal)
+        return await run_in_threadpool(prepare, body, kind, principal, request.headers.get(TRACEPARENT, ""))
 
     # -- reads -------------------------------------------------------------------
     @r.get("/v1/jobs", summary="List jobs, newest first")
@@ -322,9 +329,14 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                                 name=name, id_prefix=id_prefix)
         return _page(page, "jobs")
 
+    trace_ui = os.environ.get("DAGFOLD_TRACE_UI", "")  # a trace viewer's page: {trace_id} replaced
+
     @r.get("/v1/jobs/{job_id}", summary="Job summary")
     def get_job(job_id: str, principal: Caller) -> dict[str, Any]:
-        return ctx.job_summary_for(job_id, principal)
+        job = ctx.job_summary_for(job_id, principal)
+        if trace_ui and job.get("trace_id"):
+            job = {**job, "trace_url": trace_ui.replace("{trace_id}", job["trace_id"])}
+        return job
 
     @r.get("/v1/jobs/{job_id}/tasks", summary="Tasks of a job, by task ID")
     def get_tasks(job_id: str, principal: Caller, state: TaskState | None = None, limit: Limit = 100,

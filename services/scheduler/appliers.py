@@ -130,7 +130,7 @@ def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
             "retry": t["retry"] or spec["retry"] or NO_RETRY,
             "timeouts": t["timeouts"] or spec["timeouts"], "resources": t["resources"],
             "leaf": t["task_id"] not in downs, "worker": None, "lease_ms": None, "timers": {},
-            "ended_ms": None,
+            "ended_ms": None, **({"tp": e["traceparent"]} if e.get("traceparent") else {}),
         })
     for u, ds in downs.items():
         txn.put(keys.dependents(job_id, u), ds)

@@ -45,6 +45,7 @@ from dagfold.services.scheduler.retry import backoff_ms, should_retry
 from dagfold.services.scheduler.validation import Rejection, rejected_graph, validate_job_spec
 from dagfold.state import PartitionTransaction
 from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
+from dagfold.tracing import attempt_traceparent, clean_traceparent
 
 E = "dagfold.event."
 
@@ -165,7 +166,8 @@ def send_dispatch_record(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, An
         "type": "dagfold.dispatch.TaskDispatch", "job_id": job_id, "task_id": task_id, "attempt": attempt,
         "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
         "idempotency_key": f"{job_id}/{task_id}", "lease_timeout_s": lease_timeout_ms(ctx, t) / 1000,
-        "start_to_close_s": (t["timeouts"] or {}).get("start_to_close_s"), "dispatched_at_ms": ctx.now_ms})
+        "start_to_close_s": (t["timeouts"] or {}).get("start_to_close_s"), "dispatched_at_ms": ctx.now_ms,
+        "traceparent": attempt_traceparent(job_id, task_id, attempt, t.get("tp", ""))})
 
 
 def redispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], tenant: str) -> None:
@@ -280,7 +282,7 @@ def submit_job(ctx: Ctx, cmd: Record) -> None:
             ctx.event("JobRejected", job_id, tenant=spec["tenant"], code="job_exists",
                       reason=f"job {job_id} already exists with a different spec")
         return
-    ctx.event("JobAccepted", job_id, spec=spec, spec_hash=h)
+    ctx.event("JobAccepted", job_id, spec=spec, spec_hash=h, traceparent=clean_traceparent(cmd.get("traceparent")))
     for ts in spec["tasks"]:
         if not ts["depends_on"] or ts["trigger_rule"] == "always":
             t = read_task(ctx.txn, job_id, ts["task_id"])
@@ -661,7 +663,8 @@ def _gpu_dispatch(ctx: Ctx, cmd: Record, t: Mapping[str, Any], tenant: str) -> N
             "alloc_id": cmd["alloc_id"], "epoch": cmd["epoch"], "job_id": cmd["job_id"], "task_id": cmd["task_id"],
             "attempt": cmd["attempt"], "tenant": tenant, "handler": t["handler"], "args_json": t["args"],
             "gpu_indices": list(h["gpu_indices"]), "leader": i == 0, "resume_checkpoint": t.get("ckpt"),
-            "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms})
+            "lease_timeout_s": lease_s, "ts_ms": ctx.now_ms,
+            "traceparent": attempt_traceparent(cmd["job_id"], cmd["task_id"], cmd["attempt"], t.get("tp", ""))})
 
 
 def _grant_mismatch(t: Mapping[str, Any], cmd: Record) -> str | None:

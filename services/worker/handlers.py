@@ -218,6 +218,7 @@ class TaskContext:
     handler: str = ""
     worker_id: str = ""
     start_to_close_s: float | None = None
+    traceparent: str = ""  # the attempt's W3C trace context (dagfold.tracing): TRACEPARENT of its process
     cancelled: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str | None = None
     # Process handlers put the end of the process's output here; it goes into the report.
@@ -254,6 +255,7 @@ class TaskContext:
             "DAGFOLD_ATTEMPT": str(self.attempt),
             "DAGFOLD_IDEMPOTENCY_KEY": self.idempotency_key,
             **({"DAGFOLD_OUTPUT_DIR": self.output_dir} if self.output_dir else {}),
+            **({"TRACEPARENT": self.traceparent} if self.traceparent else {}),
         }
 
 

@@ -63,6 +63,7 @@ from dagfold.log.base import Ack, Consumer, Log, LogRecord, QueuedRecord, TopicP
 from dagfold.logs import log_context
 from dagfold.services.worker.exceptions import NonRetryableError, TaskError, TaskTimeout, UnknownHandlerError
 from dagfold.services.worker.handlers import Handler, HandlerRegistry, TaskContext, TaskRuntime, default_registry
+from dagfold.tracing import attempt_context, attempt_traceparent
 
 log = logging.getLogger("dagfold.worker")
 
@@ -557,12 +558,14 @@ class Worker:
         """Run the attempt; the report to send, or None when it was stopped."""
         key = self._key(d)
         started = time.monotonic()
-        with log_context(job=key[0], task=key[1], attempt=key[2], queue=self.queue,
-                         worker=self.worker_id):  # every line logged while the task runs (handlers' too)
+        trace_id = (d.get("traceparent") or attempt_traceparent(*key))[3:35]
+        # every line logged while the task runs (handlers' too)
+        with log_context(job=key[0], task=key[1], attempt=key[2], queue=self.queue, worker=self.worker_id,
+                         trace_id=trace_id):
             report = self._execute_with_outputs(d, key, handler, stop)
             if report is not None and str(report.get("type", "")).endswith("TaskFailed"):
                 log.info("attempt failed: %s", report.get("reason"))
-        metrics.observe_worker_task(self.queue, report, time.monotonic() - started)
+        metrics.observe_worker_task(self.queue, report, time.monotonic() - started, trace_id)
         return report
 
     def _execute_attempt(self, d: Record, key: AttemptKey, handler: Handler | None,
@@ -570,6 +573,7 @@ class Worker:
         ctx = TaskContext(job_id=key[0], task_id=key[1], attempt=key[2], idempotency_key=d["idempotency_key"],
                           tenant=d["tenant"], handler=d["handler"], worker_id=self.worker_id,
                           start_to_close_s=d["start_to_close_s"],
+                          traceparent=d.get("traceparent") or attempt_traceparent(*key),
                           output_dir=str(output_dir) if output_dir is not None else None, runtime=self.runtime)
         try:
             args = json.loads(d["args_json"] or "{}")
@@ -663,7 +667,8 @@ class Worker:
     @staticmethod
     def _call(handler: Handler, ctx: TaskContext) -> tuple[Any, Exception | None]:
         try:
-            return handler.fn(ctx), None
+            with attempt_context(ctx.traceparent):  # the handler's own OpenTelemetry spans nest under the attempt
+                return handler.fn(ctx), None
         except WorkerCrashed:
             raise  # fault injection: abandon the attempt and stop the worker (see WorkerCrashed)
         except Exception as exc:

@@ -832,6 +832,7 @@ function jobHeader(job) {
     </div>
     <div class="muted small">tenant <b>${esc(job.tenant)}</b> · tier ${esc(job.tier)} · policy ${esc(job.failure_policy)} ·
       created ${fmtTime(job.created_ms)}${job.duration_ms != null ? ` · took ${fmtDur(job.duration_ms)}` : ""} · retries ${job.retries || 0}
+      ${job.trace_url ? ` · <a id="job-trace" href="${esc(job.trace_url)}" target="_blank" rel="noopener noreferrer" title="this job's trace (OpenTelemetry)">trace</a>` : ""}
       ${job.redrives ? ` · redriven ${job.redrives}×` : ""}${job.redispatches ? ` · <span id="job-redispatches" title="dispatch records sent again: no worker had taken the task in time">re-dispatched ${job.redispatches}×</span>` : ""}</div>
     <div class="row" style="align-items:center;margin-top:6px"><div class="grow">${stackBar(job)}</div><span class="small">${(job.progress || 0).toFixed(1)}% of ${job.total_tasks} tasks</span></div>
     <div class="chips" id="counts">${countsChips(job)}</div>

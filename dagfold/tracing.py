@@ -1,0 +1,551 @@
+"""A job is a trace: W3C trace context for jobs, and spans made from the events.
+
+Identifiers are derived, never drawn: a job's trace ID is the submitter's (its W3C ``traceparent``,
+kept in ``JobAccepted``) or, without one, the first 16 bytes of SHA-256 over the job ID; every span
+ID is 8 bytes of SHA-256 over the job, the task, the attempt and the span's kind. So the scheduler,
+a worker and a GPU agent name the same attempt span without talking to each other (the worker puts
+``TRACEPARENT`` in a task process's environment), and the same events replayed give the same spans.
+
+``TraceBuilder`` turns the events of the ``events`` topic, in log order, into finished spans
+(``SpanRecord``, plain data; times are the events' own ``ts_ms``). It is a reader beside the
+folds, not part of one: the scheduler's fold never sees it. ``services/tracing`` runs it on a
+consumer of its own and hands the spans to the OpenTelemetry SDK; ``dagfold audit JOB --trace``
+runs it over one job's records.
+
+The spans of a job (names; the attributes carry ``dagfold.*`` ids and outcomes)::
+
+    job                                  JobAccepted .. JobSucceeded / JobFailed / JobCancelled
+      task <task_id>   (one per attempt) TaskDispatched .. TaskSucceeded / TaskFailed / TaskCancelled /
+                                         LeaseReclaimed (the worker lost: the next attempt follows)
+        queued                           dispatched .. a worker's lease (again after a lease loss)
+        gpu allocation wait              dispatched (or preempted) .. the allocation's grant
+        running                          the lease or grant .. the attempt's end, a lease loss or a
+                                         preemption; events: checkpointing, preempted, re-dispatched
+      retry backoff                      TaskRetryScheduled .. its retry time
+
+OpenTelemetry is configured by the standard ``OTEL_*`` variables (``otlp_enabled``); when no OTLP
+endpoint is set nothing of OpenTelemetry is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dagfold.settings import SettingsError
+
+TRACEPARENT = "traceparent"  # the HTTP header and the SubmitJob field
+_TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+MAX_TRACEPARENT_CHARS = 256
+ENDED_JOBS_KEPT = 100_000  # ended jobs whose trace context a builder remembers (for a later redrive)
+
+AttrValue = str | int | float | bool
+Attrs = dict[str, AttrValue]
+
+
+# -- trace context -------------------------------------------------------------------------------
+
+def parse_traceparent(value: str | None) -> tuple[str, str, int] | None:
+    """``(trace_id, parent_span_id, flags)`` of a W3C ``traceparent``, or None when it is not one.
+
+    As the W3C rules say: version ``ff`` and all-zero IDs are invalid; version 00 has no more fields;
+    a later version may append fields. Invalid values are ignored (the job starts a trace of its own),
+    never refused: a tracing header must not fail a submission.
+    """
+    if not value or len(value) > MAX_TRACEPARENT_CHARS:
+        return None
+    m = _TRACEPARENT_RE.match(value.strip())
+    if m is None:
+        return None
+    version, trace_id, span_id, flags, rest = m.groups()
+    if version == "ff" or (version == "00" and rest) or set(trace_id) == {"0"} or set(span_id) == {"0"}:
+        return None
+    return trace_id, span_id, int(flags, 16)
+
+
+def clean_traceparent(value: str | None) -> str:
+    """The canonical version-00 form of a valid ``traceparent``, or "" (what a job record keeps)."""
+    parsed = parse_traceparent(value)
+    if parsed is None:
+        return ""
+    trace_id, span_id, flags = parsed
+    return f"00-{trace_id}-{span_id}-{flags & 0xFF:02x}"
+
+
+def current_traceparent() -> str:
+    """The ``traceparent`` of the caller's current OpenTelemetry span, or "" (also when the caller has
+    not imported OpenTelemetry: this never imports it)."""
+    if "opentelemetry.trace" not in sys.modules:
+        return ""
+    from opentelemetry import trace
+
+    sc = trace.get_current_span().get_span_context()
+    if not sc.is_valid:
+        return ""
+    return f"00-{sc.trace_id:032x}-{sc.span_id:016x}-{int(sc.trace_flags):02x}"
+
+
+def _digest(*parts: object) -> bytes:
+    return hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+
+
+def span_id(*parts: object) -> str:
+    """16 hex digits derived from ``parts`` (never all zero)."""
+    d = _digest("dagfold-span", *parts)[:8]
+    return (d if any(d) else b"\x01" * 8).hex()
+
+
+@functools.lru_cache(maxsize=65_536)  # the fold asks once per dispatch; a job's tasks ask alike
+def job_trace_id(job_id: str, traceparent: str = "") -> str:
+    """The job's trace: the submitter's, or 32 hex digits derived from the job ID."""
+    parsed = parse_traceparent(traceparent)
+    if parsed is not None:
+        return parsed[0]
+    d = _digest("dagfold-trace", job_id)[:16]
+    return (d if any(d) else b"\x01" * 16).hex()
+
+
+def job_span_id(job_id: str, round_: int = 0) -> str:
+    """The job's span (a new one for each redrive or reopen: ``round_`` counts them)."""
+    return span_id("job", job_id, round_)
+
+
+def attempt_span_id(job_id: str, task_id: str, attempt: int) -> str:
+    return span_id("attempt", job_id, task_id, attempt)
+
+
+def attempt_traceparent(job_id: str, task_id: str, attempt: int, job_traceparent: str = "") -> str:
+    """The ``TRACEPARENT`` of an attempt's process: its spans nest under the attempt's span."""
+    return f"00-{job_trace_id(job_id, job_traceparent)}-{attempt_span_id(job_id, task_id, attempt)}-01"
+
+
+# -- spans from events ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpanEvent:
+    name: str
+    ts_ms: int
+    attributes: Attrs = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SpanRecord:
+    """A finished span, as plain data (``to_otel`` makes the SDK's span of it)."""
+
+    trace_id: str
+    span_id: str
+    parent_id: str | None
+    name: str
+    start_ms: int
+    end_ms: int
+    attributes: Attrs
+    events: tuple[SpanEvent, ...] = ()
+    error: str | None = None  # the status description of a failed span; None: ok
+    submitter_sampled: bool | None = None  # the submitter's sampled flag; None: the job's own trace
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trace_id": self.trace_id, "span_id": self.span_id, "parent_id": self.parent_id,
+                "name": self.name, "start_ms": self.start_ms, "end_ms": self.end_ms,
+                "attributes": dict(self.attributes), "error": self.error,
+                "events": [{"name": e.name, "ts_ms": e.ts_ms, "attributes": dict(e.attributes)}
+                           for e in self.events]}
+
+
+@dataclass
+class _Open:
+    """A span begun and not yet ended."""
+
+    span_id: str
+    parent_id: str | None
+    name: str
+    start_ms: int
+    attributes: Attrs
+    events: list[SpanEvent] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    trace_id: str
+    parent_id: str | None  # the submitter's span
+    submitter_sampled: bool | None
+    round: int = 0
+    span: _Open | None = None
+    attempts: dict[tuple[str, int], _Open] = field(default_factory=dict)
+    phases: dict[tuple[str, int], tuple[_Open, int]] = field(default_factory=dict)  # (phase, number)
+
+
+def _span_attrs(ev: Mapping[str, Any], *names: str) -> Attrs:
+    out: Attrs = {}
+    for n in names:
+        v = ev.get(n)
+        if v is None or v == "":
+            continue
+        out[f"dagfold.{n}"] = v if isinstance(v, (str, int, float, bool)) else ",".join(str(x) for x in v)
+    return out
+
+
+class TraceBuilder:
+    """Finished spans from events read in log order (``apply`` one event at a time).
+
+    State is the open spans of running jobs, plus the trace context of up to ``ENDED_JOBS_KEPT``
+    ended jobs (so a redriven job continues its trace). A builder that starts mid-log (a consumer
+    group's committed position) names spans exactly as one that read from the start; it only misses
+    the spans begun before its first event, and ``dagfold audit JOB --trace`` rebuilds those.
+    """
+
+    def __init__(self, ended_kept: int = ENDED_JOBS_KEPT) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self._ended: OrderedDict[str, _Job] = OrderedDict()
+        self._ended_kept = ended_kept
+
+    def trace_of(self, job_id: str) -> str | None:
+        j = self._jobs.get(job_id) or self._ended.get(job_id)
+        return j.trace_id if j is not None else None
+
+    def _job(self, job_id: str) -> _Job:
+        j = self._jobs.get(job_id)
+        if j is None:
+            j = self._ended.pop(job_id, None) or _Job(job_trace_id(job_id), None, None)
+            self._jobs[job_id] = j
+        return j
+
+    def _finish(self, j: _Job, s: _Open, end_ms: int, error: str | None = None, **attrs: AttrValue) -> SpanRecord:
+        s.attributes.update(attrs)
+        return SpanRecord(j.trace_id, s.span_id, s.parent_id, s.name, s.start_ms, max(end_ms, s.start_ms),
+                          dict(s.attributes), tuple(s.events), error, j.submitter_sampled)
+
+    def _job_span_id(self, job_id: str, j: _Job) -> str:
+        return j.span.span_id if j.span is not None else job_span_id(job_id, j.round)
+
+    def _open_phase(self, job_id: str, j: _Job, key: tuple[str, int], name: str, ts: int, **attrs: AttrValue) -> None:
+        parent = j.attempts.get(key)
+        previous = j.phases.get(key)
+        number = previous[1] + 1 if previous is not None else 0
+        sid = span_id("phase", job_id, key[0], key[1], number)
+        j.phases[key] = (_Open(sid, parent.span_id if parent is not None else attempt_span_id(job_id, *key),
+                               name, ts, dict(attrs)), number)
+
+    def _close_phase(self, j: _Job, key: tuple[str, int], ts: int, out: list[SpanRecord], *,
+                     name: str | None = None, error: str | None = None, **attrs: AttrValue) -> None:
+        cur = j.phases.get(key)
+        if cur is None or cur[0].start_ms < 0:
+            return
+        s, number = cur
+        if name is not None:
+            s.name = name
+        out.append(self._finish(j, s, ts, error, **attrs))
+        j.phases[key] = (_Open(s.span_id, s.parent_id, s.name, -1, {}), number)  # ended; numbering goes on
+
+    def _end_attempt(self, job_id: str, j: _Job, key: tuple[str, int], ts: int, out: list[SpanRecord],
+                     outcome: str, error: str | None, ev: Mapping[str, Any], *names: str) -> None:
+        self._close_phase(j, key, ts, out, error=error)
+        j.phases.pop(key, None)
+        s = j.attempts.pop(key, None)
+        if s is None:
+            return
+        s.attributes.update(_span_attrs(ev, *names))
+        out.append(self._finish(j, s, ts, error, **{"dagfold.outcome": outcome}))
+
+    def apply(self, ev: Mapping[str, Any]) -> list[SpanRecord]:
+        """The spans ``ev`` ends (most events end none)."""
+        kind = str(ev.get("type", "")).rsplit(".", 1)[-1]
+        job_id = ev.get("job_id")
+        if not isinstance(job_id, str) or kind not in _HANDLED:
+            return []
+        ts = int(ev.get("ts_ms") or 0)
+        out: list[SpanRecord] = []
+        if kind == "JobAccepted":
+            spec = ev.get("spec") or {}
+            tp = clean_traceparent(ev.get("traceparent"))
+            parsed = parse_traceparent(tp)
+            j = self._jobs.get(job_id)
+            if j is None:  # a new job (or one re-read: its context is derived again, identically)
+                self._ended.pop(job_id, None)
+                j = self._jobs[job_id] = _Job(job_trace_id(job_id, tp), parsed[1] if parsed else None,
+                                              bool(parsed[2] & 1) if parsed else None)
+            j.span = _Open(job_span_id(job_id, j.round), j.parent_id, "job", ts, {
+                "dagfold.job_id": job_id, "dagfold.tenant": spec.get("tenant", ""),
+                "dagfold.tasks": len(spec.get("tasks") or []),
+                **({"dagfold.name": spec["name"]} if spec.get("name") else {})})
+            return out
+        j = self._job(job_id)
+        if kind in ("JobRedriven", "TaskReopened"):
+            if j.span is None:  # the job had ended: it runs again under a new job span
+                j.round += 1
+                j.span = _Open(job_span_id(job_id, j.round), j.parent_id, "job", ts,
+                               {"dagfold.job_id": job_id, "dagfold.round": j.round})
+            return out
+        if kind in ("JobSucceeded", "JobFailed", "JobCancelled"):
+            outcome = {"JobSucceeded": "succeeded", "JobFailed": "failed", "JobCancelled": "cancelled"}[kind]
+            if j.span is not None:
+                err = None if kind == "JobSucceeded" else (ev.get("reason") or outcome)
+                attrs: Attrs = {"dagfold.outcome": outcome}
+                if ev.get("partial"):
+                    attrs["dagfold.partial"] = True
+                out.append(self._finish(j, j.span, ts, err, **attrs))
+                j.span = None
+            if not j.attempts:
+                self._retire(job_id, j)
+            return out
+        task_id = ev.get("task_id")
+        attempt = ev.get("attempt")
+        if not isinstance(task_id, str) or not isinstance(attempt, int):
+            return out
+        key = (task_id, attempt)
+        if kind == "TaskDispatched":
+            if key in j.attempts:
+                return out
+            attrs = {"dagfold.job_id": job_id, "dagfold.task_id": task_id, "dagfold.attempt": attempt,
+                     "dagfold.queue": ev.get("queue", "")}
+            if attempt > 1:
+                attrs["dagfold.retry_of"] = attempt - 1
+            j.attempts[key] = _Open(attempt_span_id(job_id, task_id, attempt), self._job_span_id(job_id, j),
+                                    f"task {task_id}", ts, attrs)
+            self._open_phase(job_id, j, key, "queued", ts)
+        elif kind == "LeaseGranted":
+            worker = {"dagfold.worker_id": ev.get("worker_id", "")}
+            cur = j.phases.get(key)
+            if cur is not None and cur[0].start_ms >= 0 and cur[0].name == "running":
+                cur[0].attributes.update(worker)  # a GPU attempt: running since its grant; its host started it
+            else:
+                self._close_phase(j, key, ts, out, name="queued")
+                self._open_phase(job_id, j, key, "running", ts, **worker)
+            if key in j.attempts:
+                j.attempts[key].attributes.update(worker)
+        elif kind == "TaskAllocated":
+            self._close_phase(j, key, ts, out, name="gpu allocation wait")
+            attrs = _span_attrs(ev, "pool", "alloc_id", "epoch", "node_ids")
+            self._open_phase(job_id, j, key, "running", ts, **attrs)
+            if key in j.attempts:
+                j.attempts[key].attributes.update(attrs)
+                if ev.get("resume_checkpoint"):
+                    j.attempts[key].events.append(SpanEvent("resumed from checkpoint", ts, _span_attrs(
+                        ev, "resume_checkpoint")))
+        elif kind in ("TaskCheckpointing", "TaskRequeued", "TaskRedispatched"):
+            name = {"TaskCheckpointing": "checkpointing", "TaskRequeued": "preempted",
+                    "TaskRedispatched": "re-dispatched"}[kind]
+            se = SpanEvent(name, ts, _span_attrs(ev, "alloc_id", "reason", "checkpoint_uri", "redispatches"))
+            cur = j.phases.get(key)
+            target = cur[0] if cur is not None and cur[0].start_ms >= 0 else j.attempts.get(key)
+            if target is not None:
+                target.events.append(se)
+            if kind == "TaskRequeued":  # the attempt waits for GPUs again (it keeps its number)
+                self._close_phase(j, key, ts, out, error=f"preempted: {ev.get('reason', '')}")
+                if key in j.attempts:
+                    j.attempts[key].events.append(se)
+                    j.attempts[key].attributes["dagfold.preemptions"] = int(
+                        j.attempts[key].attributes.get("dagfold.preemptions", 0)) + 1
+                    self._open_phase(job_id, j, key, "gpu allocation wait", ts)
+        elif kind == "LeaseReclaimed":
+            reason = f"lease lost: {ev.get('reason', '')}"
+            if key in j.attempts:
+                j.attempts[key].events.append(SpanEvent("lease lost", ts, _span_attrs(
+                    ev, "worker_id", "reason", "losses", "final")))
+            self._end_attempt(job_id, j, key, ts, out, "lease_lost", reason, ev, "worker_id", "losses")
+        elif kind == "TaskSucceeded":
+            self._end_attempt(job_id, j, key, ts, out, "succeeded", None, ev, "worker_id")
+        elif kind == "TaskFailed":
+            self._end_attempt(job_id, j, key, ts, out, "failed", str(ev.get("reason") or "failed"), ev,
+                              "worker_id", "exit_code", "error_type", "final")
+        elif kind == "TaskCancelled":
+            self._end_attempt(job_id, j, key, ts, out, "cancelled", str(ev.get("reason") or "cancelled"), ev)
+        elif kind == "TaskRetryScheduled":
+            retry_at = int(ev.get("retry_at_ms") or ts)
+            out.append(SpanRecord(j.trace_id, span_id("retry", job_id, task_id, attempt),
+                                  self._job_span_id(job_id, j), "retry backoff", ts, max(ts, retry_at), {
+                                      "dagfold.task_id": task_id, "dagfold.attempt": attempt,
+                                      "dagfold.next_attempt": int(ev.get("next_attempt") or attempt + 1),
+                                      "dagfold.reason": str(ev.get("reason", ""))}, (), None, j.submitter_sampled))
+        if j.span is None and not j.attempts:
+            self._retire(job_id, j)
+        return out
+
+    def _retire(self, job_id: str, j: _Job) -> None:
+        self._jobs.pop(job_id, None)
+        j.phases.clear()
+        self._ended[job_id] = j
+        while len(self._ended) > self._ended_kept:
+            self._ended.popitem(last=False)
+
+
+_HANDLED = frozenset({
+    "JobAccepted", "JobRedriven", "TaskReopened", "JobSucceeded", "JobFailed", "JobCancelled", "TaskDispatched",
+    "LeaseGranted", "TaskAllocated", "TaskCheckpointing", "TaskRequeued", "TaskRedispatched", "LeaseReclaimed",
+    "TaskSucceeded", "TaskFailed", "TaskCancelled", "TaskRetryScheduled"})
+EVENT_TYPES = frozenset(f"dagfold.event.{k}" for k in _HANDLED)
+
+
+# -- OpenTelemetry, from the OTEL_* variables ----------------------------------------------------
+
+def otlp_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Tracing is on when an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or its traces
+    variant), unless ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none``."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
+        return False
+    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+
+
+def otlp_protocol(env: Mapping[str, str] | None = None) -> str:
+    """``grpc`` or ``http/protobuf`` (the specification's default); ``http/json`` has no Python exporter."""
+    env = os.environ if env is None else env
+    proto = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+             or "http/protobuf").strip().lower()
+    if proto not in ("grpc", "http/protobuf"):
+        raise SettingsError(f"OTEL_EXPORTER_OTLP_PROTOCOL={proto!r}: use grpc or http/protobuf")
+    return proto
+
+
+def settings_summary(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What ``dagfold config`` shows of tracing."""
+    env = os.environ if env is None else env
+    if not otlp_enabled(env):
+        return {"enabled": "no (set OTEL_EXPORTER_OTLP_ENDPOINT)"}
+    try:
+        proto = otlp_protocol(env)
+    except SettingsError as exc:
+        proto = f"invalid: {exc}"
+    return {"enabled": "yes", "endpoint": env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+            or env.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""), "protocol": proto,
+            "service_name": env.get("OTEL_SERVICE_NAME") or "dagfold",
+            "sampler": env.get("OTEL_TRACES_SAMPLER") or "parentbased_always_on"}
+
+
+def _resource(component: str) -> Any:
+    from opentelemetry.sdk.resources import Resource
+
+    return Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or "dagfold",
+                            "dagfold.component": component})
+
+
+def _span_exporter() -> Any:
+    if otlp_protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
+    return OTLPSpanExporter()
+
+
+class SpanSink:
+    """Hands ``SpanRecord``s to OpenTelemetry's batch span processor and OTLP exporter (``OTEL_*``).
+
+    The batch processor queues and exports on its own thread (``OTEL_BSP_*`` tune it), so ``export``
+    costs a span's conversion. The sampler is ``OTEL_TRACES_SAMPLER``'s, asked once per span with the
+    trace ID and the submitter's flags as parent: ``traceidratio`` keeps or drops whole traces.
+    """
+
+    def __init__(self, component: str = "scheduler", exporter: Any = None) -> None:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        self._resource = _resource(component)
+        self._sampler = TracerProvider(resource=self._resource).sampler  # OTEL_TRACES_SAMPLER(_ARG)
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self._processor = BatchSpanProcessor(exporter if exporter is not None else _span_exporter())
+        self._scope = InstrumentationScope("dagfold.tracing")
+        self._decisions: OrderedDict[str, bool] = OrderedDict()  # trace ID -> sampled
+        self.exported = 0
+
+    def export(self, spans: list[SpanRecord]) -> None:
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import Event, ReadableSpan
+        from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+        scope = self._scope
+        flags = TraceFlags(1)
+        for s in spans:
+            tid, sid = int(s.trace_id, 16), int(s.span_id, 16)
+            parent = (SpanContext(tid, int(s.parent_id, 16), is_remote=True, trace_flags=flags)
+                      if s.parent_id else None)
+            if not self._sampled(s, tid):
+                continue
+            span = ReadableSpan(
+                name=s.name, context=SpanContext(tid, sid, is_remote=False, trace_flags=flags),
+                parent=parent, resource=self._resource, attributes=s.attributes,
+                events=[Event(e.name, e.attributes, e.ts_ms * 1_000_000) for e in s.events],
+                kind=trace.SpanKind.INTERNAL, instrumentation_scope=scope,
+                status=Status(StatusCode.ERROR, s.error) if s.error is not None else Status(StatusCode.OK),
+                start_time=s.start_ms * 1_000_000, end_time=s.end_ms * 1_000_000)
+            self._processor.on_end(span)
+            self.exported += 1
+
+    def _sampled(self, s: SpanRecord, tid: int) -> bool:
+        """The sampler's decision for the span's trace, asked once per trace as for the job's span: a root
+        (the job's own trace) or the child of the submitter's span, with its flags. The ratio samplers
+        read the trace ID, the parent-based ones the submitter's flags: every span of a trace goes alike."""
+        kept = self._decisions.get(s.trace_id)
+        if kept is None:
+            ctx = None
+            if s.submitter_sampled is not None:
+                from opentelemetry import trace
+                from opentelemetry.trace import SpanContext, TraceFlags
+
+                ctx = trace.set_span_in_context(trace.NonRecordingSpan(SpanContext(
+                    tid, 1, is_remote=True, trace_flags=TraceFlags(1 if s.submitter_sampled else 0))))
+            kept = self._sampler.should_sample(ctx, tid, "job").decision.is_sampled()
+            self._decisions[s.trace_id] = kept
+            if len(self._decisions) > 10_000:
+                self._decisions.popitem(last=False)
+        return kept
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return bool(self._processor.force_flush(int(timeout_s * 1000)))
+
+    def close(self) -> None:
+        self._processor.shutdown()
+
+
+# -- spans of a task's own code ------------------------------------------------------------------
+
+_provider_lock = threading.Lock()
+_provider_installed = False
+
+
+def install_process_provider(component: str) -> bool:
+    """Make this process's global tracer provider export over OTLP (once; False when tracing is off),
+    so a Python handler's ``opentelemetry.trace.get_tracer(...)`` spans reach the backend."""
+    global _provider_installed
+    if not otlp_enabled():
+        return False
+    with _provider_lock:
+        if not _provider_installed:
+            from opentelemetry import trace
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+            provider = TracerProvider(resource=_resource(component))
+            provider.add_span_processor(BatchSpanProcessor(_span_exporter()))
+            trace.set_tracer_provider(provider)
+            _provider_installed = True
+    return True
+
+
+@contextlib.contextmanager
+def attempt_context(traceparent: str, component: str = "worker") -> Iterator[None]:
+    """Run a Python handler under its attempt's span: spans it starts are children of the attempt.
+
+    Nothing of OpenTelemetry is imported when tracing is off.
+    """
+    if not traceparent or not install_process_provider(component):
+        yield
+        return
+    from opentelemetry import context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    token = context.attach(TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent}))
+    try:
+        yield
+    finally:
+        context.detach(token)
