@@ -30,12 +30,12 @@ codec = default_codec()
 VICTIM_CKPT = "file:///var/dagfold/artifacts/acme/victim/train/checkpoints/step-900.pt"
 
 
-def grant(job_id: str, *, attempt: int = 1, alloc_id: str = "a-1", pool: str = POOL,
+def grant(job_id: str, *, attempt: int = 1, alloc_id: str = "a-1", epoch: int = 1, pool: str = POOL,
           hosts: list[tuple[str, list[int]]] | None = None, checkpoint_uri: str | None = None,
           status: str = "granted") -> Record:
-    """A TaskAllocation as the allocator writes it (ctx.notify)."""
+    """A TaskAllocation as the allocator writes it (ctx.notify); the pool numbers its grants by ``epoch``."""
     return {"type": "dagfold.command.TaskAllocation", "job_id": job_id, "task_id": "train", "attempt": attempt,
-            "pool": pool, "ts_ms": 0, "status": status, "alloc_id": alloc_id, "epoch": 1,
+            "pool": pool, "ts_ms": 0, "status": status, "alloc_id": alloc_id, "epoch": epoch,
             "hosts": [{"node_id": n, "gpu_indices": g, "gpu_milli": 1000} for n, g in (hosts or [("n0", [0, 1])])],
             "reason": "", "checkpoint_uri": checkpoint_uri, "cause_offset": 0}
 
@@ -67,7 +67,7 @@ def test_a_resumed_job_reads_the_checkpoint_the_scheduler_knows_for_it() -> None
     h.submit(gpu_job("j", gpus=2))
     h.process(grant("j", alloc_id="a-1"))
     h.process(grant("j", alloc_id="a-1", status="requeued", checkpoint_uri=own))  # preempted after a checkpoint
-    h.process(grant("j", alloc_id="a-2", hosts=[("n1", [4, 5])], checkpoint_uri=VICTIM_CKPT))
+    h.process(grant("j", alloc_id="a-2", epoch=2, hosts=[("n1", [4, 5])], checkpoint_uri=VICTIM_CKPT))
     assert [d["resume_checkpoint"] for d in gpu_dispatches(h)] == [None, own]
 
 
@@ -88,6 +88,29 @@ def test_the_scheduler_takes_only_a_grant_that_answers_its_request() -> None:
     assert h.task("g", "train")["state"] == "runnable"  # type: ignore[index]
     h.process(grant("g"))  # the allocator's own grant still gets through
     assert [d["gpu_indices"] for d in gpu_dispatches(h)] == [[0, 1]]
+    assert h.digest() == h.replayed_digest()
+
+
+def test_a_redelivered_grant_of_a_requeued_gang_is_stale_and_the_next_grant_runs_the_job() -> None:
+    """tests/test_gpu_props.py found it (nodes [2, 4, 4], seed 1186): a gang over 2 hosts was granted
+    (a-7), preempted at once (requeued), then the grant was delivered again. The scheduler took it
+    as a new grant and waited for a start from a-7, which the pool had freed; it then turned away
+    every later grant (a-9, ...) while the pool granted, expired and granted again: a job that
+    never ends."""
+    hosts = [("n1", [0, 1, 2, 3]), ("n2", [0, 1, 2, 3])]
+    h = FoldHarness()
+    h.submit(gpu_job("g", gpus=4, hosts=2))
+    h.process(grant("g", alloc_id="a-7", epoch=7, hosts=hosts))
+    h.process(grant("g", alloc_id="a-7", epoch=7, status="requeued", hosts=[]))  # preempted
+    h.process(grant("g", alloc_id="a-7", epoch=7, hosts=hosts))  # the grant again (at-least-once)
+    assert [d["alloc_id"] for d in gpu_dispatches(h)] == ["a-7", "a-7"]  # once per host, none again
+    assert "grant epoch 7 is not newer" in ignored(h)[-1]
+    h.process(grant("g", alloc_id="a-9", epoch=9, hosts=hosts))
+    assert [d["alloc_id"] for d in gpu_dispatches(h)[2:]] == ["a-9", "a-9"]
+    d = {"job_id": "g", "task_id": "train", "attempt": 1}
+    h.report("Started", d, worker="a-9")
+    h.report("Succeeded", d, worker="a-9")
+    assert h.job("g")["state"] == "succeeded"  # type: ignore[index]
     assert h.digest() == h.replayed_digest()
 
 

@@ -239,8 +239,12 @@ def _lease_extended(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> 
 
 @_on_task
 def _task_allocated(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
-    """GPUs granted: the attempt waits for its first host's TaskStarted from this allocation only."""
+    """GPUs granted: the attempt waits for its first host's TaskStarted from this allocation only.
+
+    ``epoch`` keeps the newest grant's epoch (the pool numbers its grants in order) through requeues
+    and retries, so that a redelivered grant of an allocation already requeued is known as stale."""
     t["alloc"] = e["alloc_id"]
+    t["epoch"] = max(t.get("epoch") or 0, e["epoch"])
     if e["resume_checkpoint"]:
         t["ckpt"] = e["resume_checkpoint"]
 

@@ -684,12 +684,17 @@ def _grant_mismatch(t: Mapping[str, Any], cmd: Record) -> str | None:
     return None
 
 
-def _allocation_mismatch(t: Mapping[str, Any], status: str, alloc: str | None) -> str | None:
-    """Why an allocation decision does not apply to the task's current attempt; None if it does."""
+def _allocation_mismatch(t: Mapping[str, Any], status: str, alloc: str | None, epoch: int) -> str | None:
+    """Why an allocation decision does not apply to the task's current attempt; None if it does.
+
+    A grant no newer than the task's last one is stale: a redelivered grant of an allocation the pool
+    has since requeued would otherwise wait for a start that never comes, and turn away every later grant."""
     if not is_gpu(t):
         return "task asks for no GPUs"
     if status in ("granted", "rejected") and (t["state"] != "runnable" or t.get("alloc")):
         return f"task is {t['state']} with allocation {t.get('alloc')}"
+    if status == "granted" and epoch <= (t.get("epoch") or 0):
+        return f"grant epoch {epoch} is not newer than the task's last grant's ({t.get('epoch')})"
     if status in ("requeued", "ended", "checkpointing") and t.get("alloc") != alloc:
         return f"allocation {alloc} is not the attempt's ({t.get('alloc')})"
     if status not in ("granted", "rejected", "requeued", "ended", "checkpointing"):
@@ -711,7 +716,7 @@ def task_allocation(ctx: Ctx, cmd: Record) -> None:
     alloc = cmd["alloc_id"]
     why = not_current(t, j, attempt)
     if why is None and t is not None:
-        why = _allocation_mismatch(t, status, alloc)
+        why = _allocation_mismatch(t, status, alloc, cmd["epoch"])
     if why is None and t is not None and status == "granted":
         why = _grant_mismatch(t, cmd)
     if why is not None or t is None or j is None:
