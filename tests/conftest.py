@@ -236,6 +236,23 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
                 os.environ[k] = v
 
 
+# -- hosts with networks of their own (tests/netns_support.py) ----------------------------------------------
+@pytest.fixture
+def net() -> Iterator[object]:
+    """A test network: namespaces, links and addresses of this test's own, removed after it. A machine where
+    ``ip netns`` cannot be used fails the test with the reason (never a skip)."""
+    from tests.netns_support import Net, NetnsError
+
+    try:
+        n = Net()
+    except NetnsError as exc:
+        pytest.fail(f"network namespaces are needed (run the tests as root on Linux with iproute2): {exc}")
+    try:
+        yield n
+    finally:
+        n.close()
+
+
 # -- `dagfold up` shared by the session ------------------------------------------------------------
 @pytest.fixture(scope="session")
 def up_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:

@@ -109,12 +109,13 @@ class NodeAgent:
         self.last_health: Health | None = None  # the last heartbeat's snapshot (metrics)
         self.crashed = False
         self._next_hb = 0.0
-        self.producer = log_.producer(f"agent-{node_id}")
-        self.events = log_.consumer(None, client_id=f"agent-{node_id}-events")
-        self.control = log_.consumer(None, client_id=f"agent-{node_id}-control")
+        # what needs the log to answer first (a LogError here leaves no client behind: `dagfold agent` retries)
         ev = TopicPartition(ALLOCATOR_EVENTS, log_.partition_for(pool.encode(), log_.partitions(ALLOCATOR_EVENTS)))
         ct = TopicPartition(CONTROL, log_.partition_for(node_id.encode(), log_.partitions(CONTROL)))
         ends = log_.end_offsets([ev, ct])
+        self.producer = log_.producer(f"agent-{node_id}")
+        self.events = log_.consumer(None, client_id=f"agent-{node_id}-events")
+        self.control = log_.consumer(None, client_id=f"agent-{node_id}-control")
         self.events.assign({ev: ends[ev]})
         self.control.assign({ct: ends[ct]})
 
