@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from dagfold.codec import Record, default_codec
-from dagfold.config import ALLOCATOR_EVENTS
+from dagfold.config import ALLOCATOR_EVENTS, COMMANDS
 from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log import Log, TopicPartition, open_log
 from dagfold.log.reader import read_to_end
@@ -176,3 +176,64 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def _attempt_processes(job: str, attempt: int) -> list[int]:
+    """PIDs of the shell task processes of ``job``'s attempt (read from their environment)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            env = (d / "environ").read_bytes().split(b"\0") if d.name.isdigit() else []
+            if f"DAGFOLD_JOB_ID={job}".encode() in env and f"DAGFOLD_ATTEMPT={attempt}".encode() in env:
+                pids.append(int(d.name))
+    return pids
+
+
+def test_a_worker_cut_off_past_its_lease_stops_the_attempt_and_reports_nothing_for_it(
+        net: Net, net_kafka: str, tmp_path: Path) -> None:
+    """A CPU worker behind a cut stops the attempt whose lease it could not renew (no heartbeat delivered for a
+    whole lease) while still cut off: the scheduler has given it to another worker, and the stale attempt's
+    outcome never arrives."""
+    host = net.host()
+    procs = Procs(tmp_path)
+    lease_s = 4.0
+
+    def worker(name: str) -> list[str]:
+        return [*DAGFOLD, "worker", "--log", net_kafka, "--data", str(tmp_path / name), "--queue", "default",
+                "--handlers", "shell"]
+
+    up = UpProcess(tmp_path / "up", log=net_kafka, workers=0).start()
+    try:
+        cut_worker = procs.start("w1", host.command(worker("w1")))
+        job = up.submit({"id": f"cut-{uuid.uuid4().hex[:6]}", "tasks": [
+            {"id": "t", "handler": "shell", "args": {"cmd": "sleep 40", "kill_grace_s": 0.5},
+             "timeouts": {"heartbeat_s": lease_s}, "retry": {"max_attempts": 3, "initial_interval_s": 0.2}}]})
+        deadline = time.monotonic() + 60
+        while not (pids := _attempt_processes(job, 1)):
+            assert time.monotonic() < deadline, procs.output("w1")
+            time.sleep(0.2)
+        cut_at = time.time()
+        host.cut()
+        procs.start("w0", worker("w0"))  # takes the attempt the scheduler reclaims
+        gone_at = None
+        while time.time() < cut_at + 20:  # five leases
+            if gone_at is None and not any(_alive(p) for p in pids):
+                gone_at = time.time()
+            time.sleep(0.1)
+        host.heal()
+        assert gone_at is not None, "the stale attempt's process ran through the whole cut"
+        print(f"stale attempt stopped {gone_at - cut_at:.1f} s after the cut")  # docs/reliability.md (pytest -rP)
+        assert gone_at - cut_at <= lease_s + 3.0, f"stopped {gone_at - cut_at:.1f} s after the cut"
+        assert up.wait(job, timeout=120)["state"] == "succeeded"
+        assert cut_worker.poll() is None, f"the worker behind the cut exited:\n{procs.output('w1')}"
+        lg = open_log(net_kafka, tmp_path / "reader")
+        try:
+            reports = [c for c in _read(lg, COMMANDS) if c.get("job_id") == job]
+        finally:
+            lg.close()
+        stale = [c for c in reports if c["attempt"] == 1 and c["type"].endswith(("TaskSucceeded", "TaskFailed"))]
+        assert not stale, stale
+        assert [c["attempt"] for c in reports if c["type"].endswith("TaskSucceeded")] == [2]
+    finally:
+        procs.close()
+        up.stop()
