@@ -237,10 +237,10 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 
 
 # -- hosts with networks of their own (tests/netns_support.py) ----------------------------------------------
-@pytest.fixture
+@pytest.fixture(scope="module")
 def net() -> Iterator[object]:
-    """A test network: namespaces, links and addresses of this test's own, removed after it. A machine where
-    ``ip netns`` cannot be used fails the test with the reason (never a skip)."""
+    """A test network shared by a file's tests: namespaces, links and addresses of its own, removed after the
+    file. A machine where ``ip netns`` cannot be used fails the test with the reason (never a skip)."""
     from tests.netns_support import Net, NetnsError
 
     try:

@@ -36,11 +36,11 @@ MARGIN_S = LEASE_S / 6  # the agent's default fencing margin (services/agent/age
 CUT_S = 180.0  # the issue's 3 minutes
 
 
-@pytest.fixture
-def net_kafka(net: Net, tmp_path: Path) -> Iterator[str]:
-    """A broker of this test's own on the network's hub address; its ``kafka://`` URL."""
+@pytest.fixture(scope="module")
+def net_kafka(net: Net, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A broker of this file's own on the network's hub address; its ``kafka://`` URL."""
     port = free_base_port(range(29192, 39192, 100))
-    kafka = LocalKafka(port, tmp_path / "kafka", host=net.hub).start()
+    kafka = LocalKafka(port, tmp_path_factory.mktemp("kafka"), host=net.hub).start()
     try:
         yield kafka.url
     finally:
@@ -97,6 +97,7 @@ def _double_booked(events: list[dict[str, object]]) -> list[str]:
     return clashes
 
 
+@pytest.mark.timeout(600)  # the 3-minute cut, a broker and a stack: about 4 minutes, more on a loaded machine
 def test_an_agent_cut_off_for_3_minutes_fences_itself_rides_it_out_and_the_job_completes_once(
         net: Net, net_kafka: str, tmp_path: Path) -> None:
     host = net.host()
@@ -189,6 +190,7 @@ def _attempt_processes(job: str, attempt: int) -> list[int]:
     return pids
 
 
+@pytest.mark.timeout(420)
 def test_a_worker_cut_off_past_its_lease_stops_the_attempt_and_reports_nothing_for_it(
         net: Net, net_kafka: str, tmp_path: Path) -> None:
     """A CPU worker behind a cut stops the attempt whose lease it could not renew (no heartbeat delivered for a

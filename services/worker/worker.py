@@ -584,7 +584,10 @@ class Worker:
         if bad_args:
             return self._failed(ctx, NonRetryableError(f"invalid args: {bad_args}"))
         if handler.batched:
-            ctx.on_heartbeat = lambda p, m: self._send_heartbeat(ctx, p, m, flush=False)
+            def beat(p: float | None, m: str | None) -> None:
+                self._send_heartbeat(ctx, p, m, flush=False)
+
+            ctx.on_heartbeat = beat
             value, error = self._call(handler, ctx)
             return self._outcome(ctx, value, error)
 
