@@ -55,6 +55,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONG_FIRST = (
     "tests/test_chaos.py",
     "tests/test_gpu_kafka.py",
+    "tests/test_partitions.py",  # a 3-minute cut and a 20 s one, each with its own stack: about 7 minutes
     "tests/test_kafka_e2e.py",
     "tests/test_fold_properties.py",
     "tests/test_replay_window.py",
