@@ -56,7 +56,8 @@ class LocalKafka:
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "KAFKA_PORT": str(self.port), "KAFKA_BROKERS": str(self.brokers),
-                "KAFKA_DATA": str(self.data), "KAFKA_HOST": self.host, **self.extra_env}
+                "KAFKA_DATA": str(self.data),
+                **({"KAFKA_HOST": self.host} if self.host != "127.0.0.1" else {}), **self.extra_env}
 
     def sh(self, cmd: str, timeout: float = 300) -> str:
         """Run ``kafka.sh CMD``; a failure raises with the script's output."""
