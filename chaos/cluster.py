@@ -35,16 +35,18 @@ def free_base_port(start: int = 30192, stop: int = 31700, step: int = 100) -> in
 
 
 class BrokerCluster:
-    def __init__(self, data: Path, port: int | None = None, heap: str = "-Xmx384m -Xms128m") -> None:
+    def __init__(self, data: Path, port: int | None = None, heap: str = "-Xmx384m -Xms128m",
+                 host: str = "127.0.0.1") -> None:
         self.data = data
         self.port = port if port is not None else free_base_port()
         self.heap = heap
-        self.bootstrap = ",".join(f"127.0.0.1:{self.port + i}" for i in range(BROKERS))
+        self.host = host  # the address the brokers listen on (a test network's hub for partition faults)
+        self.bootstrap = ",".join(f"{host}:{self.port + i}" for i in range(BROKERS))
         self._admin: AdminClient | None = None
 
     def _sh(self, cmd: str, timeout: float = 240) -> str:
         local = LocalKafka(self.port, self.data, BROKERS,
-                           {"KAFKA_HEAP_OPTS": self.heap, "KAFKA_START_TIMEOUT": "180"})
+                           {"KAFKA_HEAP_OPTS": self.heap, "KAFKA_START_TIMEOUT": "180"}, host=self.host)
         return local.sh(cmd, timeout=timeout)
 
     def start(self) -> None:

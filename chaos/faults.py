@@ -30,6 +30,15 @@ Commit faults and zombies (issue 13), when the plan enables them:
 * ``allocator SIGSTOP``: the pool's allocator stopped, its standby started (as an orchestrator
   would: the new instance fences the old one), then the old one resumed: it must exit fenced.
   The two then swap roles.
+
+Network partitions (issue 25), when the plan enables them (the run's GPU host is then a network namespace of
+its own, ``tests/netns_support.py``, and the brokers listen on the test network's hub address), in turn:
+
+* ``GPU host cut off (link down)``: the agent's host loses its link, for ``partition_s`` seconds;
+* ``GPU host cut from the brokers``: its routes to the brokers only go, for as long.
+
+Then the partition heals. The agent must ride it out (an exit is an ``unexpected exit``), fence itself if the
+cut outlasts its lease, and register again.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +72,10 @@ ALLOCATOR_SIGSTOP = "allocator SIGSTOP, successor, SIGCONT"
 COMMIT_KINDS = {"committed-error": COMMIT_COMMITTED_ERROR, "unknown-committed": COMMIT_UNKNOWN_COMMITTED,
                 "unknown-aborted": COMMIT_UNKNOWN_ABORTED, "broker-restart": BROKER_RESTART_IN_COMMIT}
 NEW_KINDS = (*COMMIT_KINDS.values(), SCHEDULER_SIGSTOP, ALLOCATOR_SIGSTOP)
-KILL_KINDS = (SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, WORKER_KILL, BROKER_KILL, *NEW_KINDS)
+HOST_CUT = "GPU host cut off (link down)"
+HOST_CUT_FROM_BROKERS = "GPU host cut from the brokers"
+PARTITION_KINDS = (HOST_CUT, HOST_CUT_FROM_BROKERS)
+KILL_KINDS = (SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, WORKER_KILL, BROKER_KILL, *NEW_KINDS, *PARTITION_KINDS)
 
 
 @dataclass(frozen=True)
@@ -81,13 +93,17 @@ class FaultPlan:
     sigstop_every_s: float = 0.0
     allocator_sigstop_every_s: float = 0.0
     sigstop_s: float = 9.0  # past the session timeout (chaos.harness: 6 s)
+    # issue 25's kinds (network partitions of the GPU host): 0 turns them off
+    partition_every_s: float = 0.0
+    partition_s: tuple[float, float] = (5.0, 30.0)  # how long a partition lasts before it heals
 
 
 class Injector:
     def __init__(self, rng: random.Random, plan: FaultPlan, cluster: BrokerCluster, schedulers: list[Proc],
                  scheduler_dirs: dict[str, Path], workers: list[Proc], others: list[Proc], journal: Path,
                  say: Callable[[str], None] = print, fault_dir: Path | None = None,
-                 allocators: list[Proc] | None = None, require_kinds: tuple[str, ...] = ()) -> None:
+                 allocators: list[Proc] | None = None, require_kinds: tuple[str, ...] = (),
+                 host: Any = None, broker_addrs: Sequence[str] = ()) -> None:
         self.rng = rng
         self.plan = plan
         self.cluster = cluster
@@ -115,6 +131,10 @@ class Injector:
         self._armed_at = 0.0
         self._armed_kind: str | None = None
         self._conts: list[tuple[float, int, Proc, int, Proc | None]] = []  # SIGCONT due: (t, seq, proc, pid, successor)
+        self.host = host  # the GPU host's network (tests.netns_support.Host), None: no partitions
+        self.broker_addrs = list(broker_addrs)
+        self._heal_at: float | None = None
+        self._partition_turn = 0
 
     # -- bookkeeping ------------------------------------------------------------
     def record(self, kind: str, target: str, **detail: Any) -> None:
@@ -159,12 +179,14 @@ class Injector:
                                     if p.broker_every_s > 0 else float("inf")),
                          "commit": (time.monotonic() + self.rng.uniform(1.0, 3.0)) if p.commit_every_s > 0
                          else float("inf"), "sigstop": self._first(p.sigstop_every_s),
-                         "allocator": self._first(p.allocator_sigstop_every_s) + 10.0}
+                         "allocator": self._first(p.allocator_sigstop_every_s) + 10.0,
+                         "partition": self._first(p.partition_every_s if self.host is not None else 0.0)}
         due = self._due
         while time.monotonic() < until:
             now = time.monotonic()
             self.restart_due(now)
             self.resume_due(now)
+            self.heal_due(now)
             self.supervise()
             if now >= due["scheduler"]:
                 self.kill_scheduler()
@@ -197,6 +219,8 @@ class Injector:
             if now >= due["allocator"]:
                 self.sigstop_allocator()
                 due["allocator"] = self._next(p.allocator_sigstop_every_s)
+            if now >= due["partition"]:
+                due["partition"] = self._next(p.partition_every_s) if self.partition_host() else now + 1.0
             time.sleep(0.05)
 
     def _broker_reserved_for_commit(self) -> bool:
@@ -228,6 +252,7 @@ class Injector:
         deadline = time.monotonic() + timeout_s
         self._disarm.set()
         self.resume_due(float("inf"))
+        self.heal_due(float("inf"))
         if self.fault_dir is not None:  # disarm what no commit took
             (self.fault_dir / "next").unlink(missing_ok=True)
         while self._restarts and time.monotonic() < deadline:
@@ -462,3 +487,27 @@ class Injector:
                 time.sleep(2.0)  # its transactional producer's initialisation fences the zombie
             proc.expect_exit_until = time.monotonic() + 60.0
             proc.sigcont(pid)
+
+    # -- issue 25: network partitions of the GPU host ----------------------------------------
+    def partition_host(self) -> bool:
+        """Cut the GPU host off (the kinds in turn, one the run still needs first); False if one is cut now."""
+        if self.host is None or self._heal_at is not None:
+            return False
+        n = len(PARTITION_KINDS)
+        order = [PARTITION_KINDS[(self._partition_turn + i) % n] for i in range(n)]
+        kind = next((k for k in order if not self.counts[k]), order[0])
+        self._partition_turn += 1
+        secs = self.rng.uniform(*self.plan.partition_s)
+        if kind == HOST_CUT:
+            self.host.cut()
+        else:
+            self.host.cut_from(self.broker_addrs)
+        self.record(kind, self.host.ns, cut_s=round(secs, 1))
+        self._heal_at = time.monotonic() + secs
+        return True
+
+    def heal_due(self, now: float) -> None:
+        if self._heal_at is not None and now >= self._heal_at and self.host is not None:
+            self.host.heal()
+            self._heal_at = None
+            self.record("partition healed", self.host.ns)

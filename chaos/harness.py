@@ -40,7 +40,16 @@ import httpx
 
 from chaos import checks, commitfaults
 from chaos.cluster import BrokerCluster
-from chaos.faults import BROKER_KILL, KILL_KINDS, NEW_KINDS, SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, FaultPlan, Injector
+from chaos.faults import (
+    BROKER_KILL,
+    KILL_KINDS,
+    NEW_KINDS,
+    PARTITION_KINDS,
+    SCHEDULER_KILL,
+    SCHEDULER_KILL_EMPTY,
+    FaultPlan,
+    Injector,
+)
 from chaos.handlers import EFFECTS_ENV, LEDGER_ENV
 from chaos.procs import ROOT, Proc, terminate_all
 from chaos.workload import JobPlan, plan_workload
@@ -93,9 +102,11 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     # tests/test_chaos.py (make test): about 3 minutes on a 2-core box; every kind of issue 13 at least once.
     "short": Profile("short", generated_jobs=36, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
-                     inject_s=90, min_faults=60, max_inject_s=110, drain_s=150, require_kinds=NEW_KINDS,
+                     inject_s=90, min_faults=60, max_inject_s=110, drain_s=150,
+                     require_kinds=(*NEW_KINDS, *PARTITION_KINDS),
                      plan=FaultPlan(scheduler_every_s=5.0, worker_every_s=4.0, broker_every_s=20.0,
-                                    commit_every_s=5.0, sigstop_every_s=45.0, allocator_sigstop_every_s=50.0)),
+                                    commit_every_s=5.0, sigstop_every_s=45.0, allocator_sigstop_every_s=50.0,
+                                    partition_every_s=30.0, partition_s=(8.0, 25.0))),
     # python -m chaos --profile commit-faults: issue 13's kinds alone, under 5 minutes.
     "commit-faults": Profile("commit-faults", generated_jobs=24,
                              workflows=("montage-chameleon-2mass-01d-001.json.gz",), inject_s=70, min_faults=16,
@@ -113,7 +124,8 @@ PROFILES: dict[str, Profile] = {
                     inject_s=2400, min_faults=3000, max_inject_s=4500, submit_share=0.85, drain_s=900,
                     max_open_jobs=30, dup_rate=0.15, dup_max_per_s=0.7,
                     plan=FaultPlan(scheduler_every_s=3.5, worker_every_s=2.0, broker_every_s=40.0,
-                                   commit_every_s=6.0, sigstop_every_s=60.0, allocator_sigstop_every_s=60.0)),
+                                   commit_every_s=6.0, sigstop_every_s=60.0, allocator_sigstop_every_s=60.0,
+                                   partition_every_s=90.0)),
     # 3 schedulers on 3 brokers: kill -9 one instance and one broker mid-run, bring neither back until the end.
     "failover": Profile("failover", generated_jobs=40, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
                         inject_s=0, drain_s=240, dup_rate=0.0, scenario="failover"),
@@ -200,7 +212,10 @@ class ChaosRun:
             self.agent = self._proc("agent", "-m", "dagfold", "agent", "--pool", POOL, "--log", url, "--node",
                                     "chaos-node-1", "--simulate", "--gpus", "2", "--heartbeat-s", "0.5",
                                     "--artifacts", str(self.dir / "artifacts"),
-                                    "--allow-root-tasks").start()  # its jobs are the demo job: as root, say so
+                                    "--allow-root-tasks")  # its jobs are the demo job: as root, say so
+            if self.gpu_host is not None:  # on a host of its own, which the partition faults cut off
+                self.agent.argv = self.gpu_host.command(self.agent.argv)
+            self.agent.start()
         self.workers = [self._proc(f"w{i}", "-m", "dagfold", "worker", "--log", url, "--data",
                                    str(self.dir / f"w{i}"), "--queue", "default", "--concurrency",
                                    str(self.profile.worker_concurrency), "--handler-module", "chaos.handlers").start()
@@ -439,7 +454,15 @@ class ChaosRun:
         self.say(f"profile {prof.name}, seed {self.seed}, folder {self.dir}")
         plans = plan_workload(self.seed, prof.generated_jobs, list(prof.workflows))
         self.say(f"workload: {len(plans)} jobs, {sum(p.tasks for p in plans)} tasks")
-        self.cluster = BrokerCluster(self.dir / "kafka")
+        # Partition faults: the GPU host gets a network namespace of its own, the brokers the network's hub
+        self.net: Any = None
+        self.gpu_host: Any = None
+        if prof.plan.partition_every_s > 0 and prof.plan.allocator_sigstop_every_s > 0:
+            from tests.netns_support import Net
+
+            self.net = Net()
+            self.gpu_host = self.net.host()
+        self.cluster = BrokerCluster(self.dir / "kafka", host=self.net.hub if self.net is not None else "127.0.0.1")
         self.url = f"kafka://{self.cluster.bootstrap}?{CLIENT_SETTINGS}"
         report: dict[str, Any] = {"profile": prof.name, "seed": self.seed, "folder": str(self.dir),
                                   "settings": {k: v for k, v in asdict(prof).items() if k != "plan"},
@@ -464,7 +487,8 @@ class ChaosRun:
             injector = Injector(self.rng, prof.plan, self.cluster, self.schedulers, self.scheduler_dirs,
                                 self.workers, others, self.logs / "faults.jsonl", self.say,
                                 fault_dir=self.fault_dir, allocators=self.allocators,
-                                require_kinds=prof.require_kinds)
+                                require_kinds=prof.require_kinds, host=self.gpu_host,
+                                broker_addrs=[self.net.hub] if self.net is not None else [])
             if prof.scenario == "failover":
                 self.failover(injector, submitter)
             else:
@@ -497,6 +521,8 @@ class ChaosRun:
                 p.close()
             with contextlib.suppress(Exception):
                 self.cluster.stop()
+            if self.net is not None:
+                self.net.close()
         report["faults"] = self.fault_counts(injector)
         report["faults total"] = sum(report["faults"].values())
         report["unexpected exits"] = injector.unexpected if injector else []

@@ -44,10 +44,11 @@ class LocalKafka:
     data: Path
     brokers: int = 1
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"  # the address the brokers listen on and advertise (KAFKA_HOST)
 
     @property
     def bootstrap(self) -> str:
-        return ",".join(f"127.0.0.1:{self.port + i}" for i in range(self.brokers))
+        return ",".join(f"{self.host}:{self.port + i}" for i in range(self.brokers))
 
     @property
     def url(self) -> str:
@@ -55,7 +56,8 @@ class LocalKafka:
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "KAFKA_PORT": str(self.port), "KAFKA_BROKERS": str(self.brokers),
-                "KAFKA_DATA": str(self.data), **self.extra_env}
+                "KAFKA_DATA": str(self.data),
+                **({"KAFKA_HOST": self.host} if self.host != "127.0.0.1" else {}), **self.extra_env}
 
     def sh(self, cmd: str, timeout: float = 300) -> str:
         """Run ``kafka.sh CMD``; a failure raises with the script's output."""

@@ -61,6 +61,7 @@ LONG_FIRST = (
     "tests/test_chaos.py",
     "tests/test_soak.py",
     "tests/test_gpu_kafka.py",
+    "tests/test_partitions.py",  # a 3-minute cut and a 20 s one, each with its own stack: about 7 minutes
     "tests/test_kafka_e2e.py",
     "tests/test_fold_properties.py",
     "tests/test_replay_window.py",
@@ -240,6 +241,23 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# -- hosts with networks of their own (tests/netns_support.py) ----------------------------------------------
+@pytest.fixture(scope="module")
+def net() -> Iterator[object]:
+    """A test network shared by a file's tests: namespaces, links and addresses of its own, removed after the
+    file. A machine where ``ip netns`` cannot be used fails the test with the reason (never a skip)."""
+    from tests.netns_support import Net, NetnsError
+
+    try:
+        n = Net()
+    except NetnsError as exc:
+        pytest.fail(f"network namespaces are needed (run the tests as root on Linux with iproute2): {exc}")
+    try:
+        yield n
+    finally:
+        n.close()
 
 
 # -- `dagfold up` shared by the session ------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from dagfold.commands import cancel_job
 from dagfold.config import ALLOCATOR_COMMANDS
+from dagfold.services.agent.agent import SELF_FENCED
 from dagfold.services.agent.devices import SimulatedDevices, detect
 from dagfold.services.allocator.options import AllocatorOptions
 from tests.gpu_support import POOL, GpuCluster, gpu_job, of, read_all
@@ -106,10 +107,15 @@ def test_partitioned_node_loses_its_allocation_and_its_stale_process_is_fenced(t
         ev = c.until(lambda ev: bool(of(ev, "LeaseGranted", job_id="job3")))
         node = of(ev, "TaskAllocated", job_id="job3")[0]["node_ids"][0]
         agent = c.agents[int(node[1:])]
+        [stale] = agent.procs.values()
         agent.set_partitioned(True)
+        ev = c.until(lambda ev: bool(of(ev, "AllocationExpired", job_id="job3")))
+        # Self-fencing: behind the partition the agent stopped the process before its node lease lapsed and
+        # the allocator could grant those GPUs again (docs/reliability.md, Partitions)
+        assert stale.exited() is not None and stale.stop_reason == SELF_FENCED
+        assert not agent.procs
         ev = c.until(lambda ev: len(of(ev, "TaskAllocated", job_id="job3")) == 2)
         assert of(ev, "NodeDrained", node_id=node, lost=True)
-        assert len(agent.procs) == 1  # still running behind the partition
         agent.set_partitioned(False)
         c.until(lambda ev: not agent.procs and len(of(ev, "NodeRegistered", node_id=node)) >= 2, timeout_s=20)
         live = [a for a in c.agents if a.procs]

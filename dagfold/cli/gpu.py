@@ -114,6 +114,7 @@ def agent(pool: str = PoolOpt, log: LogOpt = None,
           verbose: VerboseOpt = False) -> None:
     """Run the node agent of one GPU host: register, heartbeat health, run granted jobs."""
     from dagfold.artifacts import ArtifactError, LocalArtifactStore, open_store
+    from dagfold.exceptions import LogError
     from dagfold.log import open_log
     from dagfold.services.agent.agent import NodeAgent
     from dagfold.services.agent.devices import Devices, NvmlDevices, SimulatedDevices
@@ -140,10 +141,19 @@ def agent(pool: str = PoolOpt, log: LogOpt = None,
     lg = open_log(cfg.log_url, cfg.data_dir, prefix=cfg.topic_prefix)
     launcher = Launcher(shlex.split(command), store, work_dir or Path(".dagfold") / "agent-work" / node,
                         runtime=runtime)
-    node_agent = NodeAgent(lg, pool, node, devices, launcher, hb_interval_s=hb_interval_s,
-                           keep_checkpoints=keep_checkpoints)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while True:  # a log unreachable at start is waited for, as one that goes away later is ridden out
+        try:
+            node_agent = NodeAgent(lg, pool, node, devices, launcher, hb_interval_s=hb_interval_s,
+                                   keep_checkpoints=keep_checkpoints)
+            break
+        except LogError as exc:
+            out.print(f"dagfold agent: waiting for the log: {exc}")
+            if stop.wait(2.0):
+                launcher.close()
+                lg.close()
+                return
     out.print(f"dagfold agent: node {node} ({devices.count}x {devices.gpu_type}) in pool {pool}")
     node_agent.register()
     try:

@@ -10,6 +10,7 @@
 #   KAFKA_PORT=9092      client port of broker 1 (broker i listens on KAFKA_PORT+i-1,
 #                        its controller on KAFKA_PORT+1000+i-1)
 #   KAFKA_BROKERS=1      1, or 3 for a 3-voter KRaft quorum with replication factor 3
+#   KAFKA_HOST=127.0.0.1 the address every broker listens on and advertises (a test network's hub address)
 #   KAFKA_DATA=.cache/kafka/data-$KAFKA_PORT   config, logs, pid files and storage
 #   KAFKA_HEAP_OPTS="-Xmx512m -Xms256m"        per broker
 #   KAFKA_START_TIMEOUT=90                     seconds to wait for readiness
@@ -34,7 +35,7 @@ BROKERS="${KAFKA_BROKERS:-1}"
 DATA="${KAFKA_DATA:-$ROOT/.cache/kafka/data-$PORT}"
 HEAP="${KAFKA_HEAP_OPTS:--Xmx512m -Xms256m}"
 START_TIMEOUT="${KAFKA_START_TIMEOUT:-90}"
-HOST=127.0.0.1
+HOST="${KAFKA_HOST:-127.0.0.1}"
 SECURITY="${KAFKA_SECURITY:-none}"
 ADMIN_PASSWORD="${KAFKA_ADMIN_PASSWORD:-}"
 

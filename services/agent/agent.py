@@ -40,6 +40,18 @@ grant. A process whose allocation was released, expired or is unknown to the
 allocator (a heartbeat answered by a fence) is stopped; after a partition or
 an expired lease the agent re-registers with a new incarnation, so heartbeats
 of the old one are ignored by the allocator.
+
+Outages (docs/reliability.md, "Partitions"): the agent never exits because the log is unreachable. A flush
+that cannot deliver leaves the records in the producer's bounded buffer (librdkafka's
+``message.timeout.ms`` drops what waits longer) and the agent holds its heartbeats until the buffer is
+delivered, so a healed partition delivers one stale heartbeat, not one per interval of the cut. Self-fencing:
+the agent knows the node lease the allocator holds for it (``lease_deadline_ms`` of the allocator's
+NodeRegistered and NodeHeartbeatRecorded events for its incarnation). Once less than the fencing margin
+(``fence_margin_s``, default a sixth of that lease) is left of it, heard from the allocator or not, it
+stops its job processes itself, SIGTERM (they checkpoint) and SIGKILL by half the margin, so none runs
+when the allocator declares the host lost and grants its GPUs again. It releases those allocations as
+preempted (the allocator requeues them from their checkpoints) and launches nothing until the allocator
+renews the lease or the agent re-registers.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from dagfold import metrics
 from dagfold.artifacts import LocalArtifactStore
 from dagfold.codec import Record, default_codec, make
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, COMMANDS, CONTROL
-from dagfold.exceptions import CodecError
+from dagfold.exceptions import CodecError, LogError
 from dagfold.log import Log, TopicPartition
 from dagfold.logs import log_context
 from dagfold.services.agent.devices import Devices, Health, SimulatedDevices
@@ -64,6 +76,8 @@ log = logging.getLogger("dagfold.agent")
 A = "dagfold.allocator."
 PERF_CAP = 2.0  # the most a job's throughput counts (module docstring): loose runtimes cannot lift the average
 GRANT_WAIT_S = 30.0  # how long a dispatch waits for its AllocationGranted to be read (module docstring)
+FENCE_MARGIN_SHARE = 6  # default fencing margin: the node lease / this (module docstring)
+SELF_FENCED = "self-fenced: node lease lapsing"
 
 
 class NodeAgent:
@@ -72,7 +86,7 @@ class NodeAgent:
     def __init__(self, log_: Log, pool: str, node_id: str, devices: Devices, launcher: Launcher, *,
                  hb_interval_s: float = 1.0, grace_s: float = 30.0, report_to_scheduler: bool = True,
                  keep_checkpoints: bool = False, clock: Callable[[], float] = time.time,
-                 perf_window_s: float = 60.0) -> None:
+                 perf_window_s: float = 60.0, fence_margin_s: float | None = None, flush_s: float = 1.0) -> None:
         self.log = log_
         self.pool = pool
         self.node_id = node_id
@@ -98,15 +112,25 @@ class NodeAgent:
         self.report_every_s: dict[str, float] = {}  # per led allocation: a quarter of its scheduler lease
         self._next_report: dict[str, float] = {}
         self.partitioned = False
+        # Self-fencing (module docstring): the node lease as the allocator last acknowledged it (its clock, ms;
+        # None until it acknowledged this incarnation) and its length; flush_s bounds one step's wait for
+        # deliveries; backlog: records are waiting for the log, heartbeats are held
+        self.fence_margin_s = fence_margin_s
+        self.flush_s = flush_s
+        self.lease_deadline_ms: int | None = None
+        self.lease_s: float | None = None
+        self.backlog = False
+        self.outages = 0  # times the log stopped taking or giving records (metrics, tests)
         self.last_health: Health | None = None  # the last heartbeat's snapshot (metrics)
         self.crashed = False
         self._next_hb = 0.0
-        self.producer = log_.producer(f"agent-{node_id}")
-        self.events = log_.consumer(None, client_id=f"agent-{node_id}-events")
-        self.control = log_.consumer(None, client_id=f"agent-{node_id}-control")
+        # what needs the log to answer first (a LogError here leaves no client behind: `dagfold agent` retries)
         ev = TopicPartition(ALLOCATOR_EVENTS, log_.partition_for(pool.encode(), log_.partitions(ALLOCATOR_EVENTS)))
         ct = TopicPartition(CONTROL, log_.partition_for(node_id.encode(), log_.partitions(CONTROL)))
         ends = log_.end_offsets([ev, ct])
+        self.producer = log_.producer(f"agent-{node_id}")
+        self.events = log_.consumer(None, client_id=f"agent-{node_id}-events")
+        self.control = log_.consumer(None, client_id=f"agent-{node_id}-control")
         self.events.assign({ev: ends[ev]})
         self.control.assign({ct: ends[ct]})
 
@@ -129,10 +153,61 @@ class NodeAgent:
 
     def register(self) -> None:
         self.incarnation = max(self.incarnation + 1, self._now_ms())
+        self.lease_deadline_ms = None  # the new incarnation's lease is unknown until the allocator answers
         self._alloc_cmd(cmds.register_node(self.pool, self.node_id, self.devices.gpu_type, self.devices.count,
                                            incarnation=self.incarnation, ts_ms=self._now_ms()))
-        self.producer.flush()
+        self._flush()
         self._next_hb = self.clock() + self.hb_interval_s
+
+    def _flush(self) -> None:
+        """Deliver what was sent, waiting at most ``flush_s`` (nothing while a backlog waits): an unreachable
+        log is an outage to ride out, never an error that ends the agent."""
+        try:
+            self.producer.flush(0.0 if self.backlog else self.flush_s)
+        except LogError as exc:
+            if not self.backlog:
+                self._outage(f"records wait for the log ({exc}); heartbeats held until they are delivered")
+            self.backlog = True
+            return
+        if self.backlog:
+            log.warning("%s: the log takes records again", self.node_id)
+        self.backlog = False
+
+    def _outage(self, what: str) -> None:
+        self.outages += 1
+        log.warning("%s: %s", self.node_id, what)
+
+    # -- self-fencing ---------------------------------------------------------------------------
+    def _acknowledged(self, e: Record) -> None:
+        """The allocator recorded this incarnation's registration or a heartbeat: its lease deadline."""
+        self.lease_s = max(0.0, (e["lease_deadline_ms"] - e["ts_ms"]) / 1000)
+        self.lease_deadline_ms = max(self.lease_deadline_ms or 0, int(e["lease_deadline_ms"]))
+
+    def fence_margin(self) -> float:
+        """Seconds before the acknowledged lease deadline at which the agent stops its processes."""
+        if self.fence_margin_s is not None:
+            return self.fence_margin_s
+        return (self.lease_s or 0.0) / FENCE_MARGIN_SHARE
+
+    def lease_left_s(self) -> float | None:
+        """Seconds of the acknowledged node lease left before the fencing margin (None: not acknowledged)."""
+        if self.lease_deadline_ms is None:
+            return None
+        return self.lease_deadline_ms / 1000 - self.clock() - self.fence_margin()
+
+    def _self_fence(self) -> None:
+        """Stop every job process whose node lease is about to lapse (module docstring)."""
+        left = self.lease_left_s()
+        if left is None or left > 0:
+            return
+        margin = self.fence_margin()
+        kill_at = time.monotonic() + max(0.0, left + margin / 2)  # SIGKILL by half the margin before the deadline
+        for jp in self.procs.values():
+            if jp.exited() is None and jp.stop_reason is None:
+                log.warning("%s: node lease acknowledged until %d ms lapses in %.1f s and the allocator is not "
+                            "heard: stopping allocation %s", self.node_id, self.lease_deadline_ms, left + margin,
+                            jp.alloc_id)
+                self.launcher.stop(jp, SELF_FENCED, kill_at)
 
     def heartbeat(self) -> None:
         busy = frozenset(g for jp in self.procs.values() if jp.exited() is None for g in jp.gpus)
@@ -223,6 +298,10 @@ class NodeAgent:
         aid = d["alloc_id"]
         if aid in self.procs or aid in self.ended:
             return  # a redelivered dispatch, or one for an allocation already over
+        left = self.lease_left_s()
+        if left is not None and left <= 0:
+            log.warning("%s: not starting allocation %s: the node lease lapses", self.node_id, aid)
+            return  # a dispatch from before a partition; the allocator expires or requeues it
         why = self.grant_refusal(d)
         if why == "":
             self.waiting.setdefault(aid, (d, self.clock()))
@@ -249,6 +328,10 @@ class NodeAgent:
             self.grants[e["alloc_id"]] = e
         if t in ("AllocationReleased", "AllocationExpired"):
             self._ended(e["alloc_id"])
+        if t == "NodeRegistered" and e["node_id"] == self.node_id and e["incarnation"] == self.incarnation:
+            self._acknowledged(e)
+        elif t == "NodeHeartbeatRecorded" and e["node_id"] == self.node_id and self.lease_deadline_ms is not None:
+            self._acknowledged(e)  # recorded after this incarnation's registration: this incarnation's
         if t == "PreemptionRequested" and e["alloc_id"] in self.procs:
             self._stop(self.procs[e["alloc_id"]], "preempted", e["grace_deadline_ms"])
         elif t in ("AllocationReleased", "AllocationExpired") and e["alloc_id"] in self.procs:
@@ -303,7 +386,7 @@ class NodeAgent:
             self.report_every_s.pop(aid, None)
             self._next_report.pop(aid, None)
             tail = "\n".join(jp.lines[-20:])
-            if jp.stop_reason == "preempted":
+            if jp.stop_reason in ("preempted", SELF_FENCED):  # checkpointed: the allocator requeues it
                 self._alloc_cmd(cmds.release_allocation(self.pool, aid, jp.epoch, self.node_id, "preempted",
                                                         exit_code=code, checkpoint_uri=jp.checkpoint_uri,
                                                         ts_ms=self._now_ms()))
@@ -335,25 +418,36 @@ class NodeAgent:
                         error_type=None if code else "output_upload")
 
     def step(self) -> None:
-        """One round: read events and control, reap processes, heartbeat when due."""
+        """One round: read events and control, fence what the lease no longer covers, reap processes,
+        heartbeat when due (not while records wait for the log). Never raises for an unreachable log."""
         if self.crashed or getattr(self.devices, "crashed", False):
             return
         if not self.partitioned:
             for consumer, handler in ((self.events, self.on_event), (self.control, self.on_control)):
-                for r in consumer.poll(500, 0.0):
+                try:
+                    records = consumer.poll(500, 0.0)
+                except LogError as exc:
+                    self._outage(f"cannot read the log: {exc}")
+                    continue
+                for r in records:
                     try:
                         rec = self.codec.decode(r.value)
                     except CodecError:
                         continue
                     handler(rec)
-            self._launch_waiting()
-        self._reap()
-        if self.partitioned:
-            return
-        if self.clock() >= self._next_hb:
-            self.heartbeat()
-            self._next_hb = self.clock() + self.hb_interval_s
-        self.producer.flush()
+        self._self_fence()
+        try:
+            if not self.partitioned:
+                self._launch_waiting()
+            self._reap()
+            if self.partitioned:
+                return
+            if self.clock() >= self._next_hb and not self.backlog:
+                self.heartbeat()
+                self._next_hb = self.clock() + self.hb_interval_s
+        except LogError as exc:  # the producer refused a record (it failed): what was sent stays buffered
+            self._outage(f"cannot send: {exc}")
+        self._flush()
 
     def run(self, should_stop: Callable[[], bool], tick_s: float = 0.05) -> None:
         with log_context(node=self.node_id):  # every line this agent's loop logs names its node
@@ -369,7 +463,10 @@ class NodeAgent:
         self.launcher.close()
         self.events.close()
         self.control.close()
-        self.producer.close()
+        try:
+            self.producer.close()
+        except LogError as exc:  # shutting down during an outage: what is still buffered is lost
+            log.warning("%s: closing with undelivered records: %s", self.node_id, exc)
 
 
 def simulated(log_: Log, pool: str, node_id: str, command: list[str], artifact_dir: Any, *, gpus: int = 8,

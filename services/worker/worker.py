@@ -588,7 +588,10 @@ class Worker:
         if bad_args:
             return self._failed(ctx, NonRetryableError(f"invalid args: {bad_args}"))
         if handler.batched:
-            ctx.on_heartbeat = lambda p, m: self._send_heartbeat(ctx, p, m, flush=False)
+            def beat(p: float | None, m: str | None) -> None:
+                self._send_heartbeat(ctx, p, m, flush=False)
+
+            ctx.on_heartbeat = beat
             value, error = self._call(handler, ctx)
             return self._outcome(ctx, value, error)
 
@@ -608,7 +611,9 @@ class Worker:
         interval = max(lease / 3.0, MIN_HEARTBEAT_S) if lease == lease and lease > 0 else MIN_HEARTBEAT_S
         limit = d["start_to_close_s"]
         deadline = time.monotonic() + limit if limit is not None and limit > 0 else None
-        watcher = threading.Thread(target=self._watch, args=(running, interval, deadline, stop), daemon=True,
+        watcher = threading.Thread(target=self._watch, args=(running, interval, deadline, stop,
+                                                             lease if lease == lease and lease > 0 else 0.0),
+                                   daemon=True,
                                    name=f"worker-{self.worker_id}-heartbeat")
         watcher.start()
         try:
@@ -712,30 +717,41 @@ class Worker:
 
     # -- heartbeats -------------------------------------------------------------
     def _send_heartbeat(self, ctx: TaskContext, progress: float | None, message: str | None, *,
-                        flush: bool) -> None:
+                        flush: bool, flush_s: float = 30.0) -> bool:
+        """Send (and with ``flush`` deliver, waiting at most ``flush_s``) a heartbeat; whether it went out."""
         hb = codec.make("dagfold.command.TaskHeartbeat", job_id=ctx.job_id, task_id=ctx.task_id,
                         attempt=ctx.attempt, worker_id=self.worker_id, ts_ms=now_ms(), progress=progress,
                         message=_clean(str(message)[:1024]) if message is not None else None)
         try:
             self._send(COMMANDS, ctx.job_id.encode(), hb)
             if flush:
-                self._producer.flush()
+                self._producer.flush(flush_s)
         except LogError as exc:
             log.warning("heartbeat failed: %s", exc, extra=self._extra((ctx.job_id, ctx.task_id, ctx.attempt)))
-            return
+            return False
         self.heartbeats_sent += 1
+        return True
 
     def _watch(self, running: _Running, interval: float, deadline: float | None,
-               stop: threading.Event | None) -> None:
-        """Heartbeat the running attempt; cancel it at its deadline or after the shutdown grace."""
+               stop: threading.Event | None, lease_s: float = 0.0) -> None:
+        """Heartbeat the running attempt; cancel it at its deadline or after the shutdown grace, and stop it
+        once no heartbeat was delivered for a whole lease (``lease_s``; a broker or network outage): the
+        scheduler, which counts the lease from the last heartbeat it got, has reclaimed the attempt by then,
+        so its outcome would be rejected and its side effects could run twice."""
         next_beat = time.monotonic() + interval
         last_sent = float("-inf")
+        renewed = time.monotonic()  # the lease starts when TaskStarted was delivered (just before)
         shutdown_at: float | None = None
         while not running.done.is_set():
             running.wake.clear()
             now = time.monotonic()
             if running.cancel_kind is not None:
                 return  # stopped, timed out or shutting down: the lease is no longer ours to keep
+            if lease_s > 0 and now - renewed >= lease_s:
+                log.warning("lease lost: no heartbeat delivered for %.1f s (the lease); stopping the attempt",
+                            now - renewed, extra=self._extra(running.key))
+                running.cancel("stop", "lease lost: no heartbeat delivered for the whole lease")
+                return
             if deadline is not None and now >= deadline:
                 running.cancel("timeout", "start_to_close_timeout")
                 return
@@ -750,7 +766,11 @@ class Worker:
                 running.take_pending()
                 due = True
             if due:
-                self._send_heartbeat(running.ctx, running.progress, running.message, flush=True)
+                sent_at = time.monotonic()
+                # a flush waits at most until the lease would lapse (a whole lease without delivery ends it)
+                if self._send_heartbeat(running.ctx, running.progress, running.message, flush=True,
+                                        flush_s=max(0.1, renewed + lease_s - sent_at) if lease_s > 0 else 30.0):
+                    renewed = sent_at  # the scheduler got it at or after it was sent
                 last_sent = now = time.monotonic()
                 next_beat = now + interval
             wake_at = min(t for t in (next_beat, deadline, shutdown_at,
