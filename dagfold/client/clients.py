@@ -22,8 +22,8 @@ from dagfold.codec import default_codec, make
 from dagfold.commands import CommandSender, now_ms
 from dagfold.config import EVENTS, Config
 from dagfold.exceptions import CodecError, DagfoldError
+from dagfold.lifecycle import JOB_ENDING_EVENTS, JOB_FINAL, job_state_after
 from dagfold.log import TopicPartition, open_log
-from dagfold.projections.jobs import TERMINAL_JOB_STATES
 from dagfold.rules import path_segment
 from dagfold.services.scheduler.spec import SpecError
 from dagfold.services.scheduler.validation import validate_job_spec
@@ -62,7 +62,7 @@ class JobStatus:
 
     @property
     def done(self) -> bool:
-        return self.state in TERMINAL_JOB_STATES
+        return self.state in JOB_FINAL
 
 
 class Client(Protocol):
@@ -195,14 +195,10 @@ class RestClient:
 
 # -- Kafka -------------------------------------------------------------------------------
 
-# Job-level events and the state each one leaves the job in.
-_JOB_STATES = {
-    "dagfold.event.JobAccepted": "accepted",
-    "dagfold.event.JobSucceeded": "succeeded",
-    "dagfold.event.JobFailed": "failed",
-    "dagfold.event.JobCancelled": "cancelled",
-    "dagfold.event.JobRejected": "rejected",
-}
+_ACCEPTED = "dagfold.event.JobAccepted"
+_STATUS_EVENTS = JOB_ENDING_EVENTS | {_ACCEPTED, "dagfold.event.JobRejected"}
+"""The events whose job state ``KafkaClient`` reports (``dagfold.lifecycle``): ``accepted`` (the read model
+would say running), then how the job ended or that it was rejected."""
 
 
 class KafkaClient:
@@ -258,11 +254,9 @@ class KafkaClient:
                         ev = codec.decode(rec.value)
                     except CodecError:
                         continue
-                    state = _JOB_STATES.get(ev["type"])
-                    if state is None:
+                    if ev["type"] not in _STATUS_EVENTS:
                         continue
-                    if state == "succeeded" and ev.get("partial"):
-                        state = "succeeded_partial"
+                    state = "accepted" if ev["type"] == _ACCEPTED else str(job_state_after(ev))
                     tenant = ev.get("tenant") or (ev["spec"]["tenant"] if "spec" in ev else None)
                     status = JobStatus(job_id, state, tenant or (status.tenant if status else None),
                                        ev.get("reason"), {}, {k: v for k, v in ev.items() if k != "spec"})
