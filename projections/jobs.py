@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
+from dagfold.jobspec import is_gpu
 from dagfold.lifecycle import (
     JOB_FINAL,
     LIFECYCLE,
@@ -91,13 +92,8 @@ DETAIL_MAX = 500
 GPU_STATES = ("QUEUED", "ASSIGNED", "RUNNING", "CHECKPOINTING", "COMPLETED", "FAILED", "CANCELLED")
 
 
-def is_gpu_task(task: Record) -> bool:
-    res = task.get("resources")
-    return bool(res and res.get("gpus", 0) > 0)
-
-
 def _gpu(task: Record, state: str) -> None:
-    if is_gpu_task(task):
+    if is_gpu(task):
         task["gpu_state"] = state
 
 _SEP = SEP
@@ -221,7 +217,7 @@ def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None = 
         "s2s_ms": _timeout_ms(spec, job_timeouts, "schedule_to_start_s"),
         "s2c_ms": _timeout_ms(spec, job_timeouts, "start_to_close_s"),
         "_ix": ops.initial_ix(),
-        "gpu_state": "QUEUED" if is_gpu_task(spec) else None,
+        "gpu_state": "QUEUED" if is_gpu(spec) else None,
     }
 
 
@@ -515,7 +511,7 @@ def _task_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) 
     outputs = list(ev.get("outputs") or [])
     task.update(attempt=ev["attempt"], worker_id=ev["worker_id"], ended_ms=ts, result_json=ev.get("result_json"),
                 reason=None, exit_code=None, error_type=None, lease_deadline_ms=None, outputs=outputs)
-    if is_gpu_task(task):
+    if is_gpu(task):
         task["progress"] = 1.0  # a GPU task's progress ends at 100% (its last report may say less)
     _gpu(task, "COMPLETED")
     key, att = _load_attempt(txn, ev, ev["worker_id"])

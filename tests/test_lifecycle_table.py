@@ -16,6 +16,7 @@ import pytest
 
 from dagfold.codec import Record, make
 from dagfold.config import SchedulerOptions
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.lifecycle import (
     JOB_ENDING_EVENTS,
     JOB_TERMINAL,
@@ -33,7 +34,6 @@ from dagfold.projections.keys import job_key, task_key
 from dagfold.projections.store import ReadModelStore
 from dagfold.services.scheduler import appliers as scheduler_appliers
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import MemoryStore, PartitionTransaction
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"

@@ -20,13 +20,12 @@ import httpx
 from dagfold.client.spec import Job
 from dagfold.codec import default_codec, make
 from dagfold.commands import CommandSender, now_ms
-from dagfold.config import EVENTS, Config
+from dagfold.config import EVENTS, Config, Limits
 from dagfold.exceptions import CodecError, DagfoldError
+from dagfold.jobspec import SpecError, SpecRejected
 from dagfold.lifecycle import JOB_ENDING_EVENTS, JOB_FINAL, job_state_after
 from dagfold.log import TopicPartition, open_log
 from dagfold.rules import path_segment
-from dagfold.services.scheduler.spec import SpecError
-from dagfold.services.scheduler.validation import validate_job_spec
 
 
 class ClientError(DagfoldError):
@@ -75,9 +74,11 @@ class Client(Protocol):
     def close(self) -> None: ...
 
 
-def _checked_record(job: Job) -> dict[str, Any]:
+def _checked_record(job: Job, limits: Limits | None = None) -> dict[str, Any]:
     try:
-        return job.to_record()
+        return job.to_record(limits)
+    except SpecRejected as exc:
+        raise ClientError(None, exc.rejection.code, exc.rejection.reason) from None
     except SpecError as exc:
         raise ClientError(None, "invalid_spec", str(exc)) from None
 
@@ -225,10 +226,7 @@ class KafkaClient:
         return TopicPartition(EVENTS, self.log.partition_for(job_id.encode(), self.log.partitions(EVENTS)))
 
     def submit(self, job: Job) -> Submission:
-        spec = _checked_record(job)
-        rejection = validate_job_spec(spec, self.config.scheduler.limits)
-        if rejection is not None:
-            raise ClientError(None, rejection.code, rejection.reason)
+        spec = _checked_record(job, self.config.scheduler.limits)  # as the scheduler will check it
         tp = self._tp(spec["job_id"])
         self._start.setdefault(spec["job_id"], self.log.end_offsets([tp])[tp])
         try:
