@@ -201,7 +201,7 @@ def task_action_refusal(action: str, job_id: str, job_state: str | None, task_id
         return None
     if task_state == TaskState.SUCCEEDED:
         return "task_succeeded", f"task {task_id!r} already succeeded"
-    doing = {TaskState.PENDING: "has not run yet (it waits for its upstream tasks)",
+    doing: dict[str, str] = {TaskState.PENDING: "has not run yet (it waits for its upstream tasks)",
              TaskState.RUNNABLE: f"is queued to run (attempt {attempt})",
              TaskState.RUNNING: f"is running (attempt {attempt})",
              TaskState.RETRYING: f"is waiting to retry (attempt {attempt} failed; its retry policy runs it again)"}

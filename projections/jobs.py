@@ -43,12 +43,12 @@ import msgspec
 from dagfold.jobspec import is_gpu
 from dagfold.lifecycle import (
     JOB_FINAL,
-    LIFECYCLE,
     TASK_STATES,
     TASK_TERMINAL,
     JobState,
     job_state_after,
     task_state_after,
+    transition,
 )
 from dagfold.projections import operator as ops
 from dagfold.projections.keys import (
@@ -187,11 +187,11 @@ def _timeout_ms(spec: Record, job_timeouts: Record | None, name: str) -> int | N
     return None
 
 
-def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None = None) -> Record:
+def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None, state: str) -> Record:
     return {
         "job_id": job_id,
         "task_id": spec["task_id"],
-        "state": LIFECYCLE["dagfold.event.JobAccepted"].task,
+        "state": state,
         "attempt": 0,
         "queue": spec.get("queue", "default"),
         "handler": spec.get("handler", ""),
@@ -272,7 +272,8 @@ def _set_task_state(job: Record, task: Record, state: str | None) -> None:
     _set_progress(job)
 
 
-def _end_job(txn: ReadModelTxn, job: Record, state: str, ts: int, reason: str | None) -> None:
+def _end_job(txn: ReadModelTxn, job: Record, state: str | None, ts: int, reason: str | None) -> None:
+    assert state is not None  # the event ends the job (lifecycle.JOB_ENDING_EVENTS)
     _set_job_state(txn, job, state)
     job["ended_ms"] = ts
     job["duration_ms"] = max(ts - job["created_ms"], 0)
@@ -351,14 +352,14 @@ def _job_accepted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
                callback_url=spec.get("callback_url"), spec_hash=ev.get("spec_hash"), name=spec.get("name"))
     seen: set[str] = set()
     job_timeouts = spec.get("timeouts")
+    step = transition(ev)
+    assert step.job is not None and step.task is not None
     for t in spec["tasks"]:
         if t["task_id"] in seen:
             continue  # validation rejects duplicates; never count one twice
         seen.add(t["task_id"])
-        txn.put(task_key(job_id, t["task_id"]), _new_task(job_id, t, ts, job_timeouts))
+        txn.put(task_key(job_id, t["task_id"]), _new_task(job_id, t, ts, job_timeouts, step.task))
     n = len(seen)
-    step = LIFECYCLE["dagfold.event.JobAccepted"]
-    assert step.job is not None and step.task is not None
     job["state"] = step.job
     ops.count_job(txn, job["tenant"], step.job, 1)
     ops.tasks_created(txn, job["tenant"], n)
@@ -636,7 +637,7 @@ def _reopen_tasks(txn: ReadModelTxn, ev: Record, counter: str, extra: dict[str, 
     job = ctx.job
     if job is None:
         return
-    step = LIFECYCLE[ev["type"]]
+    step = transition(ev)
     assert step.from_task is not None and step.job is not None
     ts = ev["ts_ms"]
     for tid in ev["task_ids"]:

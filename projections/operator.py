@@ -38,7 +38,7 @@ from dagfold.lifecycle import JOB_STATES, TASK_STATES, JobState, TaskState
 from dagfold.projections.keys import SEP, U32, Record, clamp_limit, job_key, key, ms, part, public, task_key, unpart
 from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
 
-QUEUE_STATES = (TaskState.RUNNABLE, TaskState.RUNNING, TaskState.RETRYING)
+QUEUE_STATES: tuple[str, ...] = (TaskState.RUNNABLE, TaskState.RUNNING, TaskState.RETRYING)
 """The task states a queue's depth counts."""
 
 USAGE = b"ut"

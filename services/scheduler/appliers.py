@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dagfold.codec import Record
-from dagfold.lifecycle import LIFECYCLE, TaskState, job_state_after, task_state_after
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
+from dagfold.lifecycle import TaskState, job_state_after, task_state_after, transition
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.retry import NO_RETRY
 from dagfold.state import PartitionTransaction
@@ -81,7 +81,7 @@ def _clear_timers(txn: PartitionTransaction, job_id: str, task_id: str, t: dict[
     t["timers"] = {}
 
 
-_OUTCOME = {TaskState.SUCCEEDED: "ok", TaskState.FAILED: "bad", TaskState.SKIPPED: "skip",
+_OUTCOME: dict[str, str] = {TaskState.SUCCEEDED: "ok", TaskState.FAILED: "bad", TaskState.SKIPPED: "skip",
             TaskState.CANCELLED: "skip"}
 """The upstream-outcome counter of a dependent that a task's terminal state moves (trigger rules read them)."""
 
@@ -123,7 +123,7 @@ def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
     spec = e["spec"]
     job_id = spec["job_id"]
     tasks = spec["tasks"]
-    step = LIFECYCLE["dagfold.event.JobAccepted"]
+    step = transition(e)
     downs: dict[str, list[str]] = {}
     for t in tasks:
         for u in dict.fromkeys(t["depends_on"]):
@@ -307,7 +307,7 @@ def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
     """
     job_id = e["job_id"]
     reopened = set(e["task_ids"])
-    step = LIFECYCLE[e["type"]]
+    step = transition(e)
     j = get_job(txn, job_id)
     if j is None:
         return
@@ -338,7 +338,7 @@ def _task_reopened(txn: PartitionTransaction, e: Record) -> None:
     outcomes only (unlike a redrive, upstreams outside the list need not have succeeded).
     """
     job_id = e["job_id"]
-    step = LIFECYCLE[e["type"]]
+    step = transition(e)
     assert step.from_task is not None
     j = get_job(txn, job_id)
     if j is None:
