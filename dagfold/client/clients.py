@@ -102,7 +102,10 @@ class RestClient:
                                   transport=transport)
         self.retries = retries
 
-    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One call (``path`` under the base URL; ``kw`` as ``httpx.Client.request`` takes it): the answer
+        whatever its status, after the retries of transient failures. ``ClientError`` ``unreachable`` (its
+        cause: the transport error) when no answer came."""
         delay = 0.2
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
@@ -110,7 +113,7 @@ class RestClient:
                 r = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
                 if last:
-                    raise ClientError(None, "unreachable", f"{self._http.base_url}: {exc}") from None
+                    raise ClientError(None, "unreachable", f"{self._http.base_url}: {exc}") from exc
             else:
                 if r.status_code not in _RETRY_STATUS or last:
                     return r
@@ -133,13 +136,13 @@ class RestClient:
 
     def submit(self, job: Job) -> Submission:
         _checked_record(job)  # a malformed spec fails here, before any request
-        r = self._call("POST", "/v1/jobs", json=job.to_dict())
+        r = self.request("POST", "/v1/jobs", json=job.to_dict())
         if r.status_code not in (200, 202):
             raise self._error(r)
         return Submission(str(r.json()["job_id"]), created=r.status_code == 202)
 
     def status(self, job_id: str) -> JobStatus:
-        r = self._call("GET", f"/v1/jobs/{path_segment(job_id)}")
+        r = self.request("GET", f"/v1/jobs/{path_segment(job_id)}")
         if r.status_code != 200:
             raise self._error(r)
         j = r.json()
@@ -180,7 +183,7 @@ class RestClient:
 
     def _post(self, path: str, body: dict[str, Any] | None) -> None:
         """An accepted (202) action, else ``ClientError`` with the API's code (``JobNotFound`` for 404)."""
-        r = self._call("POST", path, json=body) if body is not None else self._call("POST", path)
+        r = self.request("POST", path, json=body) if body is not None else self.request("POST", path)
         if r.status_code >= 400:
             raise self._error(r)
 
