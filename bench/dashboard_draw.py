@@ -33,7 +33,7 @@ TOGGLES = "(() => { const g = window.__dagfold.graph, t = performance.now();" \
 def measure(runs: int, app_js: str | None = None) -> dict[str, Any]:
     from playwright.sync_api import sync_playwright
 
-    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+    from dagfold.jobspec import parse_spec, to_job_spec
     from dagfold.wfcommons import workflow_spec
     from tests.api_support import ApiHarness, LiveServer, accepted
     from tests.test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS

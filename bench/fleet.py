@@ -196,6 +196,7 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
     from dagfold.commands import CommandSender, submit_job
     from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, Config
     from dagfold.exceptions import LogError
+    from dagfold.jobspec import parse_spec, to_job_spec
     from dagfold.localkafka import LocalKafka, free_base_port
     from dagfold.log import TopicPartition, open_log
     from dagfold.log.reader import read_to_end
@@ -204,7 +205,6 @@ def run(hosts: int, seconds: float, rate: float, hb_s: float, lease_s: float, se
     from dagfold.services.allocator.options import AllocatorOptions
     from dagfold.services.allocator.runner import allocator_spec
     from dagfold.services.scheduler.runner import SchedulerRunner
-    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 
     load_before = [round(x, 1) for x in os.getloadavg()]
     work = Path(tempfile.mkdtemp(prefix="fleet-"))

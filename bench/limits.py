@@ -45,9 +45,9 @@ import msgspec
 from bench.peers import report
 from bench.peers.workloads import layered_sparse, load
 from dagfold.codec import default_codec
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.services.scheduler.fold import SchedulerFold
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import MemoryStore, PartitionTransaction
 
 ROUNDS = 3

@@ -44,13 +44,13 @@ from typing import Any
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, EVENTS, Config
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log import Log, TopicPartition, open_log, partition_for
 from dagfold.processor import processor as processor_mod
 from dagfold.services.scheduler.harness import FoldHarness
 from dagfold.services.scheduler.replay import replay
 from dagfold.services.scheduler.runner import SchedulerRunner
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import PartitionStore
 from dagfold.state.store import applied_events_offset, state_digest
 

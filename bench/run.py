@@ -23,11 +23,11 @@ from typing import Any
 
 from dagfold.codec import default_codec
 from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.localkafka import LocalKafka
 from dagfold.log import TopicPartition
 from dagfold.log.reader import read_to_end
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import PartitionStore
 from dagfold.wfcommons import workflow_spec
 

@@ -49,9 +49,7 @@ def one(n: int, limit: float, fold_only: bool) -> dict[str, Any]:
     from dagfold.codec import default_codec
     from dagfold.commands import submit_job
     from dagfold.config import Config
-    from dagfold.services.scheduler.processors import spec_hash
-    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
-    from dagfold.services.scheduler.validation import validate_job_spec
+    from dagfold.jobspec import parse_spec, spec_hash, to_job_spec, validate_job_spec
     from dagfold.services.stack import Stack, StackOptions
 
     dag = layered_sparse(WIDTH, n // WIDTH, FAN_IN)

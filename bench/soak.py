@@ -386,7 +386,7 @@ def run_direct(plan: Plan, data: Path) -> dict[str, Any]:
     import bench.soak_handlers  # noqa: F401  (registers soak_flaky)
     from dagfold.commands import cancel_job, submit_job
     from dagfold.config import Config
-    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+    from dagfold.jobspec import parse_spec, to_job_spec
     from dagfold.services.stack import Stack, StackOptions
     if plan.snapshots is not None:
         import tracemalloc

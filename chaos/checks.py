@@ -39,6 +39,15 @@ from chaos.workload import JobPlan, rule_decision
 from dagfold.codec import default_codec
 from dagfold.config import DEADLETTER, EVENTS
 from dagfold.exceptions import CodecError
+from dagfold.lifecycle import (
+    JOB_ENDING_EVENTS,
+    JOB_FINAL,
+    JOB_TERMINAL,
+    TASK_TERMINAL,
+    TaskState,
+    Transition,
+    transition,
+)
 from dagfold.log import Log, TopicPartition
 from dagfold.log.reader import read_to_end
 from dagfold.services.scheduler import keys
@@ -56,9 +65,8 @@ DEAD_LETTER = "dead-lettered record"
 VIOLATION_KINDS = (LOST_JOB, TASK_NEVER_FINISHED, WRONG_OUTCOME, DUPLICATE_EFFECT, DISPATCH_BEFORE_DEPS,
                    ILLEGAL_TRANSITION, REPLAY_DIFFERS, DANGLING, DEAD_LETTER)
 
-TASK_TERMINAL = frozenset({"succeeded", "failed", "skipped", "cancelled"})
 UNKNOWN_JOB = "unknown job or task"  # the fold's reason for a report about a job it does not hold
-JOB_TERMINAL = frozenset({"succeeded", "succeeded_partial", "failed", "cancelled", "rejected"})
+JOB_ENDING = frozenset(kind.rsplit(".", 1)[-1] for kind in JOB_ENDING_EVENTS)
 
 
 @dataclass
@@ -96,12 +104,14 @@ class _Job:
     attempt: dict[str, int]
     worker: dict[str, str | None]
     final: str | None = None
+    lost_for_good: dict[str, int] = field(default_factory=dict)  # task -> attempt of a final LeaseReclaimed
 
 
 class EventModel:
     """Folds the events of the log, partition by partition, and flags what the state machine forbids.
 
-    Written apart from the scheduler's appliers on purpose: it checks them.
+    Written apart from the scheduler's appliers on purpose: it checks them (and the processors that
+    decide the events) against the lifecycle table, ``dagfold.lifecycle.LIFECYCLE``.
     """
 
     def __init__(self, findings: Findings) -> None:
@@ -118,6 +128,7 @@ class EventModel:
         name = e["type"].rsplit(".", 1)[-1]
         self.counts[name] += 1
         job_id = e["job_id"]
+        step = transition(e)
         if name == "JobAccepted":
             if job_id in self.jobs:
                 self._bad(ILLEGAL_TRANSITION, e, "JobAccepted for a job already accepted")
@@ -125,7 +136,7 @@ class EventModel:
             spec = e["spec"]
             self.jobs[job_id] = _Job(
                 deps={t["task_id"]: (list(dict.fromkeys(t["depends_on"])), t["trigger_rule"]) for t in spec["tasks"]},
-                state={t["task_id"]: "pending" for t in spec["tasks"]},
+                state={t["task_id"]: step.task for t in spec["tasks"]},
                 attempt={t["task_id"]: 0 for t in spec["tasks"]}, worker={})
             return
         if name in ("LeaseRejected", "ReportIgnored") and job_id in self.jobs and e.get("reason") == UNKNOWN_JOB:
@@ -141,84 +152,78 @@ class EventModel:
         if j is None:
             self._bad(ILLEGAL_TRANSITION, e, f"{name} for a job never accepted")
             return
-        if name in ("JobSucceeded", "JobFailed", "JobCancelled"):
+        if name in JOB_ENDING:
             if j.final is not None:
                 self._bad(ILLEGAL_TRANSITION, e, f"{name} after the job already ended {j.final}")
             open_tasks = [t for t, s in j.state.items() if s not in TASK_TERMINAL]
             if name != "JobCancelled" and open_tasks:
                 self._bad(ILLEGAL_TRANSITION, e, f"{name} with {len(open_tasks)} unfinished task(s), "
                                                  f"e.g. {open_tasks[0]} {j.state[open_tasks[0]]}")
-            j.final = ("succeeded_partial" if e.get("partial") else "succeeded") if name == "JobSucceeded" \
-                else name.removeprefix("Job").lower()
+            j.final = step.job
             return
         if name in ("JobRedriven", "TaskReopened"):
             for tid in e["task_ids"]:
-                if tid in j.state and (name == "JobRedriven" or j.state[tid] in ("failed", "skipped", "cancelled")):
-                    j.state[tid] = "pending"
+                if tid in j.state and j.state[tid] in (step.from_task or ()):
+                    j.state[tid] = step.task
             j.final = None
-            return
-        if name == "TaskMarkedSucceeded":
-            if j.state.get(e["task_id"]) != "pending":
-                self._bad(ILLEGAL_TRANSITION, e, f"marked succeeded while {j.state.get(e['task_id'])}")
-            j.state[e["task_id"]] = "succeeded"
             return
         task = e.get("task_id")
         if task not in j.state:
             self._bad(ILLEGAL_TRANSITION, e, f"{name} for an unknown task")
             return
         s, attempt = j.state[task], int(e.get("attempt") or 0)
+        why = self._refusal(name, e, j, task, step)
+        if why is not None:
+            self._bad(ILLEGAL_TRANSITION, e, why)
+        elif name == "TaskDispatched" and s == TaskState.PENDING:
+            ups, rule = j.deps[task]
+            outcomes = [j.state[u] if j.state[u] in TASK_TERMINAL else None for u in ups]
+            if rule_decision(rule, outcomes) != "run":
+                detail = ", ".join(f"{u}={j.state[u]}" for u in ups)
+                self._bad(DISPATCH_BEFORE_DEPS, e, f"trigger rule {rule} not satisfied: {detail}")
+        if name in ("TaskFailed", "LeaseReclaimed") and str(e.get("reason") or "").startswith("lease_expired"):
+            self.lease_expiries += 1
+        if name == "LeaseReclaimed" and e.get("final"):
+            j.lost_for_good[task] = attempt  # the attempt's final TaskFailed follows, the task retrying
         if name == "TaskDispatched":
-            if s in TASK_TERMINAL or s in ("runnable", "running"):
-                self._bad(ILLEGAL_TRANSITION, e, f"attempt {attempt} dispatched while the task is {s}")
-            elif s == "pending":
-                ups, rule = j.deps[task]
-                outcomes = [j.state[u] if j.state[u] in TASK_TERMINAL else None for u in ups]
-                if rule_decision(rule, outcomes) != "run":
-                    detail = ", ".join(f"{u}={j.state[u]}" for u in ups)
-                    self._bad(DISPATCH_BEFORE_DEPS, e, f"trigger rule {rule} not satisfied: {detail}")
-            elif s == "retrying" and attempt != j.attempt[task] + 1:
-                self._bad(ILLEGAL_TRANSITION, e, f"attempt {attempt} dispatched after attempt {j.attempt[task]}")
-            j.state[task], j.attempt[task], j.worker[task] = "runnable", attempt, None
-        elif name in ("TaskRedispatched", "TaskRedispatchDeferred"):  # legal only while runnable and unleased
-            if s != "runnable" or attempt != j.attempt[task] or j.worker.get(task) is not None:
-                self._bad(ILLEGAL_TRANSITION, e, f"attempt {attempt} re-dispatched while attempt "
-                                                 f"{j.attempt[task]} is {s}")
-        elif name == "LeaseGranted":
-            if s != "runnable" or attempt != j.attempt[task]:
-                self._bad(ILLEGAL_TRANSITION, e, f"lease on attempt {attempt} while attempt "
-                                                 f"{j.attempt[task]} is {s}")
-            j.state[task], j.worker[task] = "running", e["worker_id"]
-        elif name == "LeaseExtended":
-            if s != "running" or attempt != j.attempt[task] or e["worker_id"] != j.worker.get(task):
-                self._bad(ILLEGAL_TRANSITION, e, f"lease of attempt {attempt} extended for {e['worker_id']} "
-                                                 f"while attempt {j.attempt[task]} is {s}")
-        elif name == "TaskSucceeded":
-            if s != "running" or attempt != j.attempt[task] or e["worker_id"] != j.worker.get(task):
-                self._bad(ILLEGAL_TRANSITION, e, f"success of attempt {attempt} by {e['worker_id']} while "
-                                                 f"attempt {j.attempt[task]} is {s} ({j.worker.get(task)})")
-            j.state[task], j.worker[task] = "succeeded", None
+            j.attempt[task] = attempt
+        if step.task is not None:
+            j.state[task] = step.task
+            j.worker[task] = e["worker_id"] if name == "LeaseGranted" else None
+        if name == "TaskSucceeded":  # run by a worker (a task marked succeeded had no effect applied)
             self.succeeded_tasks.add((job_id, task))
-        elif name == "TaskFailed":
-            if s not in ("running", "runnable") or attempt != j.attempt[task]:
-                self._bad(ILLEGAL_TRANSITION, e, f"failure of attempt {attempt} while attempt "
-                                                 f"{j.attempt[task]} is {s}")
-            if str(e.get("reason") or "").startswith("lease_expired"):
-                self.lease_expiries += 1
-            j.state[task], j.worker[task] = ("failed" if e["final"] else "retrying"), None
-        elif name == "LeaseReclaimed":
-            if s != "running" or attempt != j.attempt[task]:
-                self._bad(ILLEGAL_TRANSITION, e, f"reclaim of attempt {attempt} while attempt "
-                                                 f"{j.attempt[task]} is {s}")
-            if str(e.get("reason") or "").startswith("lease_expired"):
-                self.lease_expiries += 1
-            j.state[task], j.worker[task] = "retrying", None
-        elif name == "TaskRetryScheduled":
-            if s != "retrying":
-                self._bad(ILLEGAL_TRANSITION, e, f"retry scheduled while the task is {s}")
-        elif name in ("TaskSkipped", "TaskCancelled"):
-            if s in TASK_TERMINAL:
-                self._bad(ILLEGAL_TRANSITION, e, f"{name} while the task is already {s}")
-            j.state[task], j.worker[task] = ("skipped" if name == "TaskSkipped" else "cancelled"), None
+
+    @staticmethod
+    def _refusal(name: str, e: dict[str, Any], j: _Job, task: str, step: Transition) -> str | None:
+        """Why the event is a step the lifecycle does not allow for the task as the log left it; None if legal.
+
+        The table (``dagfold.lifecycle.LIFECYCLE``) says which task states each event may follow; the model
+        adds what the table does not hold: the attempt an event names is the current one (a dispatch: the
+        next one), and only the lease holder's reports count.
+        """
+        s, cur, holder = j.state[task], j.attempt[task], j.worker.get(task)
+        attempt = int(e.get("attempt") or 0)
+        allowed = step.from_task is None or s in step.from_task or (
+            name == "TaskFailed" and s == TaskState.RETRYING and j.lost_for_good.get(task) == attempt)
+        if not allowed:
+            if name == "TaskDispatched":
+                return f"attempt {attempt} dispatched while the task is {s}"
+            return f"{name} of attempt {attempt} while attempt {cur} is {s}"
+        if name == "TaskDispatched":
+            return f"attempt {attempt} dispatched after attempt {cur}" \
+                if s == TaskState.RETRYING and attempt != cur + 1 else None
+        if name in _ATTEMPT_CHECKED and attempt != cur:
+            return f"{name} of attempt {attempt} while attempt {cur} is {s}"
+        if name in ("TaskRedispatched", "TaskRedispatchDeferred") and holder is not None:
+            return f"attempt {attempt} re-dispatched while attempt {cur} is leased to {holder}"
+        if name in ("LeaseExtended", "TaskSucceeded") and e["worker_id"] != holder:
+            return f"{name} of attempt {attempt} by {e['worker_id']} while its lease is {holder}'s"
+        return None
+
+
+_ATTEMPT_CHECKED = frozenset({"TaskRedispatched", "TaskRedispatchDeferred", "LeaseGranted", "LeaseExtended",
+                              "TaskSucceeded", "TaskFailed", "LeaseReclaimed"})
+"""Reports and decisions that must name the task's current attempt."""
 
 
 def scan_events(log: Log, partitions: int, findings: Findings) -> EventModel:
@@ -270,7 +275,7 @@ def check_read_model(api: str, plans: list[JobPlan], model: EventModel, findings
             job = r.json()
             state = job["state"]
             states[state] += 1
-            if state not in JOB_TERMINAL:
+            if state not in JOB_FINAL:
                 findings.add(LOST_JOB, jid, None, f"still {state} in the read model "
                                                   f"({json.dumps(job.get('counts'))})")
                 continue

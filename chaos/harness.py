@@ -55,6 +55,7 @@ from chaos.procs import ROOT, Proc, terminate_all
 from chaos.workload import JobPlan, plan_workload
 from dagfold.codec import default_codec
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, SCHEDULER_GROUP
+from dagfold.lifecycle import JOB_FINAL
 from dagfold.log import Log, TopicPartition, open_log
 from dagfold.log.reader import read_to_end
 from dagfold.processor import catch_up
@@ -273,7 +274,7 @@ class ChaosRun:
     def _terminal(http: httpx.Client, job_id: str) -> bool:
         try:
             r = http.get(f"/v1/jobs/{job_id}")
-            return r.status_code == 200 and r.json()["state"] in checks.JOB_TERMINAL
+            return r.status_code == 200 and r.json()["state"] in JOB_FINAL
         except (httpx.HTTPError, ValueError, KeyError):
             return False
 
@@ -295,7 +296,7 @@ class ChaosRun:
             if injector is not None:
                 injector.supervise()
             c = self.job_states()
-            open_ = sum(n for s, n in c.items() if s not in checks.JOB_TERMINAL)
+            open_ = sum(n for s, n in c.items() if s not in JOB_FINAL)
             if time.monotonic() - last > 15:
                 self.say(f"jobs: {dict(c)}")
                 last = time.monotonic()

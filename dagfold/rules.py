@@ -1,8 +1,8 @@
 """The one table of identifier and number rules: every name a job spec carries, checked the same everywhere.
 
-The API's models (``services/scheduler/spec.py``, ``services/api/routes_gpu.py``) take their field
+The API's models (``dagfold/jobspec/model.py``, ``services/api/routes_gpu.py``) take their field
 constraints from this table (so the OpenAPI document states them too), and the scheduler's own validation
-(``services/scheduler/validation.py``) applies the same rules to records that upstream producers write to
+(``dagfold/jobspec/validation.py``) applies the same rules to records that upstream producers write to
 the log without the API. One table, so the two can never drift apart.
 
 What every identifier rule forbids: the empty string, more than ``max_len`` characters, the names ``.``

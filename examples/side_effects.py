@@ -101,7 +101,7 @@ def demo(data: Path) -> dict[str, Any]:
     """Run a two-task job on an embedded stack; the charge task fails once after charging."""
     from dagfold.commands import submit_job
     from dagfold.config import Config
-    from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+    from dagfold.jobspec import parse_spec, to_job_spec
     from dagfold.services.stack import Stack, StackOptions
 
     book = data / "charges.txt"

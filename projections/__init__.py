@@ -11,9 +11,10 @@ history), ``OperatorModel`` (tenant usage, queue depths, stuck tasks, failure
 reasons) and ``ClusterModel`` (GPU nodes, allocations, tenant GPU shares).
 """
 
+from dagfold.lifecycle import JOB_STATES, TASK_STATES
 from dagfold.projections.cluster import ClusterModel
 from dagfold.projections.exceptions import InvalidCursor, ProjectionError, StoreError
-from dagfold.projections.jobs import JOB_STATES, TASK_STATES, TERMINAL_JOB_STATES, Page, ReadModel, apply
+from dagfold.projections.jobs import TERMINAL_JOB_STATES, Page, ReadModel, apply
 from dagfold.projections.operator import OperatorModel
 from dagfold.projections.projector import Projector
 from dagfold.projections.store import ReadModelStore, ReadModelTxn

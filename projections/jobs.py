@@ -2,7 +2,9 @@
 
 ``apply(txn, event, partition, offset)`` folds one decoded event (a dict from
 ``dagfold.codec``) into a ``ReadModelTxn``; it looks the event's type up in ``APPLIERS``,
-a table of small functions (Zeebe style). Every applier does O(1) work, except
+a table of small functions (Zeebe style); the state each event leaves its job and
+task in comes from the lifecycle table (``dagfold.lifecycle.LIFECYCLE``), which the
+scheduler's appliers follow too. Every applier does O(1) work, except
 ``JobAccepted``, which writes one record per task once. Task counts by state
 are maintained incrementally on every transition, never recounted.
 
@@ -38,7 +40,16 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
-from dagfold.lifecycle import JOB_FINAL, TASK_TERMINAL
+from dagfold.jobspec import is_gpu
+from dagfold.lifecycle import (
+    JOB_FINAL,
+    TASK_STATES,
+    TASK_TERMINAL,
+    JobState,
+    job_state_after,
+    task_state_after,
+    transition,
+)
 from dagfold.projections import operator as ops
 from dagfold.projections.keys import (
     MAX_LIMIT,
@@ -71,9 +82,6 @@ _TENANT_OF = msgspec.msgpack.Decoder(_JobTenant).decode
 
 Applier = Callable[[ReadModelTxn, Record, int, int], None]
 
-TASK_STATES = ops.TASK_STATES
-FINISHED_TASK_STATES = TASK_TERMINAL
-JOB_STATES = ops.JOB_STATES
 TERMINAL_JOB_STATES = JOB_FINAL
 
 DETAIL_MAX = 500
@@ -85,13 +93,8 @@ DETAIL_MAX = 500
 GPU_STATES = ("QUEUED", "ASSIGNED", "RUNNING", "CHECKPOINTING", "COMPLETED", "FAILED", "CANCELLED")
 
 
-def is_gpu_task(task: Record) -> bool:
-    res = task.get("resources")
-    return bool(res and res.get("gpus", 0) > 0)
-
-
 def _gpu(task: Record, state: str) -> None:
-    if is_gpu_task(task):
+    if is_gpu(task):
         task["gpu_state"] = state
 
 _SEP = SEP
@@ -151,7 +154,7 @@ def _new_job(job_id: str, tenant: str, ts: int, partition: int) -> Record:
     return {
         "job_id": job_id,
         "name": None,
-        "state": "running",
+        "state": JobState.RUNNING,
         "tenant": tenant,
         "tier": "standard",
         "failure_policy": "skip_downstream",
@@ -185,11 +188,11 @@ def _timeout_ms(spec: Record, job_timeouts: Record | None, name: str) -> int | N
     return None
 
 
-def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None = None) -> Record:
+def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None, state: str) -> Record:
     return {
         "job_id": job_id,
         "task_id": spec["task_id"],
-        "state": "pending",
+        "state": state,
         "attempt": 0,
         "queue": spec.get("queue", "default"),
         "handler": spec.get("handler", ""),
@@ -215,7 +218,7 @@ def _new_task(job_id: str, spec: Record, ts: int, job_timeouts: Record | None = 
         "s2s_ms": _timeout_ms(spec, job_timeouts, "schedule_to_start_s"),
         "s2c_ms": _timeout_ms(spec, job_timeouts, "start_to_close_s"),
         "_ix": ops.initial_ix(),
-        "gpu_state": "QUEUED" if is_gpu_task(spec) else None,
+        "gpu_state": "QUEUED" if is_gpu(spec) else None,
     }
 
 
@@ -257,20 +260,21 @@ def _set_job_state(txn: ReadModelTxn, job: Record, state: str) -> None:
         txn.put(k, 0)
 
 
-def _set_task_state(job: Record, task: Record, state: str) -> None:
+def _set_task_state(job: Record, task: Record, state: str | None) -> None:
     """Move a task to ``state`` and keep the job's counts (O(1)); caller puts both."""
     old = task["state"]
-    if old == state:
+    if state is None or old == state:
         return
     counts = job["counts"]
     counts[old] = counts.get(old, 0) - 1
     counts[state] = counts.get(state, 0) + 1
-    job["finished_tasks"] += (state in FINISHED_TASK_STATES) - (old in FINISHED_TASK_STATES)
+    job["finished_tasks"] += (state in TASK_TERMINAL) - (old in TASK_TERMINAL)
     task["state"] = state
     _set_progress(job)
 
 
-def _end_job(txn: ReadModelTxn, job: Record, state: str, ts: int, reason: str | None) -> None:
+def _end_job(txn: ReadModelTxn, job: Record, state: str | None, ts: int, reason: str | None) -> None:
+    assert state is not None  # the event ends the job (lifecycle.JOB_ENDING_EVENTS)
     _set_job_state(txn, job, state)
     job["ended_ms"] = ts
     job["duration_ms"] = max(ts - job["created_ms"], 0)
@@ -336,12 +340,12 @@ def _job_accepted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
     jkey = job_key(job_id)
     old = txn.get(jkey)
     if old is not None:
-        if old["state"] != "rejected":
+        if old["state"] != JobState.REJECTED:
             return  # a job is accepted once; a repeat changes nothing (history keeps it)
         for k in _index_keys(old):
             txn.delete(k)
         txn.delete(rejected_graph_key(job_id))
-        ops.count_job(txn, old["tenant"], "rejected", -1)
+        ops.count_job(txn, old["tenant"], JobState.REJECTED, -1)
     ts = ev["ts_ms"]
     job = _new_job(job_id, spec.get("tenant", "default"), ts, partition)
     job.update(tier=spec.get("tier", "standard"), failure_policy=spec.get("failure_policy", "skip_downstream"),
@@ -350,16 +354,19 @@ def _job_accepted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
                trace_id=job_trace_id(job_id, ev.get("traceparent") or ""))
     seen: set[str] = set()
     job_timeouts = spec.get("timeouts")
+    step = transition(ev)
+    assert step.job is not None and step.task is not None
     for t in spec["tasks"]:
         if t["task_id"] in seen:
             continue  # validation rejects duplicates; never count one twice
         seen.add(t["task_id"])
-        txn.put(task_key(job_id, t["task_id"]), _new_task(job_id, t, ts, job_timeouts))
+        txn.put(task_key(job_id, t["task_id"]), _new_task(job_id, t, ts, job_timeouts, step.task))
     n = len(seen)
-    ops.count_job(txn, job["tenant"], "running", 1)
+    job["state"] = step.job
+    ops.count_job(txn, job["tenant"], step.job, 1)
     ops.tasks_created(txn, job["tenant"], n)
     job["total_tasks"] = n
-    job["counts"]["pending"] = n
+    job["counts"][step.task] = n
     _set_progress(job)
     txn.put(jkey, job)
     for k in _index_keys(job):
@@ -372,11 +379,11 @@ def _job_rejected(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
     ts = ev["ts_ms"]
     if job is None:
         job = _new_job(ev["job_id"], ev.get("tenant", "default"), ts, partition)
-        job["state"] = "rejected"
+        job["state"] = job_state_after(ev)
         for k in _index_keys(job):
             txn.put(k, 0)
-        ops.count_job(txn, job["tenant"], "rejected", 1)
-    elif job["state"] != "rejected":
+        ops.count_job(txn, job["tenant"], job["state"], 1)
+    elif job["state"] != JobState.REJECTED:
         return  # e.g. job_exists: a resubmission of a live job; the job itself is unchanged
     job.update(code=ev["code"], reason=ev["reason"], ended_ms=ts, duration_ms=0, updated_ms=ts)
     txn.put(jkey, job)
@@ -397,7 +404,7 @@ def _claim_rejected(txn: ReadModelTxn, ev: Record, partition: int) -> None:
     submission rejected, in its tenant's view alone: nothing of the job that holds the ID is read or kept."""
     ts = ev["ts_ms"]
     job = _new_job(ev["job_id"], ev["tenant"], ts, partition)
-    job.update(state="rejected", code=ev["code"], reason=ev["reason"], ended_ms=ts, duration_ms=0)
+    job.update(state=job_state_after(ev), code=ev["code"], reason=ev["reason"], ended_ms=ts, duration_ms=0)
     txn.put(claim_key(ev["tenant"], ev["job_id"]), job)
 
 
@@ -406,7 +413,7 @@ def _task_dispatched(txn: ReadModelTxn, ev: Record, partition: int, offset: int)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
     task = ctx.task
-    _set_task_state(ctx.job, task, "runnable")
+    _set_task_state(ctx.job, task, task_state_after(ev))
     task.update(attempt=ev["attempt"], queue=ev["queue"], dispatched_ms=ev["ts_ms"], worker_id=None,
                 lease_deadline_ms=None, retry_at_ms=None, ended_ms=None)
     _gpu(task, "QUEUED")
@@ -439,7 +446,7 @@ def _task_allocated(txn: ReadModelTxn, ev: Record, partition: int, offset: int) 
 def _task_checkpointing(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
     """The allocator asked the attempt to checkpoint and give its GPUs back (preemption, drain)."""
     ctx = _task_ctx(txn, ev)
-    if ctx is None or ctx.task is None or ctx.task["state"] in FINISHED_TASK_STATES:
+    if ctx is None or ctx.task is None or ctx.task["state"] in TASK_TERMINAL:
         return
     _gpu(ctx.task, "CHECKPOINTING")
     ctx.txn.put(ctx.tkey, ctx.task)
@@ -451,7 +458,7 @@ def _task_requeued(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
     if ctx is None or ctx.job is None or ctx.task is None:
         return
     task = ctx.task
-    _set_task_state(ctx.job, task, "runnable")
+    _set_task_state(ctx.job, task, task_state_after(ev))
     task.update(worker_id=None, lease_deadline_ms=None, allocation=None, requeues=task.get("requeues", 0) + 1,
                 checkpoint_uri=ev.get("checkpoint_uri") or task.get("checkpoint_uri"))
     _gpu(task, "QUEUED")
@@ -464,7 +471,7 @@ def _lease_granted(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
         return
     ts = ev["ts_ms"]
     task = ctx.task
-    _set_task_state(ctx.job, task, "running")
+    _set_task_state(ctx.job, task, task_state_after(ev))
     task.update(attempt=ev["attempt"], worker_id=ev["worker_id"], started_ms=ts, ended_ms=None,
                 lease_deadline_ms=ev["lease_deadline_ms"], last_heartbeat_ms=ts, progress=None)
     _gpu(task, "RUNNING")
@@ -503,11 +510,11 @@ def _task_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) 
         return
     ts = ev["ts_ms"]
     task = ctx.task
-    _set_task_state(ctx.job, task, "succeeded")
+    _set_task_state(ctx.job, task, task_state_after(ev))
     outputs = list(ev.get("outputs") or [])
     task.update(attempt=ev["attempt"], worker_id=ev["worker_id"], ended_ms=ts, result_json=ev.get("result_json"),
                 reason=None, exit_code=None, error_type=None, lease_deadline_ms=None, outputs=outputs)
-    if is_gpu_task(task):
+    if is_gpu(task):
         task["progress"] = 1.0  # a GPU task's progress ends at 100% (its last report may say less)
     _gpu(task, "COMPLETED")
     key, att = _load_attempt(txn, ev, ev["worker_id"])
@@ -524,8 +531,9 @@ def _task_failed(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> 
         return
     ts = ev["ts_ms"]
     task = ctx.task
-    final = ev.get("final", True)
-    _set_task_state(ctx.job, task, "failed" if final else "retrying")
+    state = task_state_after(ev)
+    final = state in TASK_TERMINAL  # else the attempt is retried
+    _set_task_state(ctx.job, task, state)
     task.update(attempt=ev["attempt"], reason=ev["reason"], exit_code=ev.get("exit_code"),
                 error_type=ev.get("error_type"), lease_deadline_ms=None, ended_ms=ts if final else None)
     _gpu(task, "FAILED" if final else "QUEUED")
@@ -543,7 +551,7 @@ def _task_retry_scheduled(txn: ReadModelTxn, ev: Record, partition: int, offset:
     if ctx is None or ctx.job is None or ctx.task is None:
         return
     task = ctx.task
-    _set_task_state(ctx.job, task, "retrying")
+    _set_task_state(ctx.job, task, task_state_after(ev))
     task.update(retries=task["retries"] + 1, retry_at_ms=ev["retry_at_ms"], reason=ev["reason"],
                 worker_id=None, lease_deadline_ms=None)
     ctx.job["retries"] = ctx.job.get("retries", 0) + 1
@@ -558,7 +566,7 @@ def _lease_reclaimed(txn: ReadModelTxn, ev: Record, partition: int, offset: int)
         return
     ts = ev["ts_ms"]
     task = ctx.task
-    _set_task_state(ctx.job, task, "retrying")
+    _set_task_state(ctx.job, task, task_state_after(ev))
     task.update(worker_losses=task.get("worker_losses", 0) + 1, reason=ev["reason"], worker_id=None,
                 lease_deadline_ms=None)
     ctx.job["worker_losses"] = ctx.job.get("worker_losses", 0) + 1
@@ -574,7 +582,7 @@ def _task_skipped(txn: ReadModelTxn, ev: Record, partition: int, offset: int) ->
     ctx = _task_ctx(txn, ev)
     if ctx is None or ctx.job is None or ctx.task is None:
         return
-    _set_task_state(ctx.job, ctx.task, "skipped")
+    _set_task_state(ctx.job, ctx.task, task_state_after(ev))
     _gpu(ctx.task, "CANCELLED")
     ctx.task.update(reason=ev["reason"], ended_ms=ev["ts_ms"])
     ctx.save(ev["ts_ms"])
@@ -585,7 +593,7 @@ def _task_cancelled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) 
     if ctx is None or ctx.job is None or ctx.task is None:
         return
     ts = ev["ts_ms"]
-    _set_task_state(ctx.job, ctx.task, "cancelled")
+    _set_task_state(ctx.job, ctx.task, task_state_after(ev))
     _gpu(ctx.task, "CANCELLED")
     ctx.task.update(reason=ev["reason"], ended_ms=ts, lease_deadline_ms=None)
     akey = attempt_key(ev["job_id"], ev["task_id"], ev["attempt"])
@@ -601,9 +609,9 @@ def _job_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
     ctx = _Ctx(txn, ev["job_id"], None)
     if ctx.job is None:
         return
-    partial = ev.get("partial", False)
-    _end_job(txn, ctx.job, "succeeded_partial" if partial else "succeeded", ev["ts_ms"],
-             "some tasks did not succeed (allow_partial)" if partial else None)
+    state = job_state_after(ev)
+    partial = state == JobState.SUCCEEDED_PARTIAL
+    _end_job(txn, ctx.job, state, ev["ts_ms"], "some tasks did not succeed (allow_partial)" if partial else None)
     ctx.save(ev["ts_ms"])
 
 
@@ -611,7 +619,7 @@ def _job_failed(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> N
     ctx = _Ctx(txn, ev["job_id"], None)
     if ctx.job is None:
         return
-    _end_job(txn, ctx.job, "failed", ev["ts_ms"], ev["reason"])
+    _end_job(txn, ctx.job, job_state_after(ev), ev["ts_ms"], ev["reason"])
     ctx.save(ev["ts_ms"])
 
 
@@ -619,7 +627,7 @@ def _job_cancelled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
     ctx = _Ctx(txn, ev["job_id"], None)
     if ctx.job is None:
         return
-    _end_job(txn, ctx.job, "cancelled", ev["ts_ms"], ev["reason"])
+    _end_job(txn, ctx.job, job_state_after(ev), ev["ts_ms"], ev["reason"])
     ctx.save(ev["ts_ms"])
 
 
@@ -631,20 +639,22 @@ def _reopen_tasks(txn: ReadModelTxn, ev: Record, counter: str, extra: dict[str, 
     job = ctx.job
     if job is None:
         return
+    step = transition(ev)
+    assert step.from_task is not None and step.job is not None
     ts = ev["ts_ms"]
     for tid in ev["task_ids"]:
         tkey = task_key(ev["job_id"], tid)
         task = txn.get(tkey)
-        if task is None or task["state"] not in ("failed", "skipped", "cancelled"):
+        if task is None or task["state"] not in step.from_task:
             continue
-        _set_task_state(job, task, "pending")
+        _set_task_state(job, task, step.task)
         task.update(reason=None, exit_code=None, error_type=None, ended_ms=None, worker_id=None,
                     lease_deadline_ms=None, retry_at_ms=None, progress=None, updated_ms=ts)
         task.update((extra or {}).get(tid, {}))
         _gpu(task, "QUEUED")
         ops.sync_task(txn, job, task)
         txn.put(tkey, task)
-    _set_job_state(txn, job, "running")
+    _set_job_state(txn, job, step.job)
     job.update(ended_ms=None, duration_ms=None, reason=None)
     job[counter] = job.get(counter, 0) + 1
     ctx.save(ts)
@@ -666,7 +676,7 @@ def _task_marked_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset
     if ctx is None or ctx.job is None or ctx.task is None:
         return
     ts = ev["ts_ms"]
-    _set_task_state(ctx.job, ctx.task, "succeeded")
+    _set_task_state(ctx.job, ctx.task, task_state_after(ev))
     ctx.task.update(ended_ms=ts, reason=None, exit_code=None, error_type=None, lease_deadline_ms=None,
                     marked_by=ev.get("requested_by") or "", marked_reason=ev.get("reason") or "", marked_ms=ts)
     ctx.job["marked_tasks"] = ctx.job.get("marked_tasks", 0) + 1  # succeeded by an operator's word, not run
@@ -694,6 +704,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.SubmissionDeduplicated": _history_only,
     "dagfold.event.TaskDispatched": _task_dispatched,
     "dagfold.event.TaskRedispatched": _task_redispatched,
+    "dagfold.event.TaskRedispatchDeferred": _history_only,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
     "dagfold.event.TaskCheckpointing": _task_checkpointing,

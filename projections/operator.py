@@ -34,12 +34,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from dagfold.lifecycle import JOB_STATES, TASK_STATES, JobState, TaskState
 from dagfold.projections.keys import SEP, U32, Record, clamp_limit, job_key, key, ms, part, public, task_key, unpart
 from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
 
-QUEUE_STATES = ("runnable", "running", "retrying")
-TASK_STATES = ("pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled")
-JOB_STATES = ("running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected")
+QUEUE_STATES: tuple[str, ...] = (TaskState.RUNNABLE, TaskState.RUNNING, TaskState.RETRYING)
+"""The task states a queue's depth counts."""
 
 USAGE = b"ut"
 QUEUE = b"q"
@@ -77,19 +77,19 @@ def count_job(txn: ReadModelTxn, tenant: str, state: str | None, delta: int) -> 
 def tasks_created(txn: ReadModelTxn, tenant: str, n: int) -> None:
     """A job of ``n`` pending tasks was accepted (tasks start with ``_ix = {"st": "pending"}``)."""
     k, u = _usage(txn, tenant)
-    u["tasks"]["pending"] = u["tasks"].get("pending", 0) + n
+    u["tasks"][TaskState.PENDING] = u["tasks"].get(TaskState.PENDING, 0) + n
     txn.put(k, u)
 
 
 def initial_ix() -> Record:
-    return {"st": "pending"}
+    return {"st": TaskState.PENDING}
 
 
 # -- per-task indexes -----------------------------------------------------------
 def _deadline(task: Record) -> tuple[int, str] | None:
     """The task's next due time and what it means, or None when nothing is due."""
     state = task["state"]
-    if state == "running":
+    if state == TaskState.RUNNING:
         best: tuple[int, str] | None = None
         lease = task.get("lease_deadline_ms")
         if lease is not None:
@@ -100,12 +100,12 @@ def _deadline(task: Record) -> tuple[int, str] | None:
             if best is None or due < best[0]:
                 best = (due, "start_to_close")
         return best
-    if state == "runnable":
+    if state == TaskState.RUNNABLE:
         s2s = task.get("s2s_ms")
         if s2s is not None and task.get("dispatched_ms") is not None:
             return int(task["dispatched_ms"]) + int(s2s), "schedule_to_start"
         return None
-    if state == "retrying" and task.get("retry_at_ms") is not None:
+    if state == TaskState.RETRYING and task.get("retry_at_ms") is not None:
         return int(task["retry_at_ms"]), "backoff"
     return None
 
@@ -146,7 +146,7 @@ def sync_task(txn: ReadModelTxn, job: Record, task: Record) -> None:
     suffix = _task_suffix(task["job_id"], task["task_id"])
 
     want_qa: list[Any] | None = ([task["queue"], int(task["dispatched_ms"])]
-                                 if state == "runnable" and task.get("dispatched_ms") is not None else None)
+                                 if state == TaskState.RUNNABLE and task.get("dispatched_ms") is not None else None)
     if want_qa != ix.get("qa"):
         if ix.get("qa"):
             q, t = ix["qa"]
@@ -264,7 +264,7 @@ class OperatorModel:
     def open_jobs(self, tenant: str) -> int:
         """Jobs of ``tenant`` that are not finished (the queued-jobs cap counts these)."""
         u = self.tenant(tenant)
-        return int(u["jobs"].get("running", 0)) if u else 0
+        return int(u["jobs"].get(JobState.RUNNING, 0)) if u else 0
 
     # -- queues --------------------------------------------------------------------
     def queues(self, tenant: str | None = None) -> list[Record]:

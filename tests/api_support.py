@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from dagfold.codec import default_codec, make
 from dagfold.config import COMMANDS, EVENTS, Config
+from dagfold.jobspec import spec_hash
 from dagfold.log.base import TopicPartition
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.projections import Projector, ReadModel
@@ -23,7 +24,6 @@ from dagfold.services.api import create_app
 from dagfold.services.api.admission import AdmissionConfig
 from dagfold.services.api.auth import AuthConfig
 from dagfold.services.api.guard import GuardConfig
-from dagfold.services.scheduler.processors import spec_hash
 from dagfold.services.worker.handlers import HandlerRegistry
 
 T0 = 1_700_000_000_000

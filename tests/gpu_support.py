@@ -18,13 +18,13 @@ from typing import Any
 from dagfold.codec import Record, default_codec
 from dagfold.commands import CommandSender, submit_job
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS, EVENTS, SCHEDULER_INTERNAL, Config
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.log import Log, TopicPartition, open_log
 from dagfold.services.agent.agent import NodeAgent, simulated
 from dagfold.services.agent.devices import SimulatedDevices
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.runner import AllocatorRunner
 from dagfold.services.scheduler.runner import SchedulerRunner
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from tests.api_support import free_port
 

@@ -118,7 +118,7 @@ class Demo:
         from dagfold.cli.main import submit_examples
         from dagfold.codec import default_codec
         from dagfold.commands import submit_job
-        from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+        from dagfold.jobspec import load_spec_text, to_job_spec
         from dagfold.wfcommons import workflow_spec
 
         self.submit("montage-05d", {**workflow_spec(MONTAGE_05D, time_scale=0.0), "name": "montage-05d"})  # longest

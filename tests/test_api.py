@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 
 from dagfold.codec import default_codec, make
 from dagfold.config import COMMANDS, EVENTS, Config
+from dagfold.jobspec import job_id_for
 from dagfold.log.base import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.projections import Projector, ReadModel
 from dagfold.services.api import create_app
-from dagfold.services.scheduler.spec import job_id_for
 
 T0 = 1_700_000_000_000
 

@@ -18,9 +18,9 @@ import pytest
 
 from dagfold.codec import default_codec
 from dagfold.config import Config
+from dagfold.jobspec import job_id_for
 from dagfold.services.api.auth import AuthConfig
 from dagfold.services.callbacks import DELIVERED, verify
-from dagfold.services.scheduler.spec import job_id_for
 from dagfold.services.stack import Stack, StackOptions
 from tests.api_support import ApiHarness, LiveServer, accepted, ev, free_port, now_ms, wait_until
 from tests.callback_support import Receiver, allow_loopback

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 
 from dagfold.commands import submit_job
 from dagfold.config import Config
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.services.callbacks import (
     DELIVERED,
@@ -31,7 +32,6 @@ from dagfold.services.callbacks import (
     sign,
     verify,
 )
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.handlers import HandlerRegistry
 from tests.api_support import wait_until

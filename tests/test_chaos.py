@@ -36,9 +36,9 @@ from chaos.harness import PROFILES, ChaosRun
 from chaos.report import format_report
 from chaos.workload import JobPlan, generated_job, plan_workload, with_expectation
 from dagfold.exceptions import LogError
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.log import TopicPartition, open_log
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.worker.sideeffects import SideEffectLedger
 
 SEED = int(os.environ.get("DAGFOLD_CHAOS_SEED", "20251130"))

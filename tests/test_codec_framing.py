@@ -28,7 +28,7 @@ from dagfold.commands import cancel_job, submit_job
 from dagfold.config import COMMANDS, Config
 from dagfold.deadletters import list_dead_letters
 from dagfold.exceptions import CodecError
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 
 CODEC = default_codec()

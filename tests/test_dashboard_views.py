@@ -22,7 +22,7 @@ import tests.test_dashboard_browser as base
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, Config
-from dagfold.services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
+from dagfold.jobspec import load_spec_text, parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.capabilities import parse_handler_list
 from dagfold.services.worker.handlers import default_registry

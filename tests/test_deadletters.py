@@ -35,7 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str
     with Stack(cfg, StackOptions(workers=1, callbacks=False)) as st:
         codec = default_codec()
         spec = {"job_id": "dl-job-1", "tenant": "acme", "tasks": [{"id": "a", "handler": "noop"}]}
-        from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+        from dagfold.jobspec import parse_spec, to_job_spec
 
         job_spec = to_job_spec(parse_spec({"id": "dl-job-1", "tenant": "acme", "tasks": spec["tasks"]}))
         prod = st.log.producer("upstream")  # type: ignore[union-attr]

@@ -174,7 +174,7 @@ def test_the_scheduler_writes_dispatch_records_without_transaction_markers(klog:
     stall). Dispatch records now go out before the scheduler's transaction: no markers, offsets
     without gaps."""
     from dagfold.commands import submit_job
-    from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
+    from dagfold.jobspec import load_spec_text, to_job_spec
     from tests.runner_support import Running
 
     cfg = Config(log_url=klog.url, data_dir=tmp_path / "data", partitions=1)

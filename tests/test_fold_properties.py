@@ -56,13 +56,12 @@ from hypothesis import strategies as st
 
 from dagfold.codec import Record, default_codec
 from dagfold.config import SchedulerOptions
+from dagfold.jobspec import is_gpu, parse_spec, still_skipped, to_job_spec
 from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.processors import is_gpu, still_skipped
 from dagfold.services.scheduler.retry import NO_RETRY, backoff_ms, jitter_fraction
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.scheduler.timers import due_timers
 from dagfold.state.store import META_PREFIX
 

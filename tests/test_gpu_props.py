@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_COMMANDS, COMMANDS, CONTROL, EVENTS, SCHEDULER_INTERNAL
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.outputs import Output
 from dagfold.services.allocator import commands as acmds
 from dagfold.services.allocator.harness import AllocatorHarness
@@ -42,7 +43,6 @@ from dagfold.services.allocator.model import FULL
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.timers import due_timers as alloc_due
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.scheduler.timers import due_timers as sched_due
 
 POOL = "p"

@@ -11,7 +11,7 @@ import pytest
 
 from dagfold.commands import submit_job
 from dagfold.config import Config
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.wfcommons import workflow_spec
 from tests.cli_support import ROOT, UpProcess, dagfold, kafka_url

@@ -21,9 +21,9 @@ from dagfold.cli.ux import EXIT_FENCED
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, EVENTS, Config
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.log import Log, TopicPartition, open_log
 from dagfold.log.reader import read_to_end
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from tests.cli_support import DAGFOLD, ROOT, kafka_url
 
 pytestmark = pytest.mark.kafka

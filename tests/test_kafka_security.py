@@ -22,10 +22,10 @@ from dagfold import codec
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import Config
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.localkafka import SecureLocalKafka, free_base_port
 from dagfold.log import open_log
 from dagfold.log.factory import kafka_security_settings
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 
 pytestmark = pytest.mark.kafka

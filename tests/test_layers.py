@@ -116,3 +116,43 @@ def test_nothing_imports_the_old_top_level_names() -> None:
     old = [f"{p.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}" for folder in folders
            for p in (ROOT / folder).rglob("*.py") for text in [p.read_text()] for m in OLD_NAMES.finditer(text)]
     assert old == []
+
+
+def reachable(graph: dict[str, set[str]], mod: str) -> set[str]:
+    """Every module ``mod`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [mod]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def _in(mod: str, *packages: str) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in packages)
+
+
+SCHEDULER_WRITE_SIDE = ("dagfold.services.scheduler.fold", "dagfold.services.scheduler.processors",
+                        "dagfold.services.scheduler.appliers")
+
+
+def test_the_api_and_the_sdk_never_import_the_scheduler_s_fold() -> None:
+    """They speak the job contract (``dagfold.jobspec``) and the lifecycle (``dagfold.lifecycle``), not the
+    scheduler's write side: its fold, command handlers (processors) and appliers, directly or not."""
+    graph = import_graph()
+    wrong = sorted(f"{mod} reaches {dep}" for mod in graph if _in(mod, "dagfold.services.api", "dagfold.client")
+                   for dep in reachable(graph, mod) if _in(dep, *SCHEDULER_WRITE_SIDE))
+    assert wrong == []
+
+
+def test_the_sdk_and_the_job_contract_import_no_service() -> None:
+    """The SDK (``dagfold.client``) is what upstream teams install: it needs no service's code. The job
+    contract and the lifecycle are plumbing that the services, the API and the SDK share."""
+    graph = import_graph()
+    wrong = sorted(f"{mod} reaches {dep}" for mod in graph
+                   if _in(mod, "dagfold.client", "dagfold.jobspec", "dagfold.lifecycle")
+                   for dep in reachable(graph, mod) if layer(dep) == "services")
+    assert wrong == []
+    assert "dagfold.jobspec.validation" in reachable(graph, "dagfold.client")  # the graph sees the SDK's imports

@@ -26,6 +26,7 @@ from dagfold.config import (
     dispatch_topic,
 )
 from dagfold.exceptions import CommitUnknownError, FencedError, LogError, TransactionAbortedError
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.log import TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog, EmbeddedTransactionalProducer
 from dagfold.processor import PartitionProcessor, catch_up
@@ -35,7 +36,6 @@ from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.runner import AllocatorRunner
 from dagfold.services.scheduler.replay import replay, verify
 from dagfold.services.scheduler.runner import SchedulerRunner
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import MemoryStore, PartitionStore
 from dagfold.state.store import state_digest
 from tests.runner_support import Running, wait_for

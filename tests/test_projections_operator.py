@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from dagfold.codec import make
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.projections import OperatorModel, ReadModel, ReadModelStore
 from dagfold.projections.jobs import apply
 from dagfold.projections.operator import QUEUE_STATES, reason_class
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 
 T0 = 1_700_000_000_000
 

@@ -16,16 +16,16 @@ from fastavro.schema import load_schema
 
 from dagfold.codec import MAGIC, default_codec, make, schema_fingerprint
 from dagfold.config import Limits
-from dagfold.services.api.graph import layout
-from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
-from dagfold.services.scheduler.validation import (
+from dagfold.jobspec import load_spec_text, to_job_spec
+from dagfold.jobspec.validation import (
     REJECTED_GRAPH_BYTES,
     REJECTED_GRAPH_EDGES,
     REJECTED_GRAPH_TASKS,
     Rejection,
     rejected_graph,
 )
+from dagfold.services.api.graph import layout
+from dagfold.services.scheduler.harness import FoldHarness
 from tests.api_support import T0, ApiHarness, accepted
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import pytest
 
 from dagfold.codec import default_codec
 from dagfold.config import Limits, SchedulerOptions
+from dagfold.jobspec import load_spec_text, parse_spec, to_job_spec
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import load_spec_text, parse_spec, to_job_spec
 from dagfold.wfcommons import workflow_spec
 
 WF = Path(__file__).resolve().parents[2] / "shared" / "data" / "wfcommons"

@@ -17,9 +17,9 @@ from fastavro.schema import load_schema
 
 from dagfold.codec import MAGIC, default_codec, schema_fingerprint
 from dagfold.config import Config, SchedulerOptions
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import PartitionStore
 
 EVERY_MS = 60_000

@@ -12,11 +12,11 @@ from dagfold import metrics
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, DEADLETTER, EVENTS, Config
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.log import LogRecord, TopicPartition, partition_for
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.services.scheduler.replay import replay
 from dagfold.services.scheduler.runner import SchedulerRunner
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import PartitionStore, PartitionTransaction
 from dagfold.state.store import applied_events_offset, state_digest
 from tests.runner_support import Running, wait_for

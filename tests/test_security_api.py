@@ -25,11 +25,11 @@ import pytest
 from typer.testing import CliRunner
 
 from dagfold.cli import app as cli_app
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.parsing import MAX_DEPTH
 from dagfold.services.api.auth import AuthConfig
 from dagfold.services.api.guard import GuardConfig
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from tests.api_support import T0, ApiHarness, LiveServer, accepted, ev, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

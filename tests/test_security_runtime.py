@@ -22,11 +22,11 @@ import pytest
 from dagfold.codec import default_codec
 from dagfold.commands import set_tenant_entitlements, settings_keys
 from dagfold.config import COMMANDS
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.log.base import TopicPartition, partition_for
 from dagfold.services.api.admission import AdmissionConfig
 from dagfold.services.api.auth import AuthConfig
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.worker.handlers import HandlerRegistry, default_registry
 from dagfold.tenants import Entitlements
 from tests.api_support import ApiHarness

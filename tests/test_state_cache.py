@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dagfold.config import SchedulerOptions
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.state import MemoryStore, PartitionStore, PartitionTransaction
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from dagfold.codec import Record, default_codec
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.state import PartitionTransaction
 
 

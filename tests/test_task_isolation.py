@@ -35,8 +35,8 @@ import pytest
 from dagfold.artifacts import HashingReader, LocalArtifactStore, output_prefix
 from dagfold.commands import submit_job
 from dagfold.config import Config
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.services.agent.launcher import JobProcess, Launcher
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 from dagfold.services.worker.handlers import HandlerRegistry, TaskContext, TaskRuntime, shell
 from tests.cli_support import DAGFOLD, ROOT, UpProcess
@@ -182,7 +182,8 @@ def test_a_gpu_job_gets_the_allow_listed_environment_and_the_task_user(tmp_path:
     assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["DAGFOLD_ARGS_JSON"] == '{"steps": 1}'
     assert Path(env["DAGFOLD_CHECKPOINT_DIR"]).is_absolute() and Path(env["HOME"]).is_absolute()
     # what sh itself sets (PWD, SHLVL, OLDPWD, _) and the allow list: nothing else of the agent's
-    assert set(env) <= {"PATH", "LANG", "LC_ALL", "TZ", "HOME", "TMPDIR", "PWD", "SHLVL", "OLDPWD", "_", "uid", "TRACEPARENT"} | {
+    assert set(env) <= {"PATH", "LANG", "LC_ALL", "TZ", "HOME", "TMPDIR", "PWD", "SHLVL", "OLDPWD", "_", "uid",
+                        "TRACEPARENT"} | {
         k for k in env if k.startswith("DAGFOLD_") or k == "CUDA_VISIBLE_DEVICES"}, sorted(env)
     if TASK_USER is not None:
         assert env["uid"] == str(pwd.getpwnam(TASK_USER).pw_uid)

@@ -12,11 +12,11 @@ import pytest
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, EVENTS, SCHEDULER_GROUP, Config
 from dagfold.exceptions import LogError
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.log import TopicPartition, open_log
 from dagfold.log.base import crc32_partition, murmur2, murmur2_partition, partition_for
 from dagfold.log.embedded import EmbeddedLog
 from dagfold.log.namespace import Namespace, NamespacedLog
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 
 # org.apache.kafka.common.utils.UtilsTest#testMurmur2: the Java client's own vectors.

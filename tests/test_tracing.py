@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from dagfold.codec import MAGIC, default_codec, schema_fingerprint
 from dagfold.codec import SCHEMA_DIR as SCHEMAS
 from dagfold.config import SchedulerOptions
+from dagfold.jobspec import load_spec_text, to_job_spec
 from dagfold.services.scheduler.harness import FoldHarness
-from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.services.worker.handlers import TaskContext
 from dagfold.tracing import (
     SpanRecord,

@@ -201,8 +201,8 @@ def jaeger_processes(jaeger: Jaeger, trace_id: str) -> list[dict[str, Any]]:
 
 def test_otlp_over_grpc_reaches_jaeger_too(jaeger: Jaeger, monkeypatch: pytest.MonkeyPatch) -> None:
     """OTEL_EXPORTER_OTLP_PROTOCOL=grpc: the same spans through the gRPC exporter."""
+    from dagfold.jobspec import load_spec_text, to_job_spec
     from dagfold.services.scheduler.harness import FoldHarness
-    from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
     from dagfold.tracing import TraceBuilder
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", jaeger.otlp_grpc)

@@ -34,8 +34,8 @@ from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
 from dagfold.exceptions import LogError
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.log import TopicPartition
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ from bench.peers import probe, timed
 from bench.peers.run_dagfold import read_reports
 from dagfold.commands import submit_job
 from dagfold.config import Config
-from dagfold.services.scheduler.spec import parse_spec, to_job_spec
+from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
 
 

@@ -133,21 +133,41 @@ KeyOpt = Annotated[str | None, typer.Option("--api-key", envvar="DAGFOLD_API_KEY
                                             help="API key (Authorization: Bearer); needed when the API has keys")]
 
 
-def _headers(api_key: str | None, api: str | None = None) -> dict[str, str]:
-    """The Authorization header: the API key, else the local token ``dagfold up --token`` stored for ``api``."""
+def _api_key(api_key: str | None, api: str | None = None) -> str | None:
+    """The API key, else the local token ``dagfold up --token`` stored for ``api``."""
     if not api_key and api is not None:
         import os
 
         from dagfold.localtoken import read_token
 
         api_key = os.environ.get("DAGFOLD_API_TOKEN") or read_token(api)
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return api_key or None
+
+
+def _headers(api_key: str | None, api: str | None = None) -> dict[str, str]:
+    """The Authorization header (``_api_key``), for the event stream (``follow.py``)."""
+    key = _api_key(api_key, api)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _call(method: str, api: str, path: str, api_key: str | None = None, **kw: Any) -> httpx.Response:
+    """One request through the SDK's REST client (``dagfold.client.RestClient``: the CLI speaks to the API as
+    upstream code does), without its retries: the answer whatever its status. An httpx error, or the
+    client's ``unreachable`` with the transport error as its cause, is raised as httpx's."""
+    from dagfold.client import ClientError, RestClient
+
+    try:
+        with RestClient(api, _api_key(api_key, api), timeout_s=30, retries=0) as client:
+            return client.request(method, path, **kw)
+    except ClientError as exc:
+        if isinstance(exc.__cause__, httpx.HTTPError):
+            raise exc.__cause__ from None
+        raise
 
 
 def _request(method: str, api: str, path: str, api_key: str | None = None, **kw: Any) -> Any:
-    headers = {**_headers(api_key, api), **kw.pop("headers", {})}
     try:
-        r = httpx.request(method, api.rstrip("/") + path, timeout=30, headers=headers, **kw)
+        r = _call(method, api, path, api_key, **kw)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise fail(f"cannot reach the API at {api}: {exc}"
                    + ("; start one with `dagfold up`, or pass --api (DAGFOLD_API)"
@@ -258,10 +278,8 @@ def resolve_job(api: str, api_key: str | None, ref: str) -> dict[str, Any]:
 
     if not ref:
         raise fail("give a job ID (or a unique prefix of it, or the job's name)")
-    headers = _headers(api_key, api)
-    url = f"{api.rstrip('/')}/v1/jobs/{seg(ref)}"
     try:
-        r = httpx.get(url, headers=headers, timeout=30)
+        r: httpx.Response | None = _call("GET", api, f"/v1/jobs/{seg(ref)}", api_key)
     except httpx.HTTPError:
         r = None
     if r is not None and r.status_code == 200:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich import box
@@ -59,16 +59,20 @@ from dagfold.cli.common import (
     serve_metrics,
 )
 from dagfold.clock import now_ms
+from dagfold.lifecycle import JobState, TaskState
 from dagfold.projections.jobs import APPLIERS as _JOB_APPLIERS
+
+if TYPE_CHECKING:
+    from dagfold.jobspec import JobSpecIn
 
 JobArg = Annotated[str, typer.Argument(help="job ID, a unique prefix of it, or the job's name", show_default=False)]
 
 
-def _load_spec_doc(file: Path) -> dict[str, Any]:
-    from dagfold.services.scheduler.spec import SpecError, load_spec_text
+def _load_spec(file: Path) -> JobSpecIn:
+    from dagfold.jobspec import SpecError, load_spec_text
 
     try:
-        return load_spec_text(file.read_text()).model_dump(exclude_none=True)
+        return load_spec_text(file.read_text())
     except OSError as exc:
         raise fail(f"cannot read {file}: {exc}") from None
     except SpecError as exc:
@@ -86,19 +90,16 @@ def _wfcommons_doc(path: Path, time_scale: float) -> dict[str, Any]:
         raise fail(str(exc)) from None
 
 
-def _to_job_spec(doc: dict[str, Any]) -> dict[str, Any]:
+def _to_job_spec(spec: JobSpecIn | dict[str, Any]) -> dict[str, Any]:
+    """The checked record of a parsed spec (or of a document, parsed here once), refused as the scheduler
+    would refuse it."""
     from dagfold.config import Limits
-    from dagfold.services.scheduler.spec import SpecError, parse_spec, to_job_spec
-    from dagfold.services.scheduler.validation import validate_job_spec
+    from dagfold.jobspec import JobSpecIn, SpecError, parse_spec, to_job_spec
 
     try:
-        spec = to_job_spec(parse_spec(doc))
-    except SpecError as exc:
+        return to_job_spec(spec if isinstance(spec, JobSpecIn) else parse_spec(spec), Limits())
+    except SpecError as exc:  # SpecRejected: "job rejected (code): reason"
         raise fail(str(exc)) from None
-    rej = validate_job_spec(spec, Limits())
-    if rej is not None:
-        raise fail(f"job rejected ({rej.code}): {rej.reason}")
-    return spec
 
 
 STDERR_TAIL_LINES = 15
@@ -348,7 +349,7 @@ def _use_auth_file(auth_file: Path | None) -> None:
 
 def submit_examples(stack: Any) -> None:
     from dagfold.commands import submit_job
-    from dagfold.services.scheduler.spec import SpecError, load_spec_text, parse_spec, to_job_spec
+    from dagfold.jobspec import SpecError, load_spec_text, parse_spec, to_job_spec
     from dagfold.wfcommons import workflow_spec
 
     root = Path(__file__).resolve().parents[2]  # the repository: dagfold/cli/main.py
@@ -475,11 +476,10 @@ def run(file: Annotated[Path | None, typer.Argument(help="job spec (YAML or JSON
     if (file is None) == (wfcommons is None):
         raise fail("give a job spec FILE or --wfcommons PATH")
     if wfcommons is not None:
-        doc = _wfcommons_doc(wfcommons, time_scale)
+        spec = _to_job_spec(_wfcommons_doc(wfcommons, time_scale))
     else:
         assert file is not None
-        doc = _load_spec_doc(file)
-    spec = _to_job_spec(doc)
+        spec = _to_job_spec(_load_spec(file))
     raise typer.Exit(_run_stack(spec, log, data, workers, timeout, as_json, keep, registry))
 
 
@@ -658,26 +658,6 @@ def status(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as
                   f"(`dagfold tasks {job['job_id']}` names them)")
     if job.get("reason"):
         out.print(f"reason: {job['reason']}")
-
-
-class JobState(enum.StrEnum):
-    running = "running"
-    succeeded = "succeeded"
-    succeeded_partial = "succeeded_partial"
-    failed = "failed"
-    cancelled = "cancelled"
-    rejected = "rejected"
-
-
-class TaskState(enum.StrEnum):
-    pending = "pending"
-    runnable = "runnable"
-    running = "running"
-    retrying = "retrying"
-    succeeded = "succeeded"
-    failed = "failed"
-    skipped = "skipped"
-    cancelled = "cancelled"
 
 
 class JobSort(enum.StrEnum):

@@ -12,8 +12,9 @@
 ``KafkaClient("kafka://host:9092?prefix=prod.dagfold")`` submits straight to the commands
 topic instead. docs/client.md has the whole guide; examples/client_sdk.py runs it.
 
-Layering: like ``dagfold.cli``, this package is a top layer (it uses the spec models of
-``dagfold.services.scheduler.spec`` and the read model's states); nothing in dagfold imports it.
+Layering: like ``dagfold.cli``, this package is a top layer: it uses the job contract
+(``dagfold.jobspec``) and the lifecycle (``dagfold.lifecycle``) and imports no service
+(tests/test_layers.py); nothing in dagfold imports it.
 """
 
 from dagfold.client.clients import (

@@ -20,13 +20,12 @@ import httpx
 from dagfold.client.spec import Job
 from dagfold.codec import default_codec, make
 from dagfold.commands import CommandSender, now_ms
-from dagfold.config import EVENTS, Config
+from dagfold.config import EVENTS, Config, Limits
 from dagfold.exceptions import CodecError, DagfoldError
+from dagfold.jobspec import SpecError, SpecRejected
+from dagfold.lifecycle import JOB_ENDING_EVENTS, JOB_FINAL, job_state_after
 from dagfold.log import TopicPartition, open_log
-from dagfold.projections.jobs import TERMINAL_JOB_STATES
 from dagfold.rules import path_segment
-from dagfold.services.scheduler.spec import SpecError
-from dagfold.services.scheduler.validation import validate_job_spec
 from dagfold.tracing import TRACEPARENT, clean_traceparent, current_traceparent, job_trace_id
 
 
@@ -64,7 +63,7 @@ class JobStatus:
 
     @property
     def done(self) -> bool:
-        return self.state in TERMINAL_JOB_STATES
+        return self.state in JOB_FINAL
 
 
 class Client(Protocol):
@@ -77,9 +76,11 @@ class Client(Protocol):
     def close(self) -> None: ...
 
 
-def _checked_record(job: Job) -> dict[str, Any]:
+def _checked_record(job: Job, limits: Limits | None = None) -> dict[str, Any]:
     try:
-        return job.to_record()
+        return job.to_record(limits)
+    except SpecRejected as exc:
+        raise ClientError(None, exc.rejection.code, exc.rejection.reason) from None
     except SpecError as exc:
         raise ClientError(None, "invalid_spec", str(exc)) from None
 
@@ -103,7 +104,10 @@ class RestClient:
                                   transport=transport)
         self.retries = retries
 
-    def _call(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        """One call (``path`` under the base URL; ``kw`` as ``httpx.Client.request`` takes it): the answer
+        whatever its status, after the retries of transient failures. ``ClientError`` ``unreachable`` (its
+        cause: the transport error) when no answer came."""
         delay = 0.2
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
@@ -111,7 +115,7 @@ class RestClient:
                 r = self._http.request(method, path, **kw)
             except httpx.TransportError as exc:
                 if last:
-                    raise ClientError(None, "unreachable", f"{self._http.base_url}: {exc}") from None
+                    raise ClientError(None, "unreachable", f"{self._http.base_url}: {exc}") from exc
             else:
                 if r.status_code not in _RETRY_STATUS or last:
                     return r
@@ -137,14 +141,14 @@ class RestClient:
         OpenTelemetry span when the caller uses OpenTelemetry."""
         _checked_record(job)  # a malformed spec fails here, before any request
         tp = current_traceparent() if traceparent is None else traceparent
-        r = self._call("POST", "/v1/jobs", json=job.to_dict(), headers={TRACEPARENT: tp} if tp else None)
+        r = self.request("POST", "/v1/jobs", json=job.to_dict(), headers={TRACEPARENT: tp} if tp else None)
         if r.status_code not in (200, 202):
             raise self._error(r)
         body = r.json()
         return Submission(str(body["job_id"]), created=r.status_code == 202, trace_id=body.get("trace_id"))
 
     def status(self, job_id: str) -> JobStatus:
-        r = self._call("GET", f"/v1/jobs/{path_segment(job_id)}")
+        r = self.request("GET", f"/v1/jobs/{path_segment(job_id)}")
         if r.status_code != 200:
             raise self._error(r)
         j = r.json()
@@ -185,7 +189,7 @@ class RestClient:
 
     def _post(self, path: str, body: dict[str, Any] | None) -> None:
         """An accepted (202) action, else ``ClientError`` with the API's code (``JobNotFound`` for 404)."""
-        r = self._call("POST", path, json=body) if body is not None else self._call("POST", path)
+        r = self.request("POST", path, json=body) if body is not None else self.request("POST", path)
         if r.status_code >= 400:
             raise self._error(r)
 
@@ -201,14 +205,10 @@ class RestClient:
 
 # -- Kafka -------------------------------------------------------------------------------
 
-# Job-level events and the state each one leaves the job in.
-_JOB_STATES = {
-    "dagfold.event.JobAccepted": "accepted",
-    "dagfold.event.JobSucceeded": "succeeded",
-    "dagfold.event.JobFailed": "failed",
-    "dagfold.event.JobCancelled": "cancelled",
-    "dagfold.event.JobRejected": "rejected",
-}
+_ACCEPTED = "dagfold.event.JobAccepted"
+_STATUS_EVENTS = JOB_ENDING_EVENTS | {_ACCEPTED, "dagfold.event.JobRejected"}
+"""The events whose job state ``KafkaClient`` reports (``dagfold.lifecycle``): ``accepted`` (the read model
+would say running), then how the job ended or that it was rejected."""
 
 
 class KafkaClient:
@@ -236,10 +236,7 @@ class KafkaClient:
 
     def submit(self, job: Job, traceparent: str | None = None) -> Submission:
         """Write SubmitJob; ``traceparent`` as in ``RestClient.submit``."""
-        spec = _checked_record(job)
-        rejection = validate_job_spec(spec, self.config.scheduler.limits)
-        if rejection is not None:
-            raise ClientError(None, rejection.code, rejection.reason)
+        spec = _checked_record(job, self.config.scheduler.limits)  # as the scheduler will check it
         tp = self._tp(spec["job_id"])
         self._start.setdefault(spec["job_id"], self.log.end_offsets([tp])[tp])
         parent = clean_traceparent(current_traceparent() if traceparent is None else traceparent)
@@ -267,11 +264,9 @@ class KafkaClient:
                         ev = codec.decode(rec.value)
                     except CodecError:
                         continue
-                    state = _JOB_STATES.get(ev["type"])
-                    if state is None:
+                    if ev["type"] not in _STATUS_EVENTS:
                         continue
-                    if state == "succeeded" and ev.get("partial"):
-                        state = "succeeded_partial"
+                    state = "accepted" if ev["type"] == _ACCEPTED else str(job_state_after(ev))
                     tenant = ev.get("tenant") or (ev["spec"]["tenant"] if "spec" in ev else None)
                     status = JobStatus(job_id, state, tenant or (status.tenant if status else None),
                                        ev.get("reason"), {}, {k: v for k, v in ev.items() if k != "spec"})

@@ -1,6 +1,6 @@
 """A typed builder for job specs: what upstream Python code writes instead of YAML.
 
-The builder produces the same spec the API and the CLI take (``dagfold.services.scheduler.spec.JobSpecIn``,
+The builder produces the same spec the API and the CLI take (``dagfold.jobspec.JobSpecIn``,
 pydantic-checked, field paths in errors) and reuses its types for policies (``Retry``,
 ``Timeouts``, ``Resources``), so there is one definition of a spec, not a mirror of it.
 
@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dagfold.services.scheduler.spec import (
+from dagfold.config import Limits
+from dagfold.jobspec import (
     FailurePolicy,
     JobSpecIn,
     ResourcesIn,
@@ -128,6 +129,7 @@ class Job:
         """The spec checked for shape and types (SpecError names the field)."""
         return parse_spec(self.to_dict())
 
-    def to_record(self) -> dict[str, Any]:
-        """The Avro ``dagfold.common.JobSpec`` that travels in a SubmitJob."""
-        return to_job_spec(self.checked())
+    def to_record(self, limits: Limits | None = None) -> dict[str, Any]:
+        """The Avro ``dagfold.common.JobSpec`` that travels in a SubmitJob; with ``limits`` also checked by
+        the scheduler's rules (``SpecRejected`` says what its JobRejected would)."""
+        return to_job_spec(self.checked(), limits)

@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dagfold import metrics
 from dagfold.config import Config
+from dagfold.jobspec import JobSpecIn
 from dagfold.log.base import Log
 from dagfold.projections.cluster import ClusterModel
 from dagfold.projections.jobs import ReadModel
@@ -62,7 +63,6 @@ from dagfold.services.api.errors import ApiError
 from dagfold.services.api.guard import BrowserGuard, GuardConfig
 from dagfold.services.api.metrics_collector import ReadModelCollector
 from dagfold.services.callbacks.ledger import CallbackLedger
-from dagfold.services.scheduler.spec import JobSpecIn
 from dagfold.services.worker.handlers import HandlerRegistry
 
 logger = logging.getLogger("dagfold.api")

@@ -20,12 +20,11 @@ from fastapi.responses import JSONResponse
 from dagfold.commands import submit_job
 from dagfold.deadletters import DeadLetter, DeadLetterError, get_dead_letter, list_dead_letters
 from dagfold.exceptions import LogError
+from dagfold.jobspec import spec_hash, validate_job_spec
 from dagfold.log.base import Log
 from dagfold.services.api.auth import Principal
 from dagfold.services.api.context import ApiContext, parse_time_ms
 from dagfold.services.api.errors import ApiError
-from dagfold.services.scheduler.processors import spec_hash
-from dagfold.services.scheduler.validation import validate_job_spec
 
 DlId = Annotated[str, Path(max_length=40, description="PARTITION-OFFSET of the record in the dead-letter topic")]
 

@@ -26,6 +26,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, UrlConstraints, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from dagfold.jobspec import (
+    MAX_GPU_TYPES,
+    MAX_SECONDS,
+    GpuType,
+    IdempotencyKey,
+    JobId,
+    JobSpecIn,
+    QueueName,
+    RetryPolicyIn,
+    SpecError,
+    TenantName,
+    is_gpu,
+    parse_spec,
+)
 from dagfold.services.api.auth import Principal
 from dagfold.services.api.context import ApiContext
 from dagfold.services.api.errors import ApiError
@@ -40,19 +54,6 @@ from dagfold.services.api.routes_jobs import (
 )
 from dagfold.services.api.routes_outputs import output_links
 from dagfold.services.api.sse import claim_response, stream_response
-from dagfold.services.scheduler.processors import is_gpu
-from dagfold.services.scheduler.spec import (
-    GpuType,
-    IdempotencyKey,
-    JobId,
-    JobSpecIn,
-    QueueName,
-    RetryPolicyIn,
-    SpecError,
-    TenantName,
-    parse_spec,
-)
-from dagfold.services.scheduler.validation import MAX_GPU_TYPES, MAX_SECONDS
 from dagfold.tracing import TRACEPARENT
 
 TASK_ID = "run"

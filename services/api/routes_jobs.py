@@ -11,7 +11,7 @@ for other tenants' jobs.
 
 import json
 import os
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Depends, Header, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -20,7 +20,8 @@ from starlette.concurrency import run_in_threadpool
 
 from dagfold.clock import now_ms
 from dagfold.codec import make
-from dagfold.lifecycle import REDRIVABLE, task_action_refusal
+from dagfold.jobspec import JobSpecIn, SpecError, SpecRejected, parse_spec, spec_hash, still_skipped, to_job_spec
+from dagfold.lifecycle import JOB_STATES, REDRIVABLE, TASK_STATES, task_action_refusal
 from dagfold.parsing import ParseError, load_json, load_yaml
 from dagfold.projections.jobs import TERMINAL_JOB_STATES, Page
 from dagfold.services.api.auth import Principal
@@ -28,13 +29,14 @@ from dagfold.services.api.context import ApiContext, parse_time_ms
 from dagfold.services.api.errors import ApiError
 from dagfold.services.api.graph import graph_json, layout, rejected_graph_json
 from dagfold.services.api.sse import claim_response, stream_response
-from dagfold.services.scheduler.processors import spec_hash, still_skipped
-from dagfold.services.scheduler.spec import JobSpecIn, SpecError, parse_spec, to_job_spec
-from dagfold.services.scheduler.validation import validate_job_spec
 from dagfold.tracing import TRACEPARENT, clean_traceparent, job_trace_id
 
-JobState = Literal["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]
-TaskState = Literal["pending", "runnable", "running", "retrying", "succeeded", "failed", "skipped", "cancelled"]
+if TYPE_CHECKING:
+    JobStateName = str
+    TaskStateName = str
+else:  # the lifecycle's states as plain string literals: the OpenAPI document lists them inline
+    JobStateName = Literal[tuple(s.value for s in JOB_STATES)]
+    TaskStateName = Literal[tuple(s.value for s in TASK_STATES)]
 Limit = Annotated[int, Query(ge=1, le=1000, description="page size (at most 1000)")]
 
 JSON_TYPES = ("application/json",)
@@ -147,12 +149,11 @@ def submit_spec(ctx: ApiContext, spec_in: JobSpecIn, principal: Principal,
             and ent.tier_refusal(spec_in.tier):  # no tier named: the tenant's highest, not a refusal
         spec_in = spec_in.model_copy(update={"tier": ent.max_tier})
     try:
-        spec = to_job_spec(spec_in)
+        spec = to_job_spec(spec_in, ctx.config.scheduler.limits)
+    except SpecRejected as exc:
+        raise ApiError(422, exc.rejection.code, exc.rejection.reason) from None
     except SpecError as exc:
         raise ApiError(400, "invalid_spec", str(exc)) from None
-    rejection = validate_job_spec(spec, ctx.config.scheduler.limits)
-    if rejection is not None:
-        raise ApiError(422, rejection.code, rejection.reason)
     url = spec.get("callback_url")
     refused = ctx.egress.literal_refusal(url) if url else None
     if refused is not None:  # early and only for literals: the notifier checks every address it resolves
@@ -313,7 +314,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
     def list_jobs(
         principal: Caller,
         tenant: Annotated[str | None, Query(min_length=1, max_length=200)] = None,
-        state: JobState | None = None,
+        state: JobStateName | None = None,
         created_after: Annotated[str | None, Query(description="ms since epoch or ISO 8601, inclusive")] = None,
         created_before: Annotated[str | None, Query(description="ms since epoch or ISO 8601, exclusive")] = None,
         limit: Limit = 100,
@@ -339,7 +340,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         return job
 
     @r.get("/v1/jobs/{job_id}/tasks", summary="Tasks of a job, by task ID")
-    def get_tasks(job_id: str, principal: Caller, state: TaskState | None = None, limit: Limit = 100,
+    def get_tasks(job_id: str, principal: Caller, state: TaskStateName | None = None, limit: Limit = 100,
                   cursor: str | None = None) -> dict[str, Any]:
         ctx.job_for(job_id, principal)
         return _page(ctx.rm.get_tasks(job_id, limit=limit, cursor=cursor, state=state), "tasks")

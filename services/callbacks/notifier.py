@@ -66,6 +66,7 @@ from dagfold.clock import now_ms
 from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
+from dagfold.lifecycle import JOB_ENDING_EVENTS, job_state_after
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
 from dagfold.processor.polling import Backoff, LagGauge
 from dagfold.projections.store import ReadModelTxn
@@ -97,11 +98,7 @@ USER_AGENT = "dagfold-callbacks/0.1"
 ACCEPTED = "dagfold.event.JobAccepted"
 REDRIVEN = "dagfold.event.JobRedriven"
 REOPENED = "dagfold.event.TaskReopened"  # an operator's task retry or mark-succeeded: an ended job runs again
-TERMINAL = {
-    "dagfold.event.JobSucceeded": "succeeded",
-    "dagfold.event.JobFailed": "failed",
-    "dagfold.event.JobCancelled": "cancelled",
-}
+TERMINAL = JOB_ENDING_EVENTS  # the state each leaves the job in: dagfold.lifecycle.job_state_after
 SUCCEEDED = "dagfold.event.TaskSucceeded"  # its outputs go into the job's callback
 RELEVANT = frozenset({ACCEPTED, REDRIVEN, REOPENED, SUCCEEDED, *TERMINAL})
 MAX_CALLBACK_OUTPUTS = 100
@@ -307,10 +304,8 @@ class CallbackNotifier:
         txn.put(jk, job)
         if txn.get(dk) is not None:
             return 0
-        state = TERMINAL[kind]
+        state = job_state_after(ev)
         partial = bool(ev.get("partial", False))
-        if partial:
-            state = "succeeded_partial"
         did = delivery_id(job_id, rnd)
         payload = {"delivery_id": did, "job_id": job_id, "state": state, "reason": ev.get("reason"),
                    "partial": partial, "tenant": job["tenant"], "tier": job["tier"], "round": rnd,

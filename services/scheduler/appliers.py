@@ -6,6 +6,8 @@ never look at commands, the clock or anything outside the event and the state,
 which is why replaying the events topic rebuilds the same state byte for byte.
 Every applier touches O(1) keys, except JobAccepted (once per job, O(tasks +
 edges)) and an outcome's notification of its direct dependents (O(out-degree)).
+The state each event leaves its task and job in comes from the lifecycle table
+(``dagfold.lifecycle.LIFECYCLE``), which the read model's appliers follow too.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from dagfold.codec import Record
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
+from dagfold.lifecycle import TaskState, job_state_after, task_state_after, transition
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.retry import NO_RETRY
 from dagfold.state import PartitionTransaction
@@ -84,9 +87,17 @@ def _delete_timer(txn: PartitionTransaction, key: bytes) -> None:
     txn.uncache(key)
 
 
-def _finish_task(txn: PartitionTransaction, e: Record, state: str, outcome: str) -> None:
-    """Move a task to a terminal state, update job counters and its dependents' counts."""
+_OUTCOME: dict[str, str] = {TaskState.SUCCEEDED: "ok", TaskState.FAILED: "bad", TaskState.SKIPPED: "skip",
+            TaskState.CANCELLED: "skip"}
+"""The upstream-outcome counter of a dependent that a task's terminal state moves (trigger rules read them)."""
+
+
+def _finish_task(txn: PartitionTransaction, e: Record) -> None:
+    """Move a task to the terminal state the event says, update job counters and its dependents' counts."""
     job_id, task_id = e["job_id"], e["task_id"]
+    state = task_state_after(e)
+    assert state is not None
+    outcome = _OUTCOME[state]
     t = get_task(txn, job_id, task_id)
     if t is None or t["state"] in TERMINAL:
         return
@@ -100,9 +111,9 @@ def _finish_task(txn: PartitionTransaction, e: Record, state: str, outcome: str)
     if j is not None:
         j["open"] -= 1
         j[state] += 1
-        if state == "succeeded" and t["leaf"]:
+        if state == TaskState.SUCCEEDED and t["leaf"]:
             j["leaf_ok"] += 1
-        if state == "failed" and not j.get("first_failure"):
+        if state == TaskState.FAILED and not j.get("first_failure"):
             j["first_failure"] = f"{task_id}: {e['reason']}"
         txn.put(keys.job(job_id), j)
     for d in get_dependents(txn, job_id, task_id):
@@ -118,6 +129,7 @@ def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
     spec = e["spec"]
     job_id = spec["job_id"]
     tasks = spec["tasks"]
+    step = transition(e)
     downs: dict[str, list[str]] = {}
     for t in tasks:
         for u in dict.fromkeys(t["depends_on"]):
@@ -125,7 +137,7 @@ def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
     for t in tasks:
         ups = list(dict.fromkeys(t["depends_on"]))
         txn.put(keys.task(job_id, t["task_id"]), {
-            "state": "pending", "attempt": 0, "n_up": len(ups), "rem": len(ups), "ok": 0, "bad": 0, "skip": 0,
+            "state": step.task, "attempt": 0, "n_up": len(ups), "rem": len(ups), "ok": 0, "bad": 0, "skip": 0,
             "queue": t["queue"], "handler": t["handler"], "args": t["args_json"], "rule": t["trigger_rule"],
             "retry": t["retry"] or spec["retry"] or NO_RETRY,
             "timeouts": t["timeouts"] or spec["timeouts"], "resources": t["resources"],
@@ -136,7 +148,7 @@ def _job_accepted(txn: PartitionTransaction, e: Record) -> None:
         txn.put(keys.dependents(job_id, u), ds)
     txn.put(keys.task_list(job_id), [t["task_id"] for t in tasks])
     txn.put(keys.job(job_id), {
-        "state": "running", "tenant": spec["tenant"], "tier": spec["tier"],
+        "state": step.job, "tenant": spec["tenant"], "tier": spec["tier"],
         "policy": spec["failure_policy"], "n": len(tasks), "open": len(tasks),
         "succeeded": 0, "failed": 0, "skipped": 0, "cancelled": 0, "leaf_ok": 0,
         "hash": e["spec_hash"], "accepted_ms": e["ts_ms"],
@@ -170,7 +182,7 @@ def _timeout_due(e: Record, t: dict[str, Any], name: str) -> int | None:
 
 @_on_task
 def _task_dispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
-    t["state"] = "runnable"
+    t["state"] = task_state_after(e)
     t["attempt"] = e["attempt"]
     t["worker"] = None
     t["alloc"] = None
@@ -218,7 +230,7 @@ def _queue_taken(txn: PartitionTransaction, e: Record, queue: str, dispatched_ms
 
 @_on_task
 def _lease_granted(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
-    t["state"] = "running"
+    t["state"] = task_state_after(e)
     t["worker"] = e["worker_id"]
     t["lease_ms"] = e["lease_deadline_ms"]
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start", None, e["attempt"])
@@ -255,7 +267,7 @@ def _task_requeued(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> N
     run-time clock); its checkpoint is where the next grant resumes."""
     _set_timer(txn, e["job_id"], e["task_id"], t, "lease", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "start_to_close", None, e["attempt"])
-    t.update(state="runnable", worker=None, alloc=None, lease_ms=None)
+    t.update(state=task_state_after(e), worker=None, alloc=None, lease_ms=None)
     if e["checkpoint_uri"]:
         t["ckpt"] = e["checkpoint_uri"]
 
@@ -263,7 +275,7 @@ def _task_requeued(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> N
 @_on_task
 def _attempt_will_retry(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
     _clear_timers(txn, e["job_id"], e["task_id"], t)
-    t["state"] = "retrying"
+    t["state"] = task_state_after(e)
     t["worker"] = None
     t["alloc"] = None
 
@@ -273,12 +285,12 @@ def _lease_reclaimed(txn: PartitionTransaction, e: Record, t: dict[str, Any]) ->
     """The worker is lost: the lease ends; TaskDispatched (next attempt) or TaskFailed (final) follows.
     ``lost`` counts the losses of this run, which the retry budget does not count."""
     _clear_timers(txn, e["job_id"], e["task_id"], t)
-    t.update(state="retrying", worker=None, alloc=None, lease_ms=None, lost=e["losses"])
+    t.update(state=task_state_after(e), worker=None, alloc=None, lease_ms=None, lost=e["losses"])
 
 
 def _task_failed(txn: PartitionTransaction, e: Record) -> None:
-    if e["final"]:
-        _finish_task(txn, e, "failed", "bad")
+    if task_state_after(e) in TERMINAL:  # final: failed; else retrying
+        _finish_task(txn, e)
     else:
         _attempt_will_retry(txn, e)
 
@@ -288,17 +300,14 @@ def _retry_scheduled(txn: PartitionTransaction, e: Record, t: dict[str, Any]) ->
     _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", e["retry_at_ms"], e["attempt"])
 
 
-def _job_ended(state: str) -> Applier:
-    def apply(txn: PartitionTransaction, e: Record) -> None:
-        j = get_job(txn, e["job_id"])
-        if j is None:
-            return
-        j["state"] = "succeeded_partial" if state == "succeeded" and e.get("partial") else state
-        j["ended_ms"] = e["ts_ms"]
-        txn.put(keys.job(e["job_id"]), j)
-        _uncache_job(txn, e["job_id"])
-
-    return apply
+def _job_ended(txn: PartitionTransaction, e: Record) -> None:
+    j = get_job(txn, e["job_id"])
+    if j is None:
+        return
+    j["state"] = job_state_after(e)
+    j["ended_ms"] = e["ts_ms"]
+    txn.put(keys.job(e["job_id"]), j)
+    _uncache_job(txn, e["job_id"])
 
 
 def _uncache_job(txn: PartitionTransaction, job_id: str) -> None:
@@ -320,6 +329,7 @@ def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
     """
     job_id = e["job_id"]
     reopened = set(e["task_ids"])
+    step = transition(e)
     j = get_job(txn, job_id)
     if j is None:
         return
@@ -334,10 +344,10 @@ def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
             continue
         j[t["state"]] -= 1
         # base: attempts before this run; the retry budget counts from it, attempt numbers go on
-        t.update(state="pending", rem=waiting[tid], ok=t["n_up"] - waiting[tid], bad=0, skip=0,
+        t.update(state=step.task, rem=waiting[tid], ok=t["n_up"] - waiting[tid], bad=0, skip=0,
                  worker=None, lease_ms=None, ended_ms=None, base=t["attempt"], lost=0)
         txn.put(keys.task(job_id, tid), t)
-    j.update(state="running", open=j["open"] + len(reopened), first_failure=None, ended_ms=None)
+    j.update(state=step.job, open=j["open"] + len(reopened), first_failure=None, ended_ms=None)
     txn.put(keys.job(job_id), j)
 
 
@@ -350,29 +360,31 @@ def _task_reopened(txn: PartitionTransaction, e: Record) -> None:
     outcomes only (unlike a redrive, upstreams outside the list need not have succeeded).
     """
     job_id = e["job_id"]
+    step = transition(e)
+    assert step.from_task is not None
     j = get_job(txn, job_id)
     if j is None:
         return
     old: dict[str, str] = {}
     for tid in e["task_ids"]:
         t = get_task(txn, job_id, tid)
-        if t is None or t["state"] not in ("failed", "skipped", "cancelled") or tid in old:
+        if t is None or t["state"] not in step.from_task or tid in old:
             continue
         old[tid] = t["state"]
         j[t["state"]] -= 1
-        if t["state"] == "failed" and str(j.get("first_failure") or "").startswith(f"{tid}: "):
+        if t["state"] == TaskState.FAILED and str(j.get("first_failure") or "").startswith(f"{tid}: "):
             j["first_failure"] = None
-        t.update(state="pending", worker=None, alloc=None, lease_ms=None, ended_ms=None, base=t["attempt"], lost=0)
+        t.update(state=step.task, worker=None, alloc=None, lease_ms=None, ended_ms=None, base=t["attempt"], lost=0)
         txn.put(keys.task(job_id, tid), t)
     for tid, state in old.items():
-        outcome = "bad" if state == "failed" else "skip"
+        outcome = _OUTCOME[state]
         for d in get_dependents(txn, job_id, tid):
             dt = get_task(txn, job_id, d)
             if dt is not None:
                 dt["rem"] += 1
                 dt[outcome] -= 1
                 txn.put(keys.task(job_id, d), dt)
-    j.update(state="running", open=j["open"] + len(old), ended_ms=None)
+    j.update(state=step.job, open=j["open"] + len(old), ended_ms=None)
     txn.put(keys.job(job_id), j)
 
 
@@ -407,18 +419,18 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.LeaseExtended": _lease_extended,
     "dagfold.event.LeaseRejected": _no_state,
     "dagfold.event.ReportIgnored": _no_state,
-    "dagfold.event.TaskSucceeded": lambda txn, e: _finish_task(txn, e, "succeeded", "ok"),
+    "dagfold.event.TaskSucceeded": _finish_task,
     "dagfold.event.LeaseReclaimed": _lease_reclaimed,
     "dagfold.event.TaskFailed": _task_failed,
     "dagfold.event.TaskRetryScheduled": _retry_scheduled,
-    "dagfold.event.TaskSkipped": lambda txn, e: _finish_task(txn, e, "skipped", "skip"),
-    "dagfold.event.TaskCancelled": lambda txn, e: _finish_task(txn, e, "cancelled", "skip"),
-    "dagfold.event.JobSucceeded": _job_ended("succeeded"),
-    "dagfold.event.JobFailed": _job_ended("failed"),
-    "dagfold.event.JobCancelled": _job_ended("cancelled"),
+    "dagfold.event.TaskSkipped": _finish_task,
+    "dagfold.event.TaskCancelled": _finish_task,
+    "dagfold.event.JobSucceeded": _job_ended,
+    "dagfold.event.JobFailed": _job_ended,
+    "dagfold.event.JobCancelled": _job_ended,
     "dagfold.event.JobRedriven": _job_redriven,
     "dagfold.event.TaskReopened": _task_reopened,
-    "dagfold.event.TaskMarkedSucceeded": lambda txn, e: _finish_task(txn, e, "succeeded", "ok"),
+    "dagfold.event.TaskMarkedSucceeded": _finish_task,
     "dagfold.event.TaskActionRejected": _no_state,
 }
 

@@ -8,16 +8,12 @@ clock (``ctx.now_ms`` is an input) and never does I/O.
 
 from __future__ import annotations
 
-import hashlib
-import io
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import fastavro
-
-from dagfold.codec import Record, default_codec
+from dagfold.codec import Record
 from dagfold.config import (
     ALLOCATOR_COMMANDS,
     CONTROL,
@@ -25,6 +21,15 @@ from dagfold.config import (
     REDISPATCH_MAX_FACTOR,
     SchedulerOptions,
     dispatch_topic,
+)
+from dagfold.jobspec import (
+    Rejection,
+    evaluate_rule,
+    is_gpu,
+    rejected_graph,
+    spec_hash,
+    still_skipped,
+    validate_job_spec,
 )
 from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
@@ -42,7 +47,6 @@ from dagfold.services.scheduler.appliers import (
 )
 from dagfold.services.scheduler.exceptions import InvalidSettingsError
 from dagfold.services.scheduler.retry import backoff_ms, should_retry
-from dagfold.services.scheduler.validation import Rejection, rejected_graph, validate_job_spec
 from dagfold.state import PartitionTransaction
 from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
 from dagfold.tracing import attempt_traceparent, clean_traceparent
@@ -87,51 +91,9 @@ def stop_attempt(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], reas
         ctx.stop_task(t["worker"], job_id, task_id, t["attempt"], reason)
 
 
-def spec_hash(spec: Record) -> str:
-    """SHA-256 of the spec's Avro encoding with job_id blanked: equal specs, equal hashes."""
-    body = dict(spec, job_id="")
-    buf = io.BytesIO()
-    fastavro.schemaless_writer(buf, default_codec().schema("dagfold.common.JobSpec").parsed, body)
-    return hashlib.sha256(buf.getvalue()).hexdigest()
-
-
 def lease_timeout_ms(ctx: Ctx, t: Mapping[str, Any]) -> int:
     hb = (t["timeouts"] or {}).get("heartbeat_s") or ctx.opts.lease_timeout_s
     return int(hb * 1000)
-
-
-# -- trigger rules -------------------------------------------------------------
-
-def evaluate_rule(t: Mapping[str, Any]) -> str:
-    """'run', 'skip' or 'wait' for a pending task, from its upstream outcome counts (Airflow semantics)."""
-    rule, rem, ok, bad, skip = t["rule"], t["rem"], t["ok"], t["bad"], t["skip"]
-    if rule == "all_success":
-        return "skip" if bad or skip else ("run" if rem == 0 else "wait")
-    if rule == "all_done" or rule == "always":
-        return "run" if rem == 0 else "wait"
-    if rule == "one_success":
-        return "run" if ok else ("skip" if rem == 0 else "wait")
-    if rule == "one_failed":
-        return "run" if bad else ("skip" if rem == 0 else "wait")
-    if rule == "none_failed":
-        return "skip" if bad else ("run" if rem == 0 else "wait")
-    raise ValueError(f"unknown trigger rule {rule!r}")
-
-
-def still_skipped(task_id: str, t: Mapping[str, Any]) -> tuple[str, str] | None:
-    """Why retrying the task would only skip it again (its trigger rule, on the upstream outcomes as they
-    stand), as ``(code, reason)``; None if it can run. ``t`` needs rule, n_up, rem, ok, bad and skip: the
-    fold's task record, or the API's counts from the read model."""
-    if not t["n_up"] or t["rule"] == "always" or evaluate_rule(t) != "skip":
-        return None
-    return "still_skipped", (f"task {task_id!r} would be skipped again: trigger rule {t['rule']} is not met "
-                             f"({t['bad']} upstream failed, {t['skip']} skipped or cancelled); retry the failed "
-                             f"upstream task instead, or mark this one succeeded")
-
-
-def is_gpu(t: Mapping[str, Any]) -> bool:
-    """A task that asks for GPUs goes to its pool's allocator, not to a worker queue."""
-    return bool(t["resources"] and t["resources"]["gpus"] > 0)
 
 
 def dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt: int, tenant: str) -> None:

@@ -12,14 +12,15 @@ import json
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from dagfold import rules
 from dagfold.config import Limits
-from dagfold.services.worker.capabilities import check_builtin_args
+from dagfold.jobspec.args import check_builtin_args
+from dagfold.jobspec.triggers import TRIGGER_RULES
 
-FAILURE_POLICIES = frozenset({"fail_fast", "skip_downstream", "allow_partial"})
-TRIGGER_RULES = frozenset({"all_success", "all_done", "one_success", "one_failed", "none_failed", "always"})
+FailurePolicy = Literal["fail_fast", "skip_downstream", "allow_partial"]
+FAILURE_POLICIES = frozenset(get_args(FailurePolicy))
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def _check_task(t: dict[str, Any], limits: Limits, names: set[tuple[str, str]]) 
         return Rejection("invalid_field", f"task {tid!r}: args_json is not valid JSON")
     if not isinstance(args, dict):
         return Rejection("invalid_field", f"task {tid!r}: args must be a JSON object")
-    bad_args = check_builtin_args(t["handler"], args)  # the handler's own rules (built-ins; see capabilities)
+    bad_args = check_builtin_args(t["handler"], args)  # the handler's own rules (built-ins; see jobspec.args)
     if bad_args:
         return Rejection("invalid_args", f"task {tid!r}: {bad_args}")
     if t["trigger_rule"] not in TRIGGER_RULES:

@@ -1,33 +1,42 @@
 """The user-facing job spec (YAML or JSON) and its translation to the Avro ``JobSpec``.
 
-This is the shape people write; ``to_job_spec`` turns it into the record that
-travels on the commands topic. Shape and types are checked here (pydantic, with
-the field path in the message); graph rules (cycles, unknown dependencies,
-limits) are checked by ``validation.validate_job_spec``, which the scheduler
-also runs for records produced directly by upstream systems.
+This is the shape people write (the CLI's files, the API's bodies, the SDK's builder);
+``to_job_spec`` turns it into the record that travels on the commands topic. Shape and
+types are checked here (pydantic, with the field path in the message); graph rules
+(cycles, unknown dependencies, limits) are checked by ``validation.validate_job_spec``,
+which the scheduler also runs for records produced directly by upstream systems.
+``to_job_spec(spec, limits)`` runs both, so every entry point refuses what the
+scheduler would, with the scheduler's words.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dagfold import rules
+from dagfold.config import Limits
 from dagfold.exceptions import DagfoldError
+from dagfold.jobspec.triggers import TriggerRule
+from dagfold.jobspec.validation import MAX_ATTEMPTS, MAX_SECONDS, FailurePolicy, Rejection, validate_job_spec
 from dagfold.parsing import ParseError, load_yaml
-from dagfold.services.scheduler.validation import MAX_ATTEMPTS, MAX_SECONDS
-
-FailurePolicy = Literal["fail_fast", "skip_downstream", "allow_partial"]
-TriggerRule = Literal["all_success", "all_done", "one_success", "one_failed", "none_failed", "always"]
 
 _IDEMPOTENCY_NS = uuid.UUID("6f1b4d3e-2f7e-4f7c-9d0a-5b1d8e0c9a11")
 
 
 class SpecError(DagfoldError):
     """The spec is malformed; the message names the field."""
+
+
+class SpecRejected(SpecError):
+    """A well-formed spec that the scheduler's rules refuse (graph, limits): ``rejection`` says why."""
+
+    def __init__(self, rejection: Rejection) -> None:
+        super().__init__(f"job rejected ({rejection.code}): {rejection.reason}")
+        self.rejection = rejection
 
 
 def _id(kind: str) -> Any:
@@ -143,8 +152,21 @@ def _task(t: TaskSpecIn) -> dict[str, Any]:
     }
 
 
-def to_job_spec(spec: JobSpecIn) -> dict[str, Any]:
-    """The Avro ``dagfold.common.JobSpec`` dict for a parsed spec (job ID assigned if absent)."""
+def to_job_spec(spec: JobSpecIn, limits: Limits | None = None) -> dict[str, Any]:
+    """The Avro ``dagfold.common.JobSpec`` dict for a parsed spec (job ID assigned if absent).
+
+    With ``limits``, the record is also checked by the scheduler's own rules (``validate_job_spec``):
+    ``SpecRejected`` carries the code and reason the scheduler's JobRejected would.
+    """
+    record = _record(spec)
+    if limits is not None:
+        rejection = validate_job_spec(record, limits)
+        if rejection is not None:
+            raise SpecRejected(rejection)
+    return record
+
+
+def _record(spec: JobSpecIn) -> dict[str, Any]:
     return {
         "job_id": spec.id or job_id_for(spec.tenant, spec.idempotency_key),
         "tenant": spec.tenant,
