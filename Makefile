@@ -74,7 +74,8 @@ bench-peers: install kafka-fetch
 bench-scale: install
 	$(BIN)/python -m bench.scale
 
-# Hostile input against a live `dagfold up`: answers, crash, peak RSS growth (bench/results/hostile_api.json)
+# Hostile input against a live `dagfold up`: answers, crash, peak RSS growth, callbacks, framing, task outputs,
+# forged grants, lying runtimes (bench/results/hostile_api.json)
 bench-hostile: install
 	$(BIN)/python -m bench.hostile_api
 
