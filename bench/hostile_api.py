@@ -261,6 +261,8 @@ def main() -> None:
             proc.wait(30)
         canary.__exit__(None, None, None)
         slow.__exit__(None, None, None)
+    ht.forged_in_log(tmp / "data", gpu_jobs["queued"], target, forged)
+    result["task_and_grant_breaches"] = race["breaches"] + lying["breaches"] + forged["breaches"]
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

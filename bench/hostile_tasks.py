@@ -30,6 +30,7 @@ so every GPU job shares it) and ``--task-user nobody`` where nobody can run the 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -86,7 +87,7 @@ def outputs_race(c: httpx.Client, acme: dict[str, str], auth_file: Path, secrets
     refused = checked = leaked = mismatched = downloaded = 0
     names: list[str] = []
     for job_id in ids:
-        j = _wait(lambda job_id=job_id: ended(job_id), 120) or {}
+        j = _wait(functools.partial(ended, job_id), 120) or {}
         states[j.get("state", "timeout")] = states.get(j.get("state", "timeout"), 0) + 1
     alive = leftovers()  # every task has ended: any marked process is a leftover that outlived its task
     for job_id in ids:
@@ -243,6 +244,34 @@ def check_forged(c: httpx.Client, beta: dict[str, str], admin: dict[str, str], q
             "agent_refusals_logged": len(refused), "queued_job_state": (task.get("task") or {}).get("state"),
             "queued_job_started": started, "victim_checkpoint_named": ckpt_named,
             "breaches": int(started) + int(ckpt_named) + int(not dl_ok) + int(len(ignored) < 2)}
+
+
+def forged_in_log(data_dir: Path, queued: str, target: dict[str, Any], forged: dict[str, Any]) -> None:
+    """With the stack stopped again: every event and control record of the queued job, read from the log
+    itself (the history's details are shortened): the dispatches it got and whether acme's checkpoint is
+    named anywhere."""
+    from dagfold.codec import default_codec
+    from dagfold.config import CONTROL, EVENTS
+    from dagfold.log import TopicPartition
+    from dagfold.log.embedded import EmbeddedLog
+
+    codec = default_codec()
+    log = EmbeddedLog(data_dir / "log")
+    mine = []
+    try:
+        for topic in (EVENTS, CONTROL):
+            for p in range(log.partitions(topic)):
+                for r in log.read(TopicPartition(topic, p), 0, 10_000_000):
+                    rec = codec.decode(r.value)
+                    if rec.get("job_id") == queued:
+                        mine.append(rec)
+    finally:
+        log.close()
+    named = target["checkpoint_uri"] in str(mine)
+    forged["dispatches"] = [{k: d.get(k) for k in ("node_id", "alloc_id", "gpu_indices", "resume_checkpoint")}
+                            for d in mine if d["type"].endswith("GpuTaskDispatch")]
+    forged["victim_checkpoint_in_log"] = named
+    forged["breaches"] += int(named) + int(any(r["type"].endswith("TaskStarted") for r in mine))
 
 
 def secrets(keys: dict[str, str]) -> list[str]:
