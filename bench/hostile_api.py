@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -263,6 +264,7 @@ def main() -> None:
         slow.__exit__(None, None, None)
     ht.forged_in_log(tmp / "data", gpu_jobs["queued"], target, forged)
     result["task_and_grant_breaches"] = race["breaches"] + lying["breaches"] + forged["breaches"]
+    shutil.rmtree(tmp, ignore_errors=True)  # 200 MB of task outputs
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
