@@ -100,7 +100,8 @@ SOAK_MINUTES ?= 60
 soak: install
 	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES)
 
-# Hostile input against a live `dagfold up`: answers, crash, peak RSS growth (bench/results/hostile_api.json)
+# Hostile input against a live `dagfold up`: answers, crash, peak RSS growth, callbacks, framing, task outputs,
+# forged grants, lying runtimes (bench/results/hostile_api.json)
 bench-hostile: install
 	$(BIN)/python -m bench.hostile_api
 

@@ -16,6 +16,12 @@ whose callback_url is a denied literal address (a 2xx is a breach); after the ro
 resolving to loopback, beta's dripping receivers against acme's callback, and (with the stack stopped and
 started again) every command body framed with every other command's fingerprint in the log.
 
+Tasks and grants (issue 24, bench/hostile_tasks.py; the stack runs shell tasks as user nobody and one
+simulated 8-GPU host): acme's shell tasks racing their outputs (a symlink swapped in for the auth file, an
+output rewritten during its upload, setsid leftovers), beta's GPU job lying about its runtime next to
+acme's, and (with the stack stopped, like the framing probe) grants forged for beta's queued GPU job naming
+acme's GPUs and checkpoint, on ``commands`` and on ``scheduler.internal``.
+
     python -m bench.hostile_api [--rounds N]
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +43,7 @@ from typing import Any
 import httpx
 
 from bench import hostile_callbacks as hc
+from bench import hostile_tasks as ht
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "hostile_api.json"
@@ -73,8 +81,22 @@ def _requests() -> list[tuple[str, str, dict[str, str], bytes | None]]:
 KEYS = {"admin": "hostile-admin-key-000001", "acme": "hostile-acme-key-0000001", "beta": "hostile-beta-key-0000001"}
 AUTH_FILE = f"""keys: {{{KEYS['admin']}: admin, {KEYS['acme']}: acme, {KEYS['beta']}: beta}}
 tenants:
-  beta: {{rate_per_s: 1000000, burst: 1000000, max_tier: free}}
+  acme: {{handlers: [noop, sleep, shell, gpu]}}
+  beta: {{rate_per_s: 1000000, burst: 1000000, max_tier: free, gpu_quota: {{default: 3}}}}
 """
+# one simulated GPU host, so that every GPU job shares it
+UP_ARGS = ["--handlers", "noop,sleep,shell", "--gpu-nodes", "1", "--gpus-per-node", "8"]
+
+
+def task_user_args() -> list[str]:
+    """Task processes as nobody where the run is root's and nobody can run this interpreter (the GPU jobs are
+    `python -m dagfold.services.agent.demo_job`); else, as root, root tasks opted in (stated in the results)."""
+    if os.geteuid() != 0:
+        return []
+    exe = Path(sys.executable).resolve()
+    if all(p.stat().st_mode & 0o001 for p in (exe, *exe.parents)):
+        return ["--task-user", "nobody"]
+    return ["--allow-root-tasks"]
 VICTIM = "acme-private-job"
 MARKER = "ACME-SECRET"  # in the victim job's name and labels: never in an answer to beta
 
@@ -137,10 +159,15 @@ def main() -> None:
     auth.chmod(0o600)
     from tests.callback_support import Receiver
 
+    task_user = task_user_args()
+    up_log = tmp / "up.log"  # the agent's refusals of forged dispatches are warnings there
+
     def start() -> subprocess.Popen[bytes]:
-        p = subprocess.Popen([sys.executable, "-m", "dagfold", "up", "--data", str(tmp / "data"), "--port",
-                              str(port), "--auth-file", str(auth)], env={**os.environ, **hc.ENV},
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        with up_log.open("ab") as err:
+            p = subprocess.Popen([sys.executable, "-m", "dagfold", "up", "--data", str(tmp / "data"), "--port",
+                                  str(port), "--auth-file", str(auth), *UP_ARGS, *task_user],
+                                 env={**os.environ, **hc.ENV, "DAGFOLD_CALLBACK_SECRET": ht.CALLBACK_SECRET},
+                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         until = time.monotonic() + 120
         while time.monotonic() < until:
             try:
@@ -193,15 +220,25 @@ def main() -> None:
         acme = {"Authorization": f"Bearer {KEYS['acme']}"}
         admin = {"Authorization": f"Bearer {KEYS['admin']}"}
         with httpx.Client(base_url=url, timeout=60) as c:
+            t0 = time.monotonic()
+            gpu_jobs = ht.start_gpu_jobs(c, acme, beta)  # the liar runs out its runtime meanwhile
+            race = ht.outputs_race(c, acme, auth, ht.secrets(KEYS))
             delivery = hc.delivery_probes(c, beta, canary)
             slowness = hc.slow_probe(c, beta, acme, slow)
+            lying = ht.lying_runtimes(c, acme, beta, admin, gpu_jobs)
+            target = ht.forged_grants(c, acme, gpu_jobs, tmp / "data" / "artifacts")
+            queued_state = c.get(f"/v1/gpu-jobs/{gpu_jobs['queued']}", headers=beta).json()["task"]["state"]
+            live_s = round(time.monotonic() - t0, 1)
         os.killpg(proc.pid, signal.SIGTERM)  # the framing probe writes the stopped stack's log, then starts it again
         proc.wait(60)
         framing: dict[str, Any] = hc.produce_misframed(tmp / "data")
+        forged: dict[str, Any] = ht.produce_forged(tmp / "data", gpu_jobs["queued"], target)
         proc = start()
         with httpx.Client(base_url=url, timeout=60) as c:
             framing["dead_letters"] = hc.count_framing_dead_letters(c, admin, framing["codec_refuses"])
             framing["breaches"] = max(framing["codec_refuses"] - framing["dead_letters"], 0)
+            forged.update(ht.check_forged(c, beta, admin, gpu_jobs["queued"], target, up_log),
+                          queued_state_before=queued_state)
             alive_after = proc.poll() is None and c.get("/healthz").status_code == 200
         result: dict[str, Any] = {
             "requests": n, "distinct_requests": len(reqs) + len(probes), "rounds": args.rounds,
@@ -214,6 +251,9 @@ def main() -> None:
             "callback_submission_probes": len(callback_probes) * args.rounds,
             "callback_delivery": delivery, "callback_slow_receivers": slowness, "misframed_records": framing,
             "callback_and_framing_breaches": delivery["breaches"] + slowness["breaches"] + framing["breaches"],
+            "outputs_race": race, "lying_runtimes": lying, "forged_grants": forged,
+            "task_and_grant_breaches": race["breaches"] + lying["breaches"] + forged["breaches"],
+            "task_classes_live_s": live_s, "task_user": " ".join(task_user) or "the run's user",
             "alive_after_restart": alive_after,
         }
     finally:
@@ -222,6 +262,9 @@ def main() -> None:
             proc.wait(30)
         canary.__exit__(None, None, None)
         slow.__exit__(None, None, None)
+    ht.forged_in_log(tmp / "data", gpu_jobs["queued"], target, forged)
+    result["task_and_grant_breaches"] = race["breaches"] + lying["breaches"] + forged["breaches"]
+    shutil.rmtree(tmp, ignore_errors=True)  # 200 MB of task outputs
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
