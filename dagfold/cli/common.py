@@ -301,3 +301,38 @@ def resolve_job(api: str, api_key: str | None, ref: str) -> dict[str, Any]:
         raise fail(f"no job {ref!r}: not an ID, an ID prefix or a job name (`dagfold jobs` lists them)", 1)
     listed = ", ".join(j["job_id"] + (f" ({j['name']})" if j.get("name") else "") for j in by_id[:5])
     raise fail(f"{ref!r} is ambiguous: {listed}{', ...' if len(by_id) > 5 else ''}; give more of the ID")
+
+
+# The task processes' flags, shared by `dagfold worker`, `dagfold up` and `dagfold agent`
+ALLOW_ROOT_HELP = ("run task processes (shell tasks, GPU jobs) as root when no --task-user is given; without it "
+                   "such a start is refused, since root tasks read every secret of the host")
+TASK_ENV_HELP = ("NAME (copied from this process) or NAME=VALUE: a variable task processes get; they get only "
+                 "PATH, LANG, LC_ALL, TZ, these and their DAGFOLD_* variables. Repeatable")
+
+
+def task_runtime(task_user: str | None, task_dir: Path | None, task_env: list[str], allow_root: bool, *,
+                 runs_processes: bool) -> Any:
+    """The ``TaskRuntime`` of the flags --task-user, --task-dir, --task-env, --allow-root-tasks (workers and
+    agents alike; a bad flag is a one-line error)."""
+    import os
+
+    from dagfold.services.worker.handlers import PASS_ENV_DEFAULT, TaskRuntime
+
+    pass_env, set_env = list(PASS_ENV_DEFAULT), {}
+    for item in task_env:
+        name, eq, value = item.partition("=")
+        if not name.isidentifier():
+            raise fail(f"--task-env {item!r}: give NAME or NAME=VALUE")
+        if eq:
+            set_env[name] = value
+        elif name in os.environ:
+            pass_env.append(name)
+    runtime = TaskRuntime(pass_env=tuple(pass_env), set_env=set_env, user=task_user or None,
+                          work_root=task_dir, allow_root=allow_root)
+    try:
+        runtime.check(runs_processes=runs_processes)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    if runs_processes:  # tasks run commands: keep this process's environment out of their reach
+        runtime.protect_process()
+    return runtime

@@ -19,6 +19,8 @@ from pathlib import Path
 import typer
 
 from dagfold.cli.common import (
+    ALLOW_ROOT_HELP,
+    TASK_ENV_HELP,
     DataOpt,
     LogOpt,
     VerboseOpt,
@@ -29,8 +31,8 @@ from dagfold.cli.common import (
     out,
     run_until_stopped,
     serve_metrics,
+    task_runtime,
 )
-from dagfold.cli.main import ALLOW_ROOT_HELP, TASK_ENV_HELP, task_runtime
 
 PoolOpt = typer.Option("default", "--pool", help="GPU pool: the queue name of the GPU tasks it serves")
 MetricsPortOpt = typer.Option(None, "--metrics-port", envvar="DAGFOLD_METRICS_PORT",

@@ -29,8 +29,10 @@ from rich.table import Table
 from rich.text import Text
 
 from dagfold.cli.common import (
+    ALLOW_ROOT_HELP,
     DEFAULT_API,
     EXIT,
+    TASK_ENV_HELP,
     ApiOpt,
     DataOpt,
     JsonOpt,
@@ -57,6 +59,7 @@ from dagfold.cli.common import (
     run_until_stopped,
     seg,
     serve_metrics,
+    task_runtime,
 )
 from dagfold.clock import now_ms
 from dagfold.lifecycle import JobState, TaskState
@@ -176,10 +179,6 @@ HANDLERS_HELP = ("handlers the workers run, comma-separated (e.g. noop,sleep,she
 HANDLER_MODULE_HELP = "import this module first; it registers custom handlers (services.worker.register_handler)"
 TASK_USER_HELP = "run task processes as this user (the worker must run as root)"
 TASK_DIR_HELP = "folder for the per-attempt work folders of task processes (default: the system temp folder)"
-ALLOW_ROOT_HELP = ("run task processes (shell tasks, GPU jobs) as root when no --task-user is given; without it "
-                   "such a start is refused, since root tasks read every secret of the host")
-TASK_ENV_HELP = ("NAME (copied from this process) or NAME=VALUE: a variable task processes get; they get only "
-                 "PATH, LANG, LC_ALL, TZ, these and their DAGFOLD_* variables. Repeatable")
 
 
 @app.command()
@@ -301,34 +300,6 @@ def _task_capabilities(handlers: str | None, modules: list[str], task_user: str 
             raise fail(f"--handlers: {exc}") from None
     runtime = task_runtime(task_user, task_dir, task_env, allow_root, runs_processes="shell" in registry or gpu)
     return registry, runtime
-
-
-def task_runtime(task_user: str | None, task_dir: Path | None, task_env: list[str], allow_root: bool, *,
-                 runs_processes: bool) -> Any:
-    """The ``TaskRuntime`` of the flags --task-user, --task-dir, --task-env, --allow-root-tasks (workers and
-    agents alike; a bad flag is a one-line error)."""
-    import os
-
-    from dagfold.services.worker.handlers import PASS_ENV_DEFAULT, TaskRuntime
-
-    pass_env, set_env = list(PASS_ENV_DEFAULT), {}
-    for item in task_env:
-        name, eq, value = item.partition("=")
-        if not name.isidentifier():
-            raise fail(f"--task-env {item!r}: give NAME or NAME=VALUE")
-        if eq:
-            set_env[name] = value
-        elif name in os.environ:
-            pass_env.append(name)
-    runtime = TaskRuntime(pass_env=tuple(pass_env), set_env=set_env, user=task_user or None,
-                          work_root=task_dir, allow_root=allow_root)
-    try:
-        runtime.check(runs_processes=runs_processes)
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    if runs_processes:  # tasks run commands: keep this process's environment out of their reach
-        runtime.protect_process()
-    return runtime
 
 
 def _use_auth_file(auth_file: Path | None) -> None:
