@@ -21,6 +21,7 @@ from dagfold.config import (
     ALLOCATOR_COMMANDS,
     ALLOCATOR_EVENTS,
     COMMANDS,
+    DEADLETTER,
     EVENTS,
     SCHEDULER_INTERNAL,
     Config,
@@ -234,6 +235,26 @@ def test_polls_fold_into_one_open_transaction_that_a_stop_commits(env: Any) -> N
     finally:
         s.close()
     assert types(log, "I") == ["JobAccepted", "TaskDispatched", "LeaseGranted"] and s.folded == 2
+
+
+def test_an_output_another_reader_waits_for_commits_at_the_end_of_its_poll(env: Any) -> None:
+    """Only events wait for the interval: a dead letter (or a forward, a control record) commits
+    the open transaction at once, with what was folded before it."""
+    log, cfg = env
+    s = SchedulerRunner(log, _interval(cfg, 60), "t")
+    try:
+        send(log, "U", submit_job(to_job_spec(load_spec_text("id: U\ntasks: [{id: a}]"))))
+        step_until(s, lambda: len(dispatch_records(log, "U")) == 1)
+        assert events(log) == []
+        p = log.producer("test")
+        p.send(COMMANDS, b"not-U", codec.encode(report("TaskStarted", "U", "a")))  # keyed wrong: dead-lettered
+        p.flush()
+        step_until(s, lambda: s.folded == 2)
+        assert types(log, "U") == ["JobAccepted", "TaskDispatched"]
+        dead = [r for q in range(log.partitions(DEADLETTER)) for r in log.read(TopicPartition(DEADLETTER, q), 0, 100)]
+        assert len(dead) == 1
+    finally:
+        s.close()
 
 
 def _replayed(log: EmbeddedLog, tmp_path: Path) -> Path:
