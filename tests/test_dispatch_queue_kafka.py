@@ -234,11 +234,10 @@ def test_a_chains_next_dispatch_is_readable_while_the_transaction_of_its_depende
     attempts, whose dispatch records it writes again (docs/semantics.md, Dispatch)."""
     from dataclasses import replace
 
-    from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
-
     from dagfold.commands import submit_job
     from dagfold.config import EVENTS
     from dagfold.exceptions import TransactionAbortedError
+    from dagfold.jobspec import load_spec_text, to_job_spec
     from dagfold.log.kafka import KafkaTransactionalProducer
     from dagfold.services.scheduler.runner import SchedulerRunner
 
