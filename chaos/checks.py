@@ -21,7 +21,11 @@ read back:
   leased or running, no timer left for it (``lease left dangling``);
 * the replay: ``dagfold replay --verify`` and a per-partition comparison of every
   instance's store that holds the final state (``replay differs from live``);
-* the ``deadletter`` topic: nothing in it (``dead-lettered record``).
+* the ``deadletter`` topic: nothing in it (``dead-lettered record``);
+* every attempt recorded as succeeded was dispatched, as that attempt, earlier in the committed
+  events (``success without a committed dispatch``): a worker may run an attempt whose dispatch
+  record left before its transaction committed, and that transaction may abort; its report may
+  count only if the re-fold decided the same attempt (docs/semantics.md, Dispatch).
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ ILLEGAL_TRANSITION = "illegal transition"
 REPLAY_DIFFERS = "replay differs from live"
 DANGLING = "allocation or lease left dangling"
 DEAD_LETTER = "dead-lettered record"
+UNDISPATCHED_SUCCESS = "success without a committed dispatch"
 VIOLATION_KINDS = (LOST_JOB, TASK_NEVER_FINISHED, WRONG_OUTCOME, DUPLICATE_EFFECT, DISPATCH_BEFORE_DEPS,
-                   ILLEGAL_TRANSITION, REPLAY_DIFFERS, DANGLING, DEAD_LETTER)
+                   ILLEGAL_TRANSITION, REPLAY_DIFFERS, DANGLING, DEAD_LETTER, UNDISPATCHED_SUCCESS)
 
 UNKNOWN_JOB = "unknown job or task"  # the fold's reason for a report about a job it does not hold
 JOB_ENDING = frozenset(kind.rsplit(".", 1)[-1] for kind in JOB_ENDING_EVENTS)
@@ -120,6 +125,9 @@ class EventModel:
         self.counts: Counter[str] = Counter()
         self.succeeded_tasks: set[tuple[str, str]] = set()
         self.lease_expiries = 0
+        self.dispatched: set[tuple[str, str, int]] = set()  # (job, task, attempt), as committed so far
+        # each TaskSucceeded: (job, task, attempt, whether that attempt's dispatch preceded it, where)
+        self.successes: list[tuple[str, str, int, bool, str]] = []
 
     def _bad(self, kind: str, e: dict[str, Any], detail: str) -> None:
         self.f.add(kind, e.get("job_id"), e.get("task_id"), f"{detail} (partition {e['_p']} offset {e['_o']})")
@@ -172,6 +180,11 @@ class EventModel:
             self._bad(ILLEGAL_TRANSITION, e, f"{name} for an unknown task")
             return
         s, attempt = j.state[task], int(e.get("attempt") or 0)
+        if name in ("TaskDispatched", "TaskRedispatched"):
+            self.dispatched.add((job_id, task, attempt))
+        elif name == "TaskSucceeded":
+            self.successes.append((job_id, task, attempt, (job_id, task, attempt) in self.dispatched,
+                                   f"partition {e['_p']} offset {e['_o']}"))
         why = self._refusal(name, e, j, task, step)
         if why is not None:
             self._bad(ILLEGAL_TRANSITION, e, why)
@@ -240,6 +253,17 @@ def scan_events(log: Log, partitions: int, findings: Findings) -> EventModel:
                 e["_p"], e["_o"] = p, r.offset
                 model.apply(e)
     return model
+
+
+def check_successes_dispatched(model: EventModel, findings: Findings) -> int:
+    """No attempt is recorded as succeeded unless its dispatch is in the committed log before it (the
+    events, read_committed): a dispatch a worker saw from a transaction that then aborted counts only
+    as the attempt the re-fold decided again. Returns the successes checked."""
+    for job_id, task, attempt, dispatched, where in model.successes:
+        if not dispatched:
+            findings.add(UNDISPATCHED_SUCCESS, job_id, task,
+                         f"attempt {attempt} succeeded ({where}) with no TaskDispatched of that attempt before it")
+    return len(model.successes)
 
 
 def scan_dead_letters(log: Log, findings: Findings) -> int:

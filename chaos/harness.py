@@ -594,6 +594,7 @@ class ChaosRun:
         stores = [self.scheduler_dirs["s1"] / "scheduler" / f"p{p:04d}" for p in range(PARTITIONS)
                   if (self.scheduler_dirs["s1"] / "scheduler" / f"p{p:04d}").exists()]
         dangling_checked = checks.check_dangling(stores, findings)
+        successes_checked = checks.check_successes_dispatched(model, findings)
         c = model.counts
         return {
             "jobs": {"submitted": len(self.submitted), **{f"ended {k}": v for k, v in sorted(states.items())}},
@@ -607,7 +608,8 @@ class ChaosRun:
                       "re-dispatches (record not taken in time)": c["TaskRedispatched"],
                       "re-dispatches deferred (queue still draining older records)": c["TaskRedispatchDeferred"],
                       "events": sum(c.values()),
-                      "tasks checked for dangling leases": dangling_checked},
+                      "tasks checked for dangling leases": dangling_checked,
+                      "successes checked for a committed dispatch": successes_checked},
             "side effects": effects,
             "dead letters": dead,
             **({"allocator": allocator} if allocator is not None else {}),

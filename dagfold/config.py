@@ -130,6 +130,10 @@ class SchedulerOptions:
     max_worker_losses: int = 3
     batch_max_records: int = 2000
     poll_timeout_s: float = 0.05
+    # How long the scheduler's log transaction stays open across polls (Kafka Streams' EOS
+    # commit.interval.ms is 100 ms): dispatches leave right after each fold, events within this
+    # (docs/semantics.md, Dispatch; docs/benchmarks.md, issue 27). 0: one transaction per poll.
+    commit_interval_s: float = 0.1
     limits: Limits = field(default_factory=Limits)
     # A runnable attempt no worker has leased this long after its dispatch is dispatched again (its
     # dispatch record may have been lost between the log and a worker: TaskRedispatched), then after

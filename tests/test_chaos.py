@@ -148,6 +148,20 @@ def test_event_model_flags_a_redispatch_of_a_leased_attempt_and_a_report_refused
     assert "behind its log" in findings.violations[0].detail
 
 
+def test_a_success_of_an_attempt_whose_dispatch_is_not_in_the_committed_log_is_flagged() -> None:
+    """A worker may run an attempt seen before its transaction committed; if that transaction aborted
+    and the re-fold decided another attempt, a success of the first would be one no committed event
+    dispatched (issue 27). Here: a's TaskDispatched dropped from the log, as an aborted one would be."""
+    events = diamond_events()
+    findings, model = model_of(events)
+    assert checks.check_successes_dispatched(model, findings) == 4 and findings.violations == []
+    first = next(i for i, e in enumerate(events) if e["type"].endswith("TaskDispatched"))
+    dropped = [{**e, "attempt": 2} if e.get("task_id") == "a" else e for e in events[first + 1:]]
+    findings, model = model_of([*events[:first], *dropped])
+    checks.check_successes_dispatched(model, findings)
+    assert checks.UNDISPATCHED_SUCCESS in [v.kind for v in findings.violations]
+
+
 def test_side_effect_check_flags_duplicates_and_missing_effects(tmp_path: Path) -> None:
     from chaos.handlers import ExternalSystem
     from dagfold.services.worker import TaskContext

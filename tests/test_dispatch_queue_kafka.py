@@ -210,3 +210,84 @@ def _dispatched(log: Log) -> int:
         return log.end_offsets([tp])[tp]
     except LogError:
         return 0
+
+
+def _read_committed(log: Log, topic: str) -> list[Record]:
+    """What a read_committed reader (a worker's share group, the read model) can read of partition 0 now."""
+    tp = TopicPartition(topic, 0)
+    c = log.consumer(None)
+    c.assign({tp: 0})
+    out: list[Record] = []
+    try:
+        for _ in range(5):
+            out += [default_codec().decode(r.value) for r in c.poll(timeout_s=0.2)]
+    finally:
+        c.close()
+    return out
+
+
+def test_a_chains_next_dispatch_is_readable_while_the_transaction_of_its_dependency_is_open(
+        klog: Log, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27, on the broker: with the scheduler's transaction open across polls, a's dispatch and,
+    after a's success, b's are readable (read_committed) while none of their events is. That
+    transaction aborts; the restarted scheduler folds the same commands again and decides the same
+    attempts, whose dispatch records it writes again (docs/semantics.md, Dispatch)."""
+    from dataclasses import replace
+
+    from dagfold.commands import submit_job
+    from dagfold.config import EVENTS
+    from dagfold.exceptions import TransactionAbortedError
+    from dagfold.jobspec import load_spec_text, to_job_spec
+    from dagfold.log.kafka import KafkaTransactionalProducer
+    from dagfold.services.scheduler.runner import SchedulerRunner
+
+    real_commit = KafkaTransactionalProducer.commit
+    aborts = [1]
+
+    def commit(producer: KafkaTransactionalProducer, offsets: Any, consumer: Any = None) -> Any:
+        if aborts[0] and producer._sent:
+            aborts[0] -= 1
+            producer.abort()
+            raise TransactionAbortedError("scripted abort")
+        return real_commit(producer, offsets, consumer)
+
+    monkeypatch.setattr(KafkaTransactionalProducer, "commit", commit)
+    cfg = Config(log_url=klog.url, data_dir=tmp_path / "data", partitions=1)
+    p = klog.producer("test")
+
+    def send(cmd: Record) -> None:
+        p.send(COMMANDS, b"C", default_codec().encode(cmd))
+        p.flush()
+
+    def dispatched() -> list[tuple[str, int]]:
+        return [(d["task_id"], d["attempt"]) for d in _read_committed(klog, dispatch_topic("default"))]
+
+    def step_until(runner: SchedulerRunner, pred: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not pred():
+            assert time.monotonic() < deadline, what
+            runner.step(0.05)
+
+    def report(kind: str, task: str) -> Record:
+        return {"type": f"dagfold.command.{kind}", "job_id": "C", "task_id": task, "attempt": 1,
+                "worker_id": "w", "ts_ms": 0, **({"output": "", "duration_ms": 1} if kind == "TaskSucceeded" else {})}
+
+    s = SchedulerRunner(klog, replace(cfg, scheduler=replace(cfg.scheduler, commit_interval_s=600)), "t")
+    try:
+        send(submit_job(to_job_spec(load_spec_text("id: C\ntasks: [{id: a}, {id: b, depends_on: [a]}]"))))
+        step_until(s, lambda: dispatched() == [("a", 1)], "a's dispatch")
+        send(report("TaskSucceeded", "a"))
+        step_until(s, lambda: dispatched() == [("a", 1), ("b", 1)], "b's dispatch")
+        assert _read_committed(klog, EVENTS) == [] and aborts == [1]
+    finally:
+        s.close()  # its commit aborts
+    assert aborts == [0] and _read_committed(klog, EVENTS) == []
+    s = SchedulerRunner(klog, cfg, "t")
+    try:
+        step_until(s, lambda: [e["type"].rsplit(".", 1)[-1] for e in _read_committed(klog, EVENTS)] ==
+                   ["JobAccepted", "TaskDispatched", "LeaseGranted", "TaskSucceeded", "TaskDispatched"],
+                   "the same decisions, committed")
+        assert dispatched() == [("a", 1), ("b", 1), ("a", 1), ("b", 1)]
+    finally:
+        s.close()
+        p.close()

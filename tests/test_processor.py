@@ -9,6 +9,7 @@ rewound to the committed offsets, already past the batch, so the job was gone fo
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from dagfold.config import (
     ALLOCATOR_COMMANDS,
     ALLOCATOR_EVENTS,
     COMMANDS,
+    DEADLETTER,
     EVENTS,
     SCHEDULER_INTERNAL,
     Config,
@@ -177,6 +179,84 @@ def test_a_dispatch_record_is_durable_before_its_transaction_commits_and_written
         s.close()
 
 
+def _interval(cfg: Config, seconds: float) -> Config:
+    return replace(cfg, scheduler=replace(cfg.scheduler, commit_interval_s=seconds))
+
+
+@pytest.mark.parametrize("exc", [TransactionAbortedError, CommitUnknownError])
+def test_a_dispatch_seen_before_its_open_transaction_failed_is_decided_again_as_the_same_attempt(
+        env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: type[LogError]) -> None:
+    """The transaction stays open across polls (commit_interval_s): a worker sees a's dispatch, runs
+    it and reports, and b's dispatch follows, all before anything commits. That commit fails without
+    committing (at the stop here), and the restarted scheduler folds the commands again from the
+    committed offsets: it decides the same attempts (a's report still counts; b's attempt 1 is the
+    one the worker already holds). A report for an attempt the state never dispatched changes nothing."""
+    log, cfg = env
+    fault = FaultyCommit(monkeypatch, "before", exc)
+    s = SchedulerRunner(log, _interval(cfg, 60), "t")
+    try:
+        send(log, "C", submit_job(to_job_spec(load_spec_text("id: C\ntasks: [{id: a}, {id: b, depends_on: [a]}]"))))
+        step_until(s, lambda: len(dispatch_records(log, "C")) == 1)
+        send(log, "C", report("TaskStarted", "C", "a"))
+        send(log, "C", report("TaskSucceeded", "C", "a", output="", duration_ms=1))
+        step_until(s, lambda: len(dispatch_records(log, "C")) == 2)
+        assert fault.left == 1 and events(log) == []  # both dispatches out, nothing committed yet
+    finally:
+        s.close()  # its commit fails
+    assert fault.left == 0 and events(log) == []
+    s = SchedulerRunner(log, _interval(cfg, 0.1), "t")
+    try:
+        step_until(s, lambda: types(log, "C").count("TaskDispatched") == 2)
+        assert types(log, "C") == ["JobAccepted", "TaskDispatched", "LeaseGranted", "TaskSucceeded",
+                                   "TaskDispatched"]
+        assert [(d["task_id"], d["attempt"]) for d in dispatch_records(log, "C")] == \
+            [("a", 1), ("b", 1), ("a", 1), ("b", 1)]  # the same attempts, written again
+        send(log, "C", report("TaskStarted", "C", "b", attempt=2))  # an attempt the state does not know
+        send(log, "C", report("TaskStarted", "C", "b"))
+        send(log, "C", report("TaskSucceeded", "C", "b", output="", duration_ms=1))
+        step_until(s, lambda: "JobSucceeded" in types(log, "C"))
+        assert types(log, "C")[5:] == ["LeaseRejected", "LeaseGranted", "TaskSucceeded", "JobSucceeded"]
+    finally:
+        s.close()
+    assert verify(cfg.data_dir, _replayed(log, tmp_path), PARTS) == []
+
+
+def test_polls_fold_into_one_open_transaction_that_a_stop_commits(env: Any) -> None:
+    """Within the interval each poll's dispatch leaves at once, its events wait in the open
+    transaction; a stop commits them, all in one transaction."""
+    log, cfg = env
+    s = SchedulerRunner(log, _interval(cfg, 60), "t")
+    try:
+        send(log, "I", submit_job(to_job_spec(load_spec_text("id: I\ntasks: [{id: a}]"))))
+        step_until(s, lambda: len(dispatch_records(log, "I")) == 1)
+        send(log, "I", report("TaskStarted", "I", "a"))
+        step_until(s, lambda: s._batch is not None and s._batch.records == 2)
+        assert events(log) == [] and s.folded == 0
+    finally:
+        s.close()
+    assert types(log, "I") == ["JobAccepted", "TaskDispatched", "LeaseGranted"] and s.folded == 2
+
+
+def test_an_output_another_reader_waits_for_commits_at_the_end_of_its_poll(env: Any) -> None:
+    """Only events wait for the interval: a dead letter (or a forward, a control record) commits
+    the open transaction at once, with what was folded before it."""
+    log, cfg = env
+    s = SchedulerRunner(log, _interval(cfg, 60), "t")
+    try:
+        send(log, "U", submit_job(to_job_spec(load_spec_text("id: U\ntasks: [{id: a}]"))))
+        step_until(s, lambda: len(dispatch_records(log, "U")) == 1)
+        assert events(log) == []
+        p = log.producer("test")
+        p.send(COMMANDS, b"not-U", codec.encode(report("TaskStarted", "U", "a")))  # keyed wrong: dead-lettered
+        p.flush()
+        step_until(s, lambda: s.folded == 2)
+        assert types(log, "U") == ["JobAccepted", "TaskDispatched"]
+        dead = [r for q in range(log.partitions(DEADLETTER)) for r in log.read(TopicPartition(DEADLETTER, q), 0, 100)]
+        assert len(dead) == 1
+    finally:
+        s.close()
+
+
 def _replayed(log: EmbeddedLog, tmp_path: Path) -> Path:
     out = tmp_path / "replayed"
     replay(log, out, PARTS, with_read_model=False)
@@ -292,7 +372,8 @@ def test_a_resumed_zombie_allocator_is_fenced_and_its_late_writes_change_nothing
 
 def test_a_resumed_zombie_scheduler_is_fenced_and_its_late_writes_change_nothing(env: Any) -> None:
     log, cfg = env
-    zombie = SchedulerRunner(log, cfg, "t")
+    # one transaction per poll: the zombie's late batch commits (and is refused) within process_batch
+    zombie = SchedulerRunner(log, replace(cfg, scheduler=replace(cfg.scheduler, commit_interval_s=0)), "t")
     zombie.step(0.5)
     assert zombie.stores
     send(log, "Z", submit_job(to_job_spec(load_spec_text("id: Z\ntasks: [{id: a}]"))))
@@ -387,8 +468,9 @@ def test_a_partition_taken_over_during_its_previous_owners_commit_misses_none_of
     from dagfold.services.scheduler.runner import scheduler_spec
 
     log, cfg = env
-    old_owner = PartitionProcessor(log, dataclasses.replace(scheduler_spec(cfg, "old"), partitions=list(range(PARTS))),
-                                   "old")
+    # commit_interval_s=0: the old owner's batch commits within process_batch (on a thread below)
+    old_owner = PartitionProcessor(log, dataclasses.replace(scheduler_spec(cfg, "old"), partitions=list(range(PARTS)),
+                                                            commit_interval_s=0), "old")
     old_owner.start()
     send(log, "T", submit_job(to_job_spec(load_spec_text("id: T\ntasks: [{id: a}]"))))
     recs = old_owner.consumer.poll(100, 1.0)

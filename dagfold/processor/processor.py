@@ -11,6 +11,14 @@ processor):
    in ONE log transaction that also commits the consumed command offsets;
 4. write each partition's state and its applied-events offset in one RocksDB batch.
 
+With ``ProcessorSpec.commit_interval_s`` the transaction of 3 stays open across polls (Kafka
+Streams' ``commit.interval.ms`` under exactly-once): each poll folds on top of the open state
+transactions, writes its ``before_commit`` outputs at once and adds the rest to the open log
+transaction; 3 and 4 happen when the interval has passed, when an output waits for another
+reader (anything but events and ``before_commit`` topics), before a partition is revoked, and at
+close. A failure of the commit then redoes every poll since the last one, deterministically
+(docs/semantics.md, Dispatch: what a worker may have seen of an aborted transaction).
+
 What a failure in 3 means is decided by the transaction's status (``LogTransaction``):
 
 * ABORTED (nothing committed): drop the state transactions, reload the folds' derived
@@ -109,7 +117,12 @@ class ProcessorSpec:
       folded by partition p's fold, read from the group's committed offsets whenever ``commands``'
       partition p is taken here (by a consumer without a group, so that the group's assignor,
       cooperative-sticky on Kafka, cannot give the two to different instances), and its offsets are
-      committed in the same transaction as the commands'.
+      committed in the same transaction as the commands';
+    * ``commit_interval_s``: how long one log transaction may stay open across polls (0: one per
+      poll). Its round trips are then paid once an interval rather than once a poll, and a
+      ``before_commit`` output (a dispatch) leaves right after the fold that decided it, so a chain
+      of dependent tasks no longer waits a commit per hop; the other outputs (events) become
+      visible up to this much later.
     """
 
     service: str
@@ -134,13 +147,20 @@ class ProcessorSpec:
     former_group: str | None = None
     cache_values: int = 0
     inputs: Sequence[str] = ()
+    commit_interval_s: float = 0.0
 
 
 @dataclass(slots=True)
 class _Batch:
+    """What is folded since the last commit: one or more polls, one open log transaction."""
+
+    opened: float = field(default_factory=time.monotonic)
+    log_txn: LogTransaction | None = None
     txns: dict[int, PartitionTransaction] = field(default_factory=dict)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     outputs: list[tuple[int, Output]] = field(default_factory=list)
+    records: int = 0
+    urgent: bool = False  # an output another reader waits for: commit at the end of this poll
 
 
 class PartitionProcessor:
@@ -162,6 +182,7 @@ class PartitionProcessor:
         self._lag = LagGauge(spec.service)
         self._started = False
         self._last_timer = 0.0
+        self._batch: _Batch | None = None  # folded, not yet committed (spec.commit_interval_s)
         # the transactional producer first: its initialisation fences an older instance
         self.producer = log_.transactional_producer(spec.transactional_id)
         self.consumer = log_.consumer(spec.group, client_id=client_id)
@@ -268,6 +289,9 @@ class PartitionProcessor:
         self.inputs.assign({**keep, **add})
 
     def _on_revoke(self, tps: list[TopicPartition]) -> None:
+        b = self._batch
+        if b is not None and any(tp.partition in b.txns for tp in tps):
+            self._commit_open()  # what was folded on them is committed before they move
         if self.inputs is not None:
             self._assign_inputs({}, drop=[tp.partition for tp in tps if tp.topic == self.spec.commands])
         for tp in tps:
@@ -307,16 +331,24 @@ class PartitionProcessor:
         """One round: reconcile if a commit's outcome is pending, poll and fold a batch, fire due
         timers, report lag. Returns the number of commands polled."""
         self.start()
-        if self._unreconciled and not self._reconcile():
-            return 0
+        if self._unreconciled:
+            if self._batch is not None:
+                self._commit_open()  # the reconciliation replaces the producer: its open transaction first
+            if not self._reconcile():
+                return 0
         wait = self.spec.poll_timeout_s if timeout_s is None else timeout_s
+        if self._batch is not None:
+            wait = min(wait, max(0.0, self._batch.opened + self.spec.commit_interval_s - time.monotonic()))
         recs = self.consumer.poll(self.spec.batch_max_records, wait)
         if self.inputs is not None and self.stores:
             recs = recs + self.inputs.poll(self.spec.batch_max_records, 0.0)
         if recs:
             self.process_batch(recs)
+        elif self._batch is not None and self._commit_due(self._batch):
+            self._commit_open()
         mono = time.monotonic()
-        if self.timers is not None and mono - self._last_timer >= TIMER_INTERVAL_S:
+        # timers scan the committed state: not while a transaction holds newer writes
+        if self.timers is not None and self._batch is None and mono - self._last_timer >= TIMER_INTERVAL_S:
             self._last_timer = mono
             sent = self.timers.fire(self.stores, self.spec.clock())
             if sent:
@@ -348,9 +380,14 @@ class PartitionProcessor:
             return [dead_letter(rec, f"fold error: {exc!r}", service)]
 
     def process_batch(self, recs: Sequence[LogRecord]) -> None:
+        """Fold ``recs`` into the open batch (a new one if none), send its outputs, and commit if due."""
         started = time.perf_counter()
         now = self.spec.clock()
-        b = _Batch()
+        # Not self._batch while folding: a fold that raises past here leaves nothing to commit.
+        b, self._batch = (self._batch or _Batch()), None
+        events, early = self.spec.events, self.spec.before_commit
+        outputs: list[tuple[int, Output]] = []
+        folded = 0
         for rec in recs:
             p = rec.partition
             fold = self.folds.get(p)
@@ -359,33 +396,38 @@ class PartitionProcessor:
             txn = b.txns.get(p)
             if txn is None:
                 txn = b.txns[p] = PartitionTransaction(self.stores[p])
-            b.outputs.extend((p, o) for o in self._fold_record(fold, txn, rec, now))
+            outputs.extend((p, o) for o in self._fold_record(fold, txn, rec, now))
             b.offsets[TopicPartition(rec.topic, p)] = rec.offset + 1
+            folded += 1
         if not b.offsets:
             return
-        self._ensure_topics(o.topic for _, o in b.outputs)
-        last = self._commit_log(b)
-        if last is None:
+        b.records += folded
+        b.outputs += outputs
+        b.urgent = b.urgent or any(o.topic != events and not early(o.topic) for _, o in outputs)
+        self._ensure_topics(o.topic for _, o in outputs)
+        if not self._send(b, outputs):
             return
-        for p, txn in b.txns.items():
-            txn.commit(applied_events=last.get(self._events_tp(p)))
-        self.folded += len(recs)
-        metrics.observe_fold(self.spec.service, len(recs), time.perf_counter() - started)
-        dead = sum(o.topic == DEADLETTER for _, o in b.outputs)
-        if dead:
-            metrics.DEAD_LETTERS.labels(self.spec.service).inc(dead)
-        if self.spec.on_committed is not None:
-            self.spec.on_committed(b.outputs)
+        self._batch = b
+        metrics.observe_fold(self.spec.service, folded, time.perf_counter() - started)
+        if self._commit_due(b):
+            self._commit_open()
 
-    def _commit_log(self, b: _Batch) -> dict[TopicPartition, int] | None:
-        """The batch's log transaction; None if it failed (and what that meant was handled)."""
+    def _commit_due(self, b: _Batch) -> bool:
+        interval = self.spec.commit_interval_s
+        return interval <= 0 or b.urgent or b.records >= self.spec.batch_max_records \
+            or time.monotonic() - b.opened >= interval
+
+    def _send(self, b: _Batch, outputs: list[tuple[int, Output]]) -> bool:
+        """Add ``outputs`` to the batch's log transaction (begun on its first poll); the
+        ``before_commit`` ones are written (durably) now. False if that failed (handled)."""
         events = self.spec.events
         early = self.spec.before_commit
-        txn: LogTransaction | None = None
         try:
-            txn = LogTransaction(self.producer)
+            if b.log_txn is None:
+                b.log_txn = LogTransaction(self.producer)
+            txn = b.log_txn
             before: list[Output] = []
-            for p, o in b.outputs:
+            for p, o in outputs:
                 if early(o.topic):
                     before.append(o)
                     continue
@@ -393,26 +435,53 @@ class PartitionProcessor:
                 txn.send(o.topic, o.key.encode(), self.codec.encode(o.record), partition=part)
             if before:
                 self._write_before_commit(txn, before)
-            return txn.commit(b.offsets, self.consumer)
+            return True
         except FencedError:
             raise
         except LogError:
-            partitions = list(b.txns)
-            if txn is not None and txn.status is TxnStatus.UNKNOWN:
-                log.exception("%s: commit outcome unknown; reconciling partitions %s from the log",
-                              self.spec.service, partitions)
-                self._unreconciled.update(partitions)
-                self._reconcile()
-            else:
-                log.exception("%s: transaction aborted; rewinding to the committed offsets", self.spec.service)
-                self._reload(partitions)
-                try:
-                    self._rewind(partitions)
-                except LogError:
-                    # The consumer stands past the batch: it must not poll on before it is rewound.
-                    log.exception("%s: rewinding failed; retried before the next poll", self.spec.service)
-                    self._unreconciled.update(partitions)
-            return None
+            self._failed(b)
+            return False
+
+    def _commit_open(self) -> None:
+        """Commit the open batch: its log transaction (records and command offsets), then each
+        partition's state and applied-events offset. A failure is handled (``_failed``)."""
+        b, self._batch = self._batch, None
+        if b is None:
+            return
+        assert b.log_txn is not None  # begun with the batch's first poll
+        try:
+            last = b.log_txn.commit(b.offsets, self.consumer)
+        except FencedError:
+            raise
+        except LogError:
+            self._failed(b)
+            return
+        for p, txn in b.txns.items():
+            txn.commit(applied_events=last.get(self._events_tp(p)))
+        self.folded += b.records
+        dead = sum(o.topic == DEADLETTER for _, o in b.outputs)
+        if dead:
+            metrics.DEAD_LETTERS.labels(self.spec.service).inc(dead)
+        if self.spec.on_committed is not None:
+            self.spec.on_committed(b.outputs)
+
+    def _failed(self, b: _Batch) -> None:
+        """The batch's log transaction failed: what that means was decided by its status."""
+        partitions = list(b.txns)
+        if b.log_txn is not None and b.log_txn.status is TxnStatus.UNKNOWN:
+            log.exception("%s: commit outcome unknown; reconciling partitions %s from the log",
+                          self.spec.service, partitions)
+            self._unreconciled.update(partitions)
+            self._reconcile()
+            return
+        log.exception("%s: transaction aborted; rewinding to the committed offsets", self.spec.service)
+        self._reload(partitions)
+        try:
+            self._rewind(partitions)
+        except LogError:
+            # The consumer stands past the batch: it must not poll on before it is rewound.
+            log.exception("%s: rewinding failed; retried before the next poll", self.spec.service)
+            self._unreconciled.update(partitions)
 
     def _write_before_commit(self, txn: LogTransaction, outputs: list[Output]) -> None:
         """Write ``outputs`` durably outside ``txn``; if that fails, abort ``txn`` (nothing of the batch
@@ -505,6 +574,11 @@ class PartitionProcessor:
         self._lag.report(self.log, positions)
 
     def close(self) -> None:
+        if self._batch is not None:  # a stop commits what was folded (a crash leaves it to abort)
+            try:
+                self._commit_open()
+            except Exception:
+                log.warning("%s: committing the open batch at close failed", self.spec.service, exc_info=True)
         for store in self.stores.values():
             store.close()
         self.stores.clear()

@@ -98,8 +98,8 @@ def scheduler_spec(config: Config, instance_id: str = "0",
         # a share group's client (librdkafka 2.16) can leave a transaction marker unacknowledged
         before_commit=lambda topic: topic.startswith(DISPATCH_PREFIX),
         create_topics=config.core_topics(), batch_max_records=config.scheduler.batch_max_records,
-        poll_timeout_s=config.scheduler.poll_timeout_s, on_committed=_record_events,
-        cache_values=SchedulerFold.CACHE_VALUES, inputs=(SCHEDULER_INTERNAL,))
+        poll_timeout_s=config.scheduler.poll_timeout_s, commit_interval_s=config.scheduler.commit_interval_s,
+        on_committed=_record_events, cache_values=SchedulerFold.CACHE_VALUES, inputs=(SCHEDULER_INTERNAL,))
 
 
 class SchedulerRunner(PartitionProcessor):
