@@ -103,7 +103,7 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     # tests/test_chaos.py (make test): about 3 minutes on a 2-core box; every kind of issue 13 at least once.
     "short": Profile("short", generated_jobs=36, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
-                     inject_s=90, min_faults=60, max_inject_s=110, drain_s=150,
+                     inject_s=90, min_faults=60, max_inject_s=150, drain_s=150,
                      require_kinds=(*NEW_KINDS, *PARTITION_KINDS),
                      plan=FaultPlan(scheduler_every_s=5.0, worker_every_s=4.0, broker_every_s=20.0,
                                     commit_every_s=5.0, sigstop_every_s=45.0, allocator_sigstop_every_s=50.0,

@@ -331,7 +331,7 @@ def test_worker_waits_for_the_control_offsets_instead_of_dying(tmp_path: Path) -
 
 
 @pytest.mark.kafka
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(600)
 def test_short_chaos_run(tmp_path: Path) -> None:
     report = ChaosRun(PROFILES["short"], SEED, tmp_path / "run").run()
     text = format_report(report)
@@ -343,7 +343,7 @@ def test_short_chaos_run(tmp_path: Path) -> None:
     assert faults["broker kill -9"] + faults[BROKER_RESTART_IN_COMMIT] >= 1 and faults["worker kill -9"] >= 5, text
     # issue 13: each commit-fault kind and each zombie kind at least once (each armed until a commit takes it,
     # the next as soon as one is taken; broker kills wait for the one inside a commit; the run
-    # injects past 90 s, up to 110 s, until each kind happened)
+    # injects past 90 s, up to 150 s, until each kind happened: the partitions take the GPU host for 8-25 s)
     assert all(faults[kind] >= 1 for kind in (*COMMIT_KINDS.values(), SCHEDULER_SIGSTOP, ALLOCATOR_SIGSTOP)), text
     # issue 25: the GPU host (a network namespace of its own) cut off, and cut from the brokers only, each once
     # at least, each healed after 8-25 s; its agent rides them out (an exit would be an unexpected exit)
