@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,19 @@ def clean_traceparent(value: str | None) -> str:
         return ""
     trace_id, span_id, flags = parsed
     return f"00-{trace_id}-{span_id}-{flags & 0xFF:02x}"
+
+
+def traceparent_of(headers: Sequence[tuple[str, bytes]]) -> str:
+    """The clean ``traceparent`` among a log record's headers (what an upstream producer writing to
+    Kafka may say instead of the SubmitJob field), or "": a missing, repeated, over-long, non-ASCII
+    or invalid one is ignored, as the REST header's is."""
+    values = [v for k, v in headers if k.lower() == TRACEPARENT]
+    if len(values) != 1 or len(values[0]) > MAX_TRACEPARENT_CHARS:
+        return ""
+    try:
+        return clean_traceparent(values[0].decode("ascii"))
+    except UnicodeDecodeError:
+        return ""
 
 
 def current_traceparent() -> str:

@@ -18,8 +18,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dagfold.codec import MAGIC, default_codec, schema_fingerprint
 from dagfold.codec import SCHEMA_DIR as SCHEMAS
-from dagfold.config import SchedulerOptions
+from dagfold.config import COMMANDS, Config, SchedulerOptions
+from dagfold.log import LogRecord, partition_for
 from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.runner import scheduler_spec
 from dagfold.services.scheduler.spec import load_spec_text, to_job_spec
 from dagfold.services.worker.handlers import TaskContext
 from dagfold.tracing import (
@@ -401,3 +403,29 @@ def test_a_parent_based_sampler_decides_for_the_whole_trace_as_for_the_job(monke
     kept = {f"{s.context.trace_id:032x}" for s in mem.get_finished_spans()}
     assert kept == {SUBMITTER.split("-")[1]}
     assert len(mem.get_finished_spans()) == len(spans) // 3
+
+
+def test_a_traceparent_header_fills_an_empty_submit_job_field_before_the_fold(tmp_path: Any) -> None:
+    """The scheduler's admit step copies a record's ``traceparent`` header (an upstream producer's, on
+    Kafka: tests/test_kafka_e2e.py) into a SubmitJob whose field is empty or invalid, so the fold and
+    its JobAccepted event see it; the field wins; a bad, repeated or non-ASCII header is ignored."""
+    cfg = Config.from_env(data_dir=tmp_path)
+    admit = scheduler_spec(cfg).admit
+
+    def admitted(field: str, headers: tuple[tuple[str, bytes], ...]) -> str:
+        cmd = {"type": "dagfold.command.SubmitJob", "spec": spec_of("id: J\ntasks: [{id: a}]"),
+               "submitted_at_ms": 0, "source": "test", "traceparent": field}
+        rec = LogRecord(COMMANDS, partition_for(b"J", cfg.partitions), 0, b"J", b"", 0, headers=headers)
+        assert admit(rec, cmd) is None
+        h = FoldHarness()
+        h.process(cmd)
+        (accepted,) = [e for e in h.events if e["type"].endswith("JobAccepted")]
+        return str(accepted["traceparent"])
+
+    other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert admitted("", (("traceparent", SUBMITTER.encode()),)) == SUBMITTER
+    assert admitted("garbage", (("other", b"x"), ("Traceparent", SUBMITTER.encode()))) == SUBMITTER
+    assert admitted(other, (("traceparent", SUBMITTER.encode()),)) == other
+    for bad in ((("traceparent", b"garbage"),), (("traceparent", SUBMITTER.encode()),) * 2,
+                (("traceparent", SUBMITTER.encode() + b"\xff"),), (("traceparent", b"0" * 10_000),), ()):
+        assert admitted("", bad) == ""

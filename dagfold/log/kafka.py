@@ -822,7 +822,9 @@ class KafkaConsumer:
                 continue
             topic, partition, offset = m.topic(), m.partition(), m.offset()
             assert topic is not None and partition is not None and offset is not None
-            out.append(LogRecord(topic, partition, offset, m.key(), m.value(), m.timestamp()[1]))
+            hs = m.headers()
+            out.append(LogRecord(topic, partition, offset, m.key(), m.value(), m.timestamp()[1],
+                                 headers=tuple((k, v or b"") for k, v in hs) if hs else ()))
             if self._manual:
                 self._manual[TopicPartition(topic, partition)] = offset + 1
         return out
