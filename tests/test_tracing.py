@@ -320,8 +320,8 @@ def test_a_gpu_process_has_its_attempts_traceparent_and_the_agents_json_lines_na
     assert jp.results == [SUBMITTER]  # the process saw the dispatch's TRACEPARENT
     lines = [json.loads(x) for x in buf.getvalue().splitlines()]
     (warned,) = [x for x in lines if "ignored: not inside" in x["message"]]
-    assert {k: warned.get(k) for k in ("job", "task", "attempt", "alloc_id", "trace_id")} == {
-        "job": "G", "task": "train", "attempt": 2, "alloc_id": "alloc-7", "trace_id": SUBMITTER[3:35]}
+    assert {k: warned.get(k) for k in ("job_id", "task_id", "attempt", "alloc_id", "trace_id")} == {
+        "job_id": "G", "task_id": "train", "attempt": 2, "alloc_id": "alloc-7", "trace_id": SUBMITTER[3:35]}
     # without one from the scheduler (an older one), the agent derives the attempt's own
     launcher = Launcher([sys.executable, "-c", "import os; print(os.environ['TRACEPARENT'])"], tmp_path / "store",
                         work_dir=tmp_path / "work2")
