@@ -46,6 +46,7 @@ from dagfold.settings import SettingsError
 TRACEPARENT = "traceparent"  # the HTTP header and the SubmitJob field
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 MAX_TRACEPARENT_CHARS = 256
+SPAN_QUEUE = 65_536  # spans the exporter's batch processor holds (OTEL_BSP_MAX_QUEUE_SIZE overrides)
 ENDED_JOBS_KEPT = 100_000  # ended jobs whose trace context a builder remembers (for a later redrive)
 
 AttrValue = str | int | float | bool
@@ -466,7 +467,11 @@ class SpanSink:
         self._sampler = TracerProvider(resource=self._resource).sampler  # OTEL_TRACES_SAMPLER(_ARG)
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        self._processor = BatchSpanProcessor(exporter if exporter is not None else _span_exporter())
+        # the SDK's default queue (2,048 spans) drops spans of a burst the exporter hands over at once (a
+        # Montage job's 5,200 spans in one poll): a larger one unless OTEL_BSP_MAX_QUEUE_SIZE says otherwise
+        queue = None if os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE") else SPAN_QUEUE
+        self._processor = BatchSpanProcessor(exporter if exporter is not None else _span_exporter(),
+                                             max_queue_size=queue)
         self._scope = InstrumentationScope("dagfold.tracing")
         self._decisions: OrderedDict[str, bool] = OrderedDict()  # trace ID -> sampled
         self.exported = 0

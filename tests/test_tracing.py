@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from typing import Any
 
 import fastavro
@@ -236,6 +237,32 @@ def test_the_sink_gives_the_sdk_our_ids_times_and_parents(monkeypatch: pytest.Mo
         assert (f"{o.parent.span_id:016x}" if o.parent else None) == s.parent_id
         assert (o.start_time, o.end_time) == (s.start_ms * 1_000_000, s.end_ms * 1_000_000)
         assert o.resource.attributes["service.name"] == "dagfold-test"
+    sink.close()
+
+
+def test_a_burst_of_spans_larger_than_the_sdks_default_queue_is_exported_whole() -> None:
+    """The exporter hands a poll's spans over at once (a Montage job's 1,738 tasks: 5,215 spans); the
+    SDK's default queue of 2,048 dropped the rest ("Queue full, dropping Span") before SPAN_QUEUE."""
+    h = FoldHarness()
+    tasks = ", ".join(f"{{id: t{i}}}" for i in range(1100))
+    h.process({"type": "dagfold.command.SubmitJob", "spec": spec_of(f"id: J\ntasks: [{tasks}]"),
+               "submitted_at_ms": 0, "source": "test", "traceparent": ""})
+    h.run_all("w1")
+    spans = spans_of(h.events)
+    assert len(spans) > 3000
+    released = threading.Event()
+
+    class BusyBackend(InMemorySpanExporter):  # an export over the network takes a while
+        def export(self, batch: Any) -> Any:
+            released.wait(10)
+            return super().export(batch)
+
+    mem = BusyBackend()
+    sink = SpanSink("scheduler", exporter=mem)
+    sink.export(spans)
+    released.set()
+    assert sink.flush(30)
+    assert len(mem.get_finished_spans()) == len(spans)
     sink.close()
 
 
