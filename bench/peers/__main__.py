@@ -340,6 +340,12 @@ def tracing_rows(res: list[dict[str, Any]]) -> list[list[str]]:
 def tracing_docs(doc: dict[str, Any]) -> None:
     table = report.md_table(TRACING_HEADER, tracing_rows(doc["results"]), "llrrrr")
     loads = [v for r in doc["results"] for v in (r.get("runs_load_before") or [r.get("load_before")]) if v]
+    by = {r["system"]: r for r in doc["results"]}
+    off, on = (by.get(k, {}).get("tasks_per_s") for k in ("dagfold-kafka", TRACED))
+    verdict = "not measured" if not off or not on else (
+        f"{'met' if on / off >= 0.9 else 'not met'} ({on / off:.2f})")
+    cpu = "; ".join(f"{'on' if r['system'] == TRACED else 'off'}: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in sorted((r.get("cpu_by_process_s") or {}).items())) for r in doc["results"])
     body = f"""## What tracing costs (issue 28)
 
 Measured {doc['when']} by `.venv/bin/python -m bench.peers --tracing-cost` (time limit {doc['limit_s']:.0f} s per
@@ -348,13 +354,18 @@ Machine: {report.machine_line(doc['machine'], doc['load_before'])}; 1-min load a
 {min(v[0] for v in loads):.1f}–{max(v[0] for v in loads):.1f}.
 
 *off*: no OpenTelemetry variable (no OpenTelemetry module is imported). *on*: `OTEL_EXPORTER_OTLP_ENDPOINT` set
-for every dagfold process, so the measuring process also runs the span exporter (`dagfold.services.tracing`:
-spans built from the events, the SDK's batch span processor, OTLP/HTTP) to a Jaeger v2 with in-memory storage
-on the same machine (deploy/jaeger/jaeger.sh; its CPU counts in the total). The runs alternate off, on, off,
-on, ... so that a load that comes and goes falls on both alike; each row is the median run by tasks/s. Raw
-figures: `bench/results/peers-tracing.json`.
+for every dagfold process, and a `dagfold traces` process (the span exporter, `dagfold.services.tracing`: spans
+built from the events, the SDK's batch span processor, OTLP/HTTP) exporting to a Jaeger v2 with in-memory
+storage on the same machine (deploy/jaeger/jaeger.sh; its CPU counts in the total). Before each traced run's
+clock starts, the exporter has caught up with the events of the runs before it. The runs alternate off, on,
+off, on, ... so that a load that comes and goes falls on both alike; each row is the median run by tasks/s.
+Raw figures: `bench/results/peers-tracing.json`.
 
 {table}
+
+CPU seconds by process in the median runs: {cpu}.
+
+Target (issue 28): tracing on costs less than 10% of tasks/s (on ÷ off ≥ 0.90): {verdict}.
 """
     report.replace_section("tracing-cost", body)
 
