@@ -2,7 +2,7 @@
 ``DAGFOLD_LOG_FORMAT=json``).
 
 A JSON line carries ``ts``, ``level``, ``logger``, ``message`` and, where known, the fields of
-``FIELDS`` (``trace_id``, ``job``, ``task``, ``attempt``, ``partition``, ``offset``, ``alloc_id``, ...;
+``FIELDS`` (``trace_id``, ``job_id``, ``task_id``, ``attempt``, ``partition``, ``offset``, ``alloc_id``, ...;
 ``trace_id`` is the job's trace, ``dagfold.tracing``, so a log line joins its span in the backend): from the record's
 ``extra=`` or from ``log_context`` (a context variable, so a worker thread running a task or a
 processor folding a record tags every line logged under it, its libraries' lines included).
@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
-FIELDS = ("trace_id", "job", "task", "attempt", "partition", "offset", "topic", "queue", "worker", "tenant", "pool",
-          "node", "alloc_id")
+FIELDS = ("trace_id", "job_id", "task_id", "attempt", "partition", "offset", "topic", "queue", "worker", "tenant",
+          "pool", "node", "alloc_id")
 _CONTEXT: ContextVar[dict[str, Any]] = ContextVar("dagfold_log_context", default={})  # noqa: B039 (never mutated)
 # extra= names some modules already use, and the field each one fills
-ALIASES = {"job_id": "job", "task_id": "task", "worker_id": "worker"}
+ALIASES = {"worker_id": "worker"}
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

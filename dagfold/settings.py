@@ -107,8 +107,8 @@ class Settings(BaseSettings):
     # -- processes
     metrics_port: int | None = _s(None, "serve Prometheus /metrics on this port (worker, scheduler, ...)",
                                   "--metrics-port", group="process", ge=1, le=65535)
-    log_format: Literal["text", "json"] = _s("text", "process log lines: `text`, or `json` with trace_id, job, task, "
-                                             "attempt, partition and offset fields", "--log-format",
+    log_format: Literal["text", "json"] = _s("text", "process log lines: `text`, or `json` with trace_id, job_id, "
+                                             "task_id, attempt, partition and offset fields", "--log-format",
                                              group="process")
     handlers: str | None = _s(None, "handlers the workers run, comma-separated (default: noop, sleep and those "
                               "registered in Python; `shell` only where listed)", "--handlers", group="process")

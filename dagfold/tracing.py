@@ -37,7 +37,7 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ from dagfold.settings import SettingsError
 TRACEPARENT = "traceparent"  # the HTTP header and the SubmitJob field
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 MAX_TRACEPARENT_CHARS = 256
+SPAN_QUEUE = 65_536  # spans the exporter's batch processor holds (OTEL_BSP_MAX_QUEUE_SIZE overrides)
 ENDED_JOBS_KEPT = 100_000  # ended jobs whose trace context a builder remembers (for a later redrive)
 
 AttrValue = str | int | float | bool
@@ -79,6 +80,19 @@ def clean_traceparent(value: str | None) -> str:
         return ""
     trace_id, span_id, flags = parsed
     return f"00-{trace_id}-{span_id}-{flags & 0xFF:02x}"
+
+
+def traceparent_of(headers: Sequence[tuple[str, bytes]]) -> str:
+    """The clean ``traceparent`` among a log record's headers (what an upstream producer writing to
+    Kafka may say instead of the SubmitJob field), or "": a missing, repeated, over-long, non-ASCII
+    or invalid one is ignored, as the REST header's is."""
+    values = [v for k, v in headers if k.lower() == TRACEPARENT]
+    if len(values) != 1 or len(values[0]) > MAX_TRACEPARENT_CHARS:
+        return ""
+    try:
+        return clean_traceparent(values[0].decode("ascii"))
+    except UnicodeDecodeError:
+        return ""
 
 
 def current_traceparent() -> str:
@@ -453,7 +467,11 @@ class SpanSink:
         self._sampler = TracerProvider(resource=self._resource).sampler  # OTEL_TRACES_SAMPLER(_ARG)
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        self._processor = BatchSpanProcessor(exporter if exporter is not None else _span_exporter())
+        # the SDK's default queue (2,048 spans) drops spans of a burst the exporter hands over at once (a
+        # Montage job's 5,200 spans in one poll): a larger one unless OTEL_BSP_MAX_QUEUE_SIZE says otherwise
+        queue = None if os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE") else SPAN_QUEUE
+        self._processor = BatchSpanProcessor(exporter if exporter is not None else _span_exporter(),
+                                             max_queue_size=queue)
         self._scope = InstrumentationScope("dagfold.tracing")
         self._decisions: OrderedDict[str, bool] = OrderedDict()  # trace ID -> sampled
         self.exported = 0

@@ -51,6 +51,7 @@ class StackOptions:
     registry: HandlerRegistry = field(default_factory=default_registry)  # the workers' capabilities (no shell)
     runtime: TaskRuntime = field(default_factory=TaskRuntime)  # environment, folder and user of task processes
     callbacks: bool = True  # the job-end callback notifier (one per deployment: its ledger is local)
+    traces: bool = True  # the span exporter when tracing is on (False: `dagfold traces` processes run it)
     # GPU pool in this process: its allocator and gpu_nodes simulated node agents running the demo job
     # (on Kafka, real hosts run `dagfold agent` and the pool's `dagfold allocator` runs once, elsewhere)
     gpu_nodes: int = 0
@@ -109,7 +110,7 @@ class Stack:
                 self.log, cfg.data_dir, own_ports=(cfg.api_port, *log_ports(cfg.log_url)))
             self._spawn("callbacks", lambda: notifier.run(self.stop_event))
         self.span_exporter: SpanExporter | None = None
-        if otlp_enabled():  # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT set: each job's spans, from the events
+        if self.options.traces and otlp_enabled():  # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT set: spans from events
             exporter = self.span_exporter = SpanExporter(self.log)
             self._spawn("traces", lambda: exporter.run(self.stop_event))
         self.artifacts = open_store(cfg.artifacts_url, cfg.data_dir)  # task outputs, GPU checkpoints

@@ -300,7 +300,7 @@ def test_log_format_json_lines_carry_job_task_attempt() -> None:
     lines = [json.loads(x) for x in r.stderr.splitlines() if x.startswith("{")]
     assert lines and all({"ts", "level", "logger", "message"} <= set(x) for x in lines)
     failed = [x for x in lines if x["message"].startswith("attempt failed")]
-    assert failed and failed[0]["task"] == "bad" and failed[0]["attempt"] == 1 and "job" in failed[0], failed
+    assert failed and failed[0]["task_id"] == "bad" and failed[0]["attempt"] == 1 and "job_id" in failed[0], failed
     assert any("partition" in x for x in lines if x["logger"] == "dagfold.processor")
 
 

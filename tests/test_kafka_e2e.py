@@ -13,6 +13,7 @@ from dagfold.commands import submit_job
 from dagfold.config import Config
 from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.services.stack import Stack, StackOptions
+from dagfold.tracing import job_trace_id
 from dagfold.wfcommons import workflow_spec
 from tests.cli_support import ROOT, UpProcess, dagfold, kafka_url
 
@@ -73,3 +74,24 @@ def test_up_on_kafka_submit_wait_upstream_producer_and_kill9(kafka_bootstrap: st
         assert job["state"] == "succeeded" and job["counts"]["succeeded"] == 10, job
     finally:
         up2.stop()
+
+
+def test_an_upstream_producers_traceparent_header_is_the_jobs_trace(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """An upstream system writes SubmitJob with no traceparent field and the W3C context in a record
+    header (examples/upstream_producer.py --traceparent): the job continues that trace. An invalid
+    header is ignored, as the REST header's is: the job starts a trace of its own."""
+    header = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    stamp = int(time.time() * 1000)
+    cfg = Config.from_env(log_url=f"kafka://{kafka_bootstrap}", data_dir=tmp_path / "data")
+    with Stack(cfg, StackOptions(workers=0, api=False, callbacks=False)) as stack:
+        for job_id, value in ((f"tp-header-{stamp}", header), (f"tp-garbage-{stamp}", "00-garbage-01")):
+            p = subprocess.run([sys.executable, "examples/upstream_producer.py", "--bootstrap", kafka_bootstrap,
+                                "--job-id", job_id, "--traceparent", value],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert p.returncode == 0, p.stderr
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (stack.read_model.get_job(f"tp-garbage-{stamp}") is None
+                                               or stack.read_model.get_job(f"tp-header-{stamp}") is None):
+            time.sleep(0.1)
+        assert stack.read_model.get_job(f"tp-header-{stamp}")["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+        assert stack.read_model.get_job(f"tp-garbage-{stamp}")["trace_id"] == job_trace_id(f"tp-garbage-{stamp}")

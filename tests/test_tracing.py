@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 from typing import Any
 
 import fastavro
@@ -18,9 +19,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dagfold.codec import MAGIC, default_codec, schema_fingerprint
 from dagfold.codec import SCHEMA_DIR as SCHEMAS
-from dagfold.config import SchedulerOptions
+from dagfold.config import COMMANDS, Config, SchedulerOptions
 from dagfold.jobspec import load_spec_text, to_job_spec
+from dagfold.log import LogRecord, partition_for
 from dagfold.services.scheduler.harness import FoldHarness
+from dagfold.services.scheduler.runner import scheduler_spec
 from dagfold.services.worker.handlers import TaskContext
 from dagfold.tracing import (
     SpanRecord,
@@ -237,6 +240,32 @@ def test_the_sink_gives_the_sdk_our_ids_times_and_parents(monkeypatch: pytest.Mo
     sink.close()
 
 
+def test_a_burst_of_spans_larger_than_the_sdks_default_queue_is_exported_whole() -> None:
+    """The exporter hands a poll's spans over at once (a Montage job's 1,738 tasks: 5,215 spans); the
+    SDK's default queue of 2,048 dropped the rest ("Queue full, dropping Span") before SPAN_QUEUE."""
+    h = FoldHarness()
+    tasks = ", ".join(f"{{id: t{i}}}" for i in range(1100))
+    h.process({"type": "dagfold.command.SubmitJob", "spec": spec_of(f"id: J\ntasks: [{tasks}]"),
+               "submitted_at_ms": 0, "source": "test", "traceparent": ""})
+    h.run_all("w1")
+    spans = spans_of(h.events)
+    assert len(spans) > 3000
+    released = threading.Event()
+
+    class BusyBackend(InMemorySpanExporter):  # an export over the network takes a while
+        def export(self, batch: Any) -> Any:
+            released.wait(10)
+            return super().export(batch)
+
+    mem = BusyBackend()
+    sink = SpanSink("scheduler", exporter=mem)
+    sink.export(spans)
+    released.set()
+    assert sink.flush(30)
+    assert len(mem.get_finished_spans()) == len(spans)
+    sink.close()
+
+
 def test_a_ratio_sampler_keeps_or_drops_whole_traces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
@@ -318,8 +347,8 @@ def test_a_gpu_process_has_its_attempts_traceparent_and_the_agents_json_lines_na
     assert jp.results == [SUBMITTER]  # the process saw the dispatch's TRACEPARENT
     lines = [json.loads(x) for x in buf.getvalue().splitlines()]
     (warned,) = [x for x in lines if "ignored: not inside" in x["message"]]
-    assert {k: warned.get(k) for k in ("job", "task", "attempt", "alloc_id", "trace_id")} == {
-        "job": "G", "task": "train", "attempt": 2, "alloc_id": "alloc-7", "trace_id": SUBMITTER[3:35]}
+    assert {k: warned.get(k) for k in ("job_id", "task_id", "attempt", "alloc_id", "trace_id")} == {
+        "job_id": "G", "task_id": "train", "attempt": 2, "alloc_id": "alloc-7", "trace_id": SUBMITTER[3:35]}
     # without one from the scheduler (an older one), the agent derives the attempt's own
     launcher = Launcher([sys.executable, "-c", "import os; print(os.environ['TRACEPARENT'])"], tmp_path / "store",
                         work_dir=tmp_path / "work2")
@@ -401,3 +430,29 @@ def test_a_parent_based_sampler_decides_for_the_whole_trace_as_for_the_job(monke
     kept = {f"{s.context.trace_id:032x}" for s in mem.get_finished_spans()}
     assert kept == {SUBMITTER.split("-")[1]}
     assert len(mem.get_finished_spans()) == len(spans) // 3
+
+
+def test_a_traceparent_header_fills_an_empty_submit_job_field_before_the_fold(tmp_path: Any) -> None:
+    """The scheduler's admit step copies a record's ``traceparent`` header (an upstream producer's, on
+    Kafka: tests/test_kafka_e2e.py) into a SubmitJob whose field is empty or invalid, so the fold and
+    its JobAccepted event see it; the field wins; a bad, repeated or non-ASCII header is ignored."""
+    cfg = Config.from_env(data_dir=tmp_path)
+    admit = scheduler_spec(cfg).admit
+
+    def admitted(field: str, headers: tuple[tuple[str, bytes], ...]) -> str:
+        cmd = {"type": "dagfold.command.SubmitJob", "spec": spec_of("id: J\ntasks: [{id: a}]"),
+               "submitted_at_ms": 0, "source": "test", "traceparent": field}
+        rec = LogRecord(COMMANDS, partition_for(b"J", cfg.partitions), 0, b"J", b"", 0, headers=headers)
+        assert admit(rec, cmd) is None
+        h = FoldHarness()
+        h.process(cmd)
+        (accepted,) = [e for e in h.events if e["type"].endswith("JobAccepted")]
+        return str(accepted["traceparent"])
+
+    other = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert admitted("", (("traceparent", SUBMITTER.encode()),)) == SUBMITTER
+    assert admitted("garbage", (("other", b"x"), ("Traceparent", SUBMITTER.encode()))) == SUBMITTER
+    assert admitted(other, (("traceparent", SUBMITTER.encode()),)) == other
+    for bad in ((("traceparent", b"garbage"),), (("traceparent", SUBMITTER.encode()),) * 2,
+                (("traceparent", SUBMITTER.encode() + b"\xff"),), (("traceparent", b"0" * 10_000),), ()):
+        assert admitted("", bad) == ""

@@ -11,6 +11,11 @@ redis-server). Writes bench/results/peers.json (peers-smoke.json with
 ``--smoke``), docs/img/bench-peers.png and the peers section of
 docs/benchmarks.md, prints one table with the ratio of dagfold to each peer,
 then runs ``bench.limits`` against the same broker.
+
+``--tracing-cost`` measures what tracing costs instead: dagfold-Kafka with tracing off and on
+(``dagfold-kafka-traced``: OTEL_EXPORTER_OTLP_ENDPOINT set for every dagfold process, spans exported to a
+Jaeger started by deploy/jaeger/jaeger.sh), runs interleaved off, on, off, on, ... so that both see the
+same machine; writes bench/results/peers-tracing.json and the tracing-cost section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,11 +39,42 @@ from dagfold.localkafka import LocalKafka
 
 ROOT = report.ROOT
 MAIN_PY = sys.executable
-SYSTEMS = ["dagfold-embedded", "dagfold-kafka", "dask", "celery", "prefect"]
+SYSTEMS = ["dagfold-embedded", "dagfold-kafka", "dask", "celery", "prefect", "dagfold-kafka-traced"]
 PEERS = ["dask", "celery", "prefect"]
-DAGFOLD = ["dagfold-kafka", "dagfold-embedded"]
+DAGFOLD = ["dagfold-kafka", "dagfold-embedded", "dagfold-kafka-traced"]
 LABEL = {"dagfold-embedded": "dagfold (embedded)", "dagfold-kafka": "dagfold (Kafka, EOS)", "dask": "Dask distributed",
-         "celery": "Celery + Redis", "prefect": "Prefect 3"}
+         "celery": "Celery + Redis", "prefect": "Prefect 3",
+         "dagfold-kafka-traced": "dagfold (Kafka, EOS, tracing on)"}
+TRACED = "dagfold-kafka-traced"  # dagfold-kafka with OTEL_EXPORTER_OTLP_ENDPOINT set (--tracing-cost)
+
+
+class Jaeger:
+    """deploy/jaeger/jaeger.sh on ports of its own (a test's Jaeger may hold the default ones)."""
+
+    def __init__(self, base_port: int) -> None:
+        self.data = Path(tempfile.mkdtemp(prefix="bench-peers-jaeger-"))
+        self.http = base_port
+        self.env = {**os.environ, "JAEGER_OTLP_HTTP_PORT": str(base_port), "JAEGER_OTLP_GRPC_PORT": str(base_port + 1),
+                    "JAEGER_QUERY_PORT": str(base_port + 2), "JAEGER_QUERY_GRPC_PORT": str(base_port + 3),
+                    "JAEGER_HEALTH_PORT": str(base_port + 4), "JAEGER_DATA": str(self.data),
+                    "JAEGER_START_TIMEOUT": "180"}
+
+    def start(self) -> Jaeger:
+        subprocess.run([str(ROOT / "deploy/jaeger/jaeger.sh"), "start"], env=self.env, check=True)
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        p = self.data / "jaeger.pid"
+        return int(p.read_text()) if p.exists() else None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.http}"
+
+    def stop(self) -> None:
+        subprocess.run([str(ROOT / "deploy/jaeger/jaeger.sh"), "stop"], env=self.env, check=False)
+        shutil.rmtree(self.data, ignore_errors=True)
 
 
 class Broker:
@@ -74,10 +110,12 @@ def command(system: str, workload: str, args: argparse.Namespace, broker: Broker
         common.append("--smoke")
     if system == "dagfold-embedded":
         return [MAIN_PY, "-m", "bench.peers.run_dagfold", *common]
-    if system == "dagfold-kafka":
+    if system in ("dagfold-kafka", TRACED):
         assert broker is not None and kafka_data is not None
         cmd = [MAIN_PY, "-m", "bench.peers.run_dagfold", *common, "--log", broker.url, "--data", str(kafka_data),
                "--infra-pid", str(broker.pid)]
+        if system == TRACED and args.jaeger_pid:  # the backend's CPU counts as the system's
+            cmd += ["--infra-pid", str(args.jaeger_pid)]
         return cmd + ([] if args.kafka_one_process else ["--worker-procs", "--scheduler-proc"])
     return [str(report.PEERS_PY), "-m", f"bench.peers.run_{system}", *common]
 
@@ -85,6 +123,10 @@ def command(system: str, workload: str, args: argparse.Namespace, broker: Broker
 def run_one(system: str, workload: str, args: argparse.Namespace, broker: Broker | None, kafka_data: Path | None,
             logdir: Path) -> dict[str, Any]:
     cmd = command(system, workload, args, broker, kafka_data)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}  # tracing off unless TRACED
+    if system == TRACED:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
+        env["OTEL_SERVICE_NAME"] = "dagfold-bench"
     load_1m = report.loadavg()
     log = logdir / f"{system}-{workload}.log"
     grace = 240.0  # start-up (Prefect's server, Kafka group joins), warm-up and reading the log back
@@ -92,7 +134,7 @@ def run_one(system: str, workload: str, args: argparse.Namespace, broker: Broker
     out_path = logdir / f"{system}-{workload}.out"
     # stdout to a file, not a pipe: a child that outlives the run (Prefect's server) must not hold it open
     with open(log, "w") as err, open(out_path, "w") as stdout:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=err, text=True, start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=stdout, stderr=err, text=True, start_new_session=True, env=env)
         try:
             p.wait(timeout=args.limit + grace)
         except subprocess.TimeoutExpired:
@@ -110,6 +152,7 @@ def run_one(system: str, workload: str, args: argparse.Namespace, broker: Broker
         return {"system": system, "workload": workload, "status": f"error (exit {p.returncode})",
                 "limit_s": args.limit, "tasks_per_s": None, "done": None, "notes": tail}
     res = json.loads(lines[-1])
+    res["system"] = system  # run_dagfold names the log only
     res["process_wall_s"] = round(time.monotonic() - t0, 1)
     res["load_before"] = load_1m  # the machine is shared: every figure with its load average
     return res
@@ -277,6 +320,56 @@ the pinned `bench/peers/requirements.txt`, never into dagfold's dependencies); o
     report.replace_section("peers", body)
 
 
+TRACING_HEADER = ["workload", "tracing", "tasks/s (median of runs)", "runs' tasks/s", "total CPU µs/task",
+                  "on ÷ off"]
+
+
+def tracing_rows(res: list[dict[str, Any]]) -> list[list[str]]:
+    by = {(r["workload"], r["system"]): r for r in res}
+    out = []
+    for (w, s), r in by.items():
+        off = by.get((w, "dagfold-kafka"))
+        x = ("–" if s != TRACED or off is None or not off.get("tasks_per_s") or not r.get("tasks_per_s")
+             else f"{r['tasks_per_s'] / off['tasks_per_s']:.2f}")
+        out.append([w, "on" if s == TRACED else "off", report.fmt(r.get("tasks_per_s")),
+                    ", ".join(report.fmt(v) for v in r.get("runs_tasks_per_s", [r.get("tasks_per_s")])),
+                    report.fmt(r.get("median_total_cpu_us_per_task", r.get("total_cpu_us_per_task"))), x])
+    return out
+
+
+def tracing_docs(doc: dict[str, Any]) -> None:
+    table = report.md_table(TRACING_HEADER, tracing_rows(doc["results"]), "llrrrr")
+    loads = [v for r in doc["results"] for v in (r.get("runs_load_before") or [r.get("load_before")]) if v]
+    by = {r["system"]: r for r in doc["results"]}
+    off, on = (by.get(k, {}).get("tasks_per_s") for k in ("dagfold-kafka", TRACED))
+    verdict = "not measured" if not off or not on else (
+        f"{'met' if on / off >= 0.9 else 'not met'} ({on / off:.2f})")
+    cpu = "; ".join(f"{'on' if r['system'] == TRACED else 'off'}: " + ", ".join(
+        f"{k} {v:.2f}" for k, v in sorted((r.get("cpu_by_process_s") or {}).items())) for r in doc["results"])
+    body = f"""## What tracing costs (issue 28)
+
+Measured {doc['when']} by `.venv/bin/python -m bench.peers --tracing-cost` (time limit {doc['limit_s']:.0f} s per
+run, {doc['workers']} `dagfold worker` processes and a `dagfold scheduler` process, as the dagfold-Kafka row above).
+Machine: {report.machine_line(doc['machine'], doc['load_before'])}; 1-min load average before each run
+{min(v[0] for v in loads):.1f}–{max(v[0] for v in loads):.1f}.
+
+*off*: no OpenTelemetry variable (no OpenTelemetry module is imported). *on*: `OTEL_EXPORTER_OTLP_ENDPOINT` set
+for every dagfold process, and a `dagfold traces` process (the span exporter, `dagfold.services.tracing`: spans
+built from the events, the SDK's batch span processor, OTLP/HTTP) exporting to a Jaeger v2 with in-memory
+storage on the same machine (deploy/jaeger/jaeger.sh; its CPU counts in the total). Before each traced run's
+clock starts, the exporter has caught up with the events of the runs before it. The runs alternate off, on,
+off, on, ... so that a load that comes and goes falls on both alike; each row is the median run by tasks/s.
+Raw figures: `bench/results/peers-tracing.json`.
+
+{table}
+
+CPU seconds by process in the median runs: {cpu}.
+
+Target (issue 28): tracing on costs less than 10% of tasks/s (on ÷ off ≥ 0.90): {verdict}.
+"""
+    report.replace_section("tracing-cost", body)
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run of median tasks/s (failed runs count as 0), with every run's tasks/s beside it."""
     if len(runs) == 1:
@@ -318,10 +411,26 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--rerender", action="store_true",
                     help="rebuild the table, plot and docs section from the results file; measure nothing")
+    ap.add_argument("--tracing-cost", action="store_true",
+                    help="dagfold-Kafka with tracing off and on (a Jaeger of its own), runs interleaved; only "
+                         "the tracing-cost section of docs/benchmarks.md (default workload: montage)")
+    ap.add_argument("--jaeger-port", type=int, default=24318, help="the Jaeger's OTLP/HTTP port (and the 4 above)")
     args = ap.parse_args()
+    if args.tracing_cost:
+        args.systems = ["dagfold-kafka", TRACED]
+        if "--workloads" not in sys.argv:
+            args.workloads = ["montage"]
+        args.no_limits = args.no_setup = True
 
     if args.rerender:
         path = args.out or report.RESULTS / ("peers-smoke.json" if args.smoke else "peers.json")
+        if args.tracing_cost:
+            path = args.out or report.RESULTS / "peers-tracing.json"
+            doc = json.loads(path.read_text())
+            print(report.text_table(TRACING_HEADER, tracing_rows(doc["results"])))
+            if not args.no_docs:
+                tracing_docs(doc)
+            return
         doc = json.loads(path.read_text())
         wls = [w for w in WORKLOADS if any(r["workload"] == w for r in doc["results"])]
         syss = [s for s in SYSTEMS if any(r["system"] == s for r in doc["results"])]
@@ -333,14 +442,20 @@ def main() -> None:
         return
     if not args.no_setup:
         subprocess.run([str(ROOT / "bench/peers/setup.sh")], check=True)
-    out = args.out or report.RESULTS / ("peers-smoke.json" if args.smoke else "peers.json")
+    out = args.out or report.RESULTS / ("peers-tracing.json" if args.tracing_cost else
+                                        "peers-smoke.json" if args.smoke else "peers.json")
     load_before = report.loadavg()
     broker = None
     kafka_data = None
+    jaeger = None
+    args.jaeger_pid = None
     needs_kafka = "dagfold-kafka" in args.systems or not args.no_limits
     logdir = Path(tempfile.mkdtemp(prefix="bench-peers-logs-"))
     results: list[dict[str, Any]] = []
     try:
+        if TRACED in args.systems:
+            jaeger = Jaeger(args.jaeger_port).start()
+            args.otlp_endpoint, args.jaeger_pid = jaeger.endpoint, jaeger.pid
         if needs_kafka:
             broker = Broker(args.kafka_port, args.kafka_data).start()
             kafka_data = Path(tempfile.mkdtemp(prefix="bench-peers-dagfold-kafka-"))
@@ -351,9 +466,16 @@ def main() -> None:
             r = run_one("dagfold-kafka", args.workloads[0], args, broker, kafka_data, logdir)
             print(f"broker warm-up (not counted): {args.workloads[0]} tasks/s={r.get('tasks_per_s')}", flush=True)
         for w in args.workloads:
+            # the systems' runs interleaved (a, b, c, a, b, c, ...): a load that comes and goes on a shared
+            # machine falls on every system alike, which makes their ratios meaningful
+            runs: dict[str, list[dict[str, Any]]] = {s: [] for s in args.systems}
+            wanted = {s: args.repeat or (3 if s in (*DAGFOLD, "dask") else 1) for s in args.systems}
+            for i in range(max(wanted.values())):
+                for s in args.systems:
+                    if i < wanted[s]:
+                        runs[s].append(run_one(s, w, args, broker, kafka_data, logdir))
             for s in args.systems:
-                n = args.repeat or (3 if s in (*DAGFOLD, "dask") else 1)
-                r = median_run([run_one(s, w, args, broker, kafka_data, logdir) for _ in range(n)])
+                r = median_run(runs[s])
                 results.append(r)
                 print(f"{w:16} {s:17} {cell_status(r):28} tasks/s={r.get('tasks_per_s')} "
                       f"p99={r.get('lat_p99_ms')} ms  (log {logdir})", flush=True)
@@ -362,6 +484,12 @@ def main() -> None:
                "results": results}
         report.RESULTS.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(doc, indent=1) + "\n")
+        if args.tracing_cost:
+            print(report.text_table(TRACING_HEADER, tracing_rows(results)))
+            print(f"\nload average before/after: {load_before} / {doc['load_after']}; results in {out}")
+            if not args.no_docs:
+                tracing_docs(doc)
+            return
         systems = [s for s in SYSTEMS if s in args.systems]
         print()
         print(report.text_table(HEADER, rows(results, args.workloads, systems)))
@@ -380,6 +508,8 @@ def main() -> None:
                 cmd.append("--no-docs")
             subprocess.run(cmd, cwd=ROOT, check=True)
     finally:
+        if jaeger is not None:
+            jaeger.stop()
         if broker is not None:
             broker.stop()
         if kafka_data is not None:

@@ -32,11 +32,13 @@ from bench.peers import probe
 from bench.peers.workloads import Dag, load
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
-from dagfold.config import COMMANDS, SCHEDULER_GROUP, Config, dispatch_topic
+from dagfold.config import COMMANDS, EVENTS, SCHEDULER_GROUP, Config, dispatch_topic
 from dagfold.exceptions import LogError
 from dagfold.jobspec import parse_spec, to_job_spec
 from dagfold.log import TopicPartition
 from dagfold.services.stack import Stack, StackOptions
+from dagfold.services.tracing import GROUP as TRACES_GROUP
+from dagfold.tracing import otlp_enabled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,6 +80,25 @@ def read_reports(stack: Stack, cfg: Config, job_id: str) -> tuple[dict[str, floa
     return started, done, dispatched
 
 
+def wait_traces_caught_up(stack: Stack, cfg: Config, timeout_s: float = 120.0) -> None:
+    """Until the span exporters' group has committed the events topic's end: the measured job's spans
+    are then all the exporters build while it runs (not a backlog of earlier runs on the same broker)."""
+    assert stack.log is not None
+    tps = [TopicPartition(EVENTS, p) for p in range(cfg.partitions)]
+    c = stack.log.consumer(TRACES_GROUP, client_id="bench-traces-lag")  # never subscribes: no member
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            ends, done = stack.log.end_offsets(tps), c.committed(tps)
+            # a consumer commits past its last record, and a transaction's marker takes one offset after it
+            if all(done.get(tp, 0) >= end - 1 for tp, end in ends.items()):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the span exporters did not catch up with the events")
+    finally:
+        c.close()
+
+
 def scheduler_tid() -> int:
     for t in threading.enumerate():
         if t.name == "scheduler" and t.native_id is not None:
@@ -114,8 +135,9 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     thread_workers = 0 if (kafka and args.worker_procs) else args.workers
     split = kafka and args.scheduler_proc
+    tracing = otlp_enabled()  # bench.peers --tracing-cost sets OTEL_EXPORTER_OTLP_ENDPOINT for the traced runs
     stack = Stack(cfg, StackOptions(workers=thread_workers, api=False, callbacks=False,
-                                    scheduler=not split)).start()
+                                    scheduler=not split, traces=not split)).start()
     sched_proc: subprocess.Popen[bytes] | None = None
     try:
         if split:
@@ -123,6 +145,10 @@ def main() -> None:
                 [sys.executable, "-m", "dagfold", "scheduler", "--log", args.log, "--data", str(data / "sched")],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(sched_proc)
+            if tracing:  # a deployment's shape: the span exporter is a `dagfold traces` process
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "dagfold", "traces", "--log", args.log, "--data", str(data / "traces")],
+                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if thread_workers == 0:
             for _ in range(args.workers):
                 procs.append(subprocess.Popen(
@@ -146,6 +172,8 @@ def main() -> None:
         w = stack.wait_job(warm["job_id"], timeout_s=120, poll_s=0.01)
         if w is None or w["state"] != "succeeded":
             raise RuntimeError(f"warm-up job did not succeed: {w}")
+        if tracing and kafka:
+            wait_traces_caught_up(stack, cfg)
 
         dag = load(args.workload, args.smoke)
         job_id = f"{args.workload}-{run_id}"

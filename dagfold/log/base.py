@@ -43,7 +43,7 @@ import functools
 import struct
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Protocol
 
@@ -78,6 +78,10 @@ class LogRecord:
     key: bytes | None
     value: bytes | None
     timestamp_ms: int
+    # the record's headers as its producer wrote them (Kafka only: dagfold's own writers and the
+    # embedded log carry none); read-only, for what an upstream producer may say only there (its
+    # W3C ``traceparent``: ``dagfold.tracing.traceparent_of``)
+    headers: tuple[tuple[str, bytes], ...] = field(default=(), kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from confluent_kafka import (
     OFFSET_INVALID,
@@ -66,6 +66,9 @@ from dagfold.log.base import (
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".librdkafka")
+
+if TYPE_CHECKING:
+    from confluent_kafka._types import HeadersType
 
 _TIMEOUT_S = 30.0
 # A writer begins its next transaction as soon as the last commit returned, while the coordinator is
@@ -741,6 +744,11 @@ class KafkaTransactionalProducer:
                 log.debug("closing transactional producer: %s", exc)
 
 
+def _headers(hs: HeadersType) -> tuple[tuple[str, bytes], ...]:
+    items = hs.items() if isinstance(hs, dict) else hs
+    return tuple((k, v.encode() if isinstance(v, str) else v or b"") for k, v in items)
+
+
 class KafkaConsumer:
     """Wraps a confluent-kafka consumer; ``raw`` is the underlying one (group metadata etc.)."""
 
@@ -822,7 +830,9 @@ class KafkaConsumer:
                 continue
             topic, partition, offset = m.topic(), m.partition(), m.offset()
             assert topic is not None and partition is not None and offset is not None
-            out.append(LogRecord(topic, partition, offset, m.key(), m.value(), m.timestamp()[1]))
+            hs = m.headers()  # a list of (str, bytes or None) as consumed; the stubs allow a dict and str too
+            out.append(LogRecord(topic, partition, offset, m.key(), m.value(), m.timestamp()[1],
+                                 headers=_headers(hs) if hs else ()))
             if self._manual:
                 self._manual[TopicPartition(topic, partition)] = offset + 1
         return out

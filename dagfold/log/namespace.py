@@ -202,7 +202,7 @@ class _Consumer:
 
     def poll(self, max_records: int = 500, timeout_s: float = 1.0) -> list[LogRecord]:
         logical = self.ns.logical
-        return [LogRecord(logical(r.topic), r.partition, r.offset, r.key, r.value, r.timestamp_ms)
+        return [LogRecord(logical(r.topic), r.partition, r.offset, r.key, r.value, r.timestamp_ms, headers=r.headers)
                 for r in self.inner.poll(max_records, timeout_s)]
 
     def commit(self, offsets: Mapping[TopicPartition, int], wait: bool = True) -> None:

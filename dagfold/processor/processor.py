@@ -376,7 +376,8 @@ class PartitionProcessor:
         except Exception as exc:  # a bug must not stop the partition: dead-letter the command
             log.exception("%s fold failed on %s/%d@%d", service, rec.topic, rec.partition, rec.offset,
                           extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset,
-                                 "job": cmd.get("job_id"), "task": cmd.get("task_id"), "attempt": cmd.get("attempt")})
+                                 "job_id": cmd.get("job_id"), "task_id": cmd.get("task_id"),
+                                 "attempt": cmd.get("attempt")})
             return [dead_letter(rec, f"fold error: {exc!r}", service)]
 
     def process_batch(self, recs: Sequence[LogRecord]) -> None:

@@ -89,7 +89,7 @@ class JobProcess:
 
     def log_fields(self) -> dict[str, Any]:
         """What log lines about this process carry as fields (dagfold.logs)."""
-        return {"job": self.job_id, "task": self.task_id, "attempt": self.attempt, "alloc_id": self.alloc_id,
+        return {"job_id": self.job_id, "task_id": self.task_id, "attempt": self.attempt, "alloc_id": self.alloc_id,
                 "trace_id": self.traceparent[3:35] or None}
 
     def progress_rate(self, window_s: float, now: float | None = None) -> float | None:

@@ -22,6 +22,7 @@ from dagfold.processor import PartitionProcessor, ProcessorSpec, TimerPolicy
 from dagfold.services.scheduler.fold import SchedulerFold
 from dagfold.services.scheduler.timers import due_timers
 from dagfold.state import Store
+from dagfold.tracing import TRACEPARENT, clean_traceparent, traceparent_of
 
 
 def _same_partition(partition: int) -> int:
@@ -69,7 +70,13 @@ def scheduler_spec(config: Config, instance_id: str = "0",
     job_partition = partition_of
 
     def admit(rec: LogRecord, cmd: Record) -> list[Output] | None:
-        """A job lives on one partition: its commands are keyed by its ID and go to its partition."""
+        """A job lives on one partition: its commands are keyed by its ID and go to its partition.
+
+        A SubmitJob without a valid ``traceparent`` field takes its record's ``traceparent`` header
+        (an upstream producer's, on Kafka) into the command here, before the fold: the JobAccepted
+        event keeps it, so the spans built from the events, and a replay of them, are the same."""
+        if rec.headers and cmd["type"] == "dagfold.command.SubmitJob" and not clean_traceparent(cmd.get(TRACEPARENT)):
+            cmd[TRACEPARENT] = traceparent_of(rec.headers)
         try:
             job_id = job_id_of(cmd)
         except KeyError:

@@ -560,7 +560,7 @@ class Worker:
         started = time.monotonic()
         trace_id = (d.get("traceparent") or attempt_traceparent(*key))[3:35]
         # every line logged while the task runs (handlers' too)
-        with log_context(job=key[0], task=key[1], attempt=key[2], queue=self.queue, worker=self.worker_id,
+        with log_context(job_id=key[0], task_id=key[1], attempt=key[2], queue=self.queue, worker=self.worker_id,
                          trace_id=trace_id):
             report = self._execute_with_outputs(d, key, handler, stop)
             if report is not None and str(report.get("type", "")).endswith("TaskFailed"):
