@@ -173,7 +173,7 @@ def test_a_gpu_job_preempted_once_waits_for_gpus_again_in_the_same_attempt() -> 
 
     def status(kind: str, alloc: str, **kw: Any) -> None:
         h.process({"type": "dagfold.command.TaskAllocation", "job_id": "G", "task_id": "train", "attempt": 1,
-                   "pool": "gpu", "status": kind, "alloc_id": alloc, "epoch": 1, "ts_ms": h.now_ms,
+                   "pool": "gpu", "status": kind, "alloc_id": alloc, "epoch": kw.get("epoch", 1), "ts_ms": h.now_ms,
                    "hosts": [{"node_id": "n1", "gpu_indices": [0]}], "reason": kw.get("reason", ""),
                    "checkpoint_uri": kw.get("checkpoint_uri")})
 
@@ -187,7 +187,7 @@ def test_a_gpu_job_preempted_once_waits_for_gpus_again_in_the_same_attempt() -> 
     h.now_ms += 50
     status("requeued", "a1", reason="preempted by a higher tier", checkpoint_uri="s3://b/ck1")
     h.now_ms += 30
-    status("granted", "a2", checkpoint_uri="s3://b/ck1")
+    status("granted", "a2", checkpoint_uri="s3://b/ck1", epoch=2)  # the pool's grants are numbered
     h.report("Started", {"job_id": "G", "task_id": "train", "attempt": 1}, "a2")
     h.now_ms += 200
     h.report("Succeeded", {"job_id": "G", "task_id": "train", "attempt": 1}, "a2")
