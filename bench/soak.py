@@ -214,6 +214,8 @@ def start_stack(data: Path, port: int, env: dict[str, str], gpu_nodes: int, log_
     cmd = [sys.executable, "-m", "dagfold", "up", "--handlers", "noop,sleep,shell,soak_flaky",
            "--handler-module", "bench.soak_handlers", "--gpu-nodes", str(gpu_nodes), "--data", str(data),
            "--port", str(port)]
+    if os.geteuid() == 0:  # as `make run` does (its TASK_FLAGS): shell tasks and GPU jobs as root, said explicitly
+        cmd.append("--allow-root-tasks")
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -231,11 +233,14 @@ def start_stack(data: Path, port: int, env: dict[str, str], gpu_nodes: int, log_
 
 def stack_env(snapshots: Path | None) -> dict[str, str]:
     """The environment of the soak's `dagfold up`: the operator settings of a busy deployment (admission
-    sized for the soak's rate, commands retained for an hour) and, when profiling, tracemalloc."""
+    sized for the soak's rate, commands retained for an hour, callbacks allowed to the driver's loopback receiver)
+    and, when profiling, tracemalloc."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGFOLD_")}
     env.update({"PYTHONPATH": str(ROOT), "DAGFOLD_SUBMIT_RATE": "100000", "DAGFOLD_SUBMIT_BURST": "100000",
                 "DAGFOLD_MAX_OPEN_JOBS": "100000", "DAGFOLD_COMMANDS_RETENTION_MS": str(3600 * 1000),
-                "DAGFOLD_CALLBACK_BASE_BACKOFF_S": "0.2", "DAGFOLD_CALLBACK_CONCURRENCY": "16"})
+                "DAGFOLD_CALLBACK_BASE_BACKOFF_S": "0.2", "DAGFOLD_CALLBACK_CONCURRENCY": "16",
+                # the soak's receiver runs in the driver, on loopback: callbacks there are denied unless allowed
+                "DAGFOLD_CALLBACK_ALLOW": "127.0.0.1/32"})
     if snapshots is not None:
         env.update({"PYTHONTRACEMALLOC": "1", "DAGFOLD_SOAK_SNAPSHOTS": str(snapshots)})
     return env
