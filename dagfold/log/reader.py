@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 from dagfold.exceptions import LogError
-from dagfold.log.base import Log, LogRecord, TopicPartition
+from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
 
 log = logging.getLogger("dagfold.log")
 
@@ -49,3 +49,15 @@ def read_to_end(log_: Log, tp: TopicPartition, start: int = 0, batch: int = 5000
                 return
     finally:
         consumer.close()
+
+
+def join_when_present(log_: Log, topic: str, group: str, client_id: str) -> Consumer | None:
+    """A consumer of ``group`` subscribed to ``topic`` once the topic exists; None until then (a reader
+    that starts before the writer created its topic asks again on its next round)."""
+    try:
+        log_.partitions(topic)
+    except LogError:
+        return None
+    consumer = log_.consumer(group, client_id=client_id)
+    consumer.subscribe([topic])
+    return consumer

@@ -68,6 +68,7 @@ from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.lifecycle import JOB_ENDING_EVENTS, job_state_after
 from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
+from dagfold.log.reader import join_when_present
 from dagfold.processor.polling import Backoff, LagGauge
 from dagfold.projections.store import ReadModelTxn
 from dagfold.services.callbacks.egress import GuardedBackend, RefusedDestination, attempt_deadline
@@ -226,12 +227,9 @@ class CallbackNotifier:
         """Join the group once the events topic exists; False until then."""
         if self._consumer is not None:
             return True
-        try:
-            self.log.partitions(EVENTS)
-        except LogError:
+        consumer = join_when_present(self.log, EVENTS, GROUP, "dagfold-callbacks")
+        if consumer is None:
             return False
-        consumer = self.log.consumer(GROUP, client_id="dagfold-callbacks")
-        consumer.subscribe([EVENTS])
         self._consumer = consumer
         log.info("callback notifier joined group %s on %s", GROUP, EVENTS)
         return True

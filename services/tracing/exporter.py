@@ -27,7 +27,7 @@ from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError, LogError
 from dagfold.log import Log, TopicPartition
 from dagfold.log.base import Consumer, LogRecord
-from dagfold.log.reader import read_to_end
+from dagfold.log.reader import join_when_present, read_to_end
 from dagfold.processor.polling import Backoff, LagGauge
 from dagfold.tracing import EVENT_TYPES, SpanRecord, SpanSink, TraceBuilder
 
@@ -55,12 +55,9 @@ class SpanExporter:
     def _ensure_consumer(self) -> bool:
         if self._consumer is not None:
             return True
-        try:
-            self.log.partitions(EVENTS)
-        except LogError:
+        consumer = join_when_present(self.log, EVENTS, GROUP, "dagfold-traces")
+        if consumer is None:
             return False
-        consumer = self.log.consumer(GROUP, client_id="dagfold-traces")
-        consumer.subscribe([EVENTS])
         self._consumer = consumer
         return True
 
