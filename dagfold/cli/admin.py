@@ -13,12 +13,16 @@ import time
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dagfold.cli.common import DataOpt, LogOpt, VerboseOpt, _config, _logging, app, err, fail, out, run_until_stopped
+
+if TYPE_CHECKING:
+    from dagfold.config import Config
+    from dagfold.log import Log
 
 
 def _parse_ts(value: str | None) -> int | None:
@@ -86,8 +90,7 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
     import json
 
     from dagfold.config import EVENTS
-    from dagfold.exceptions import DagfoldError
-    from dagfold.log import LogRecord, TopicPartition, open_log
+    from dagfold.log import LogRecord, TopicPartition
     from dagfold.services.scheduler.replay import ReplayFilter, verify
     from dagfold.services.scheduler.replay import replay as do_replay
 
@@ -100,10 +103,7 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
         raise fail(str(exc)) from None
     if verify_live and filt.to_ms is not None:
         raise fail("--verify compares with the live state, which is past --to; drop --to")
-    try:
-        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True, prefix=cfg.topic_prefix)
-    except DagfoldError as exc:
-        raise fail(str(exc), 1) from None
+    lg = _open_read_only(cfg)
     sink = None
     fh = None
     if events_file is not None:
@@ -160,6 +160,17 @@ def replay(out_dir: Path = typer.Option(..., "--out", help="fresh folder for the
         raise typer.Exit(1)
 
 
+def _open_read_only(cfg: Config) -> Log:
+    """The configured log opened for reading (replay, audit), or a one-line error (status 1)."""
+    from dagfold.exceptions import DagfoldError
+    from dagfold.log import open_log
+
+    try:
+        return open_log(cfg.log_url, cfg.data_dir, read_only=True, prefix=cfg.topic_prefix)
+    except DagfoldError as exc:
+        raise fail(str(exc), 1) from None
+
+
 class AuditFormat(StrEnum):
     json = "json"
     csv = "csv"
@@ -175,8 +186,6 @@ def audit(job_id: Annotated[str, typer.Argument(help="the job's full ID")], log:
           ) -> None:
     """Export a job's complete timeline: every command and event with partition, offset and cause."""
     from dagfold.audit import job_timeline, to_csv, to_json
-    from dagfold.exceptions import DagfoldError
-    from dagfold.log import open_log
 
     if trace:
         _audit_trace(job_id, log, data)
@@ -186,10 +195,7 @@ def audit(job_id: Annotated[str, typer.Argument(help="the job's full ID")], log:
     if since_ms is not None and until_ms is not None and since_ms > until_ms:
         raise fail(f"the window is empty: --since ({since}) is after --until ({until})")
     cfg = _config(log, data)
-    try:
-        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True, prefix=cfg.topic_prefix)
-    except DagfoldError as exc:
-        raise fail(str(exc), 1) from None
+    lg = _open_read_only(cfg)
     try:
         rows = job_timeline(lg, job_id, cfg.partitions)
     finally:
@@ -209,15 +215,11 @@ def _audit_trace(job_id: str, log: str | None, data: Path | None) -> None:
     import json
 
     from dagfold.exceptions import DagfoldError
-    from dagfold.log import open_log
     from dagfold.services.tracing import job_spans
     from dagfold.tracing import SpanSink, otlp_enabled
 
     cfg = _config(log, data)
-    try:
-        lg = open_log(cfg.log_url, cfg.data_dir, read_only=True, prefix=cfg.topic_prefix)
-    except DagfoldError as exc:
-        raise fail(str(exc), 1) from None
+    lg = _open_read_only(cfg)
     try:
         spans = job_spans(lg, job_id)
     except DagfoldError as exc:
