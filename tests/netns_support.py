@@ -100,6 +100,22 @@ def sweep(keep_pid: int | None = None) -> list[str]:
     return gone
 
 
+def sweep_routes(used_blocks: set[str]) -> list[str]:
+    """Remove this module's blackhole routes of blocks no link holds an address in any more; their blocks.
+
+    A ``Net`` adds its route after its hub's address claimed the block, and deletes it before the hub, both under
+    ``LOCK`` or at close: a route without an address is what a killed run left (its links went with ``sweep``).
+    Called under ``LOCK``."""
+    gone: list[str] = []
+    for line in ip("route", "show", "type", "blackhole", check=False).splitlines():
+        m = re.match(rf"(?:blackhole\s+)?{re.escape(BLOCK)}\.(\d+)\.0/24\b.*\bmetric 4000\b", line.strip())
+        if m is None or m.group(1) in used_blocks:
+            continue
+        ip("route", "del", "blackhole", f"{BLOCK}.{m.group(1)}.0/24", "metric", "4000", check=False)
+        gone.append(m.group(1))
+    return gone
+
+
 class Host:
     """One host: a namespace with a link to the root namespace (module docstring)."""
 
@@ -178,6 +194,7 @@ class Net:
             fcntl.flock(lock, fcntl.LOCK_EX)
             sweep(keep_pid=pid)
             used = set(re.findall(rf"inet {re.escape(BLOCK)}\.(\d+)\.", ip("-o", "-4", "addr", "show")))
+            sweep_routes(used)
             block = next((b for b in range(1, 255) if str(b) not in used), None)
             if block is None:
                 raise NetnsError(f"every block of {BLOCK}.0.0/16 is in use")
@@ -186,8 +203,9 @@ class Net:
             ip("link", "add", self.hub_if, "type", "veth", "peer", "name", "dfg" + self.hub_if[3:])
             ip("addr", "add", f"{self.hub}/32", "dev", self.hub_if)
             ip("link", "set", self.hub_if, "up")
-        # while a host's link is down, the root namespace's packets to it stay here (not the default route)
-        ip("route", "add", "blackhole", f"{self.prefix}.0/24", "metric", "4000")
+            # while a host's link is down, the root namespace's packets to it stay here (not the default route);
+            # added under the lock, after the hub's address claimed the block (sweep_routes relies on that order)
+            ip("route", "replace", "blackhole", f"{self.prefix}.0/24", "metric", "4000")
         atexit.register(self.close)
 
     def host(self) -> Host:
