@@ -205,6 +205,7 @@ class Config:
                   commands_retention_ms=s.commands_retention_ms, api_host=s.api_host, api_port=s.port,
                   artifacts_url=s.artifacts,
                   scheduler=SchedulerOptions(redispatch_after_s=s.redispatch_after_s,
+                                             commit_interval_s=s.commit_interval_s,
                                              redispatch_after_s_by_queue=parse_queue_seconds(
                                                  s.redispatch_after_s_by_queue)))
         clean = {k: v for k, v in overrides.items() if v is not None and k not in _SETTING_OF}
