@@ -1,5 +1,5 @@
-"""Reading the log: one partition to its end (``read_to_end``), and the reader runtime that tails
-topics into a reader's state (``Reader``, ``GroupReader``).
+"""Reading the log: one partition to its end (``read_to_end``; one key's records: ``read_key``), and
+the reader runtime that tails topics into a reader's state (``Reader``, ``GroupReader``).
 
 ``read_to_end``: "the end" is the end offset seen at the start; the loop stops when the
 consumer's position reaches it, which steps over Kafka's transaction markers
@@ -73,6 +73,15 @@ def read_to_end(log_: Log, tp: TopicPartition, start: int = 0, batch: int = 5000
                 return
     finally:
         consumer.close()
+
+
+def read_key(log_: Log, topic: str, key: bytes, partitions: int) -> Iterator[LogRecord]:
+    """The records of ``key`` on its partition of ``topic`` (of ``partitions``), up to the end offset seen
+    now: a job's records, keyed by its ID (audits, a job's spans)."""
+    for recs in read_to_end(log_, TopicPartition(topic, log_.partition_for(key, partitions))):
+        for r in recs:
+            if r.key == key:
+                yield r
 
 
 def join_when_present(log_: Log, topic: str, group: str, client_id: str) -> Consumer | None:

@@ -25,9 +25,9 @@ from typing import Any
 from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
 from dagfold.exceptions import CodecError
-from dagfold.log import Log, TopicPartition
+from dagfold.log import Log
 from dagfold.log.base import LogRecord
-from dagfold.log.reader import GroupReader, read_to_end
+from dagfold.log.reader import GroupReader, read_key
 from dagfold.tracing import EVENT_TYPES, SpanRecord, SpanSink, TraceBuilder
 
 log = logging.getLogger("dagfold.tracing")
@@ -96,18 +96,13 @@ def job_spans(log_: Log, job_id: str) -> list[SpanRecord]:
     """Every span of ``job_id``, rebuilt from its partition of ``events`` (the same IDs and times as the
     live exporter's): what ``dagfold audit JOB --trace`` prints and re-exports."""
     codec = default_codec()
-    p = log_.partition_for(job_id.encode(), log_.partitions(EVENTS))  # the topic's own count, not a setting
-    key = job_id.encode()
     builder = TraceBuilder()
     out: list[SpanRecord] = []
-    for recs in read_to_end(log_, TopicPartition(EVENTS, p)):
-        for r in recs:
-            if r.key != key:
-                continue
-            try:
-                ev = codec.decode(r.value)
-            except CodecError:
-                continue
-            if ev["type"] in EVENT_TYPES:
-                out.extend(builder.apply(ev))
+    for r in read_key(log_, EVENTS, job_id.encode(), log_.partitions(EVENTS)):  # the topic's own count
+        try:
+            ev = codec.decode(r.value)
+        except CodecError:
+            continue
+        if ev["type"] in EVENT_TYPES:
+            out.extend(builder.apply(ev))
     return out
