@@ -314,7 +314,7 @@ def docs(doc: dict[str, Any], workloads: list[str], systems: list[str]) -> None:
         first["celery"] += " (on the WfCommons DAGs the levels add barriers: a task waits for its whole level above)"
     notes = [f"* **{s}**: {n}" for s, n in sorted(first.items())]
     targets = report.md_table(["target (issue 7)", "measured", "met"], target_rows(res), "llc")
-    body = f"""## dagfold side by side with Dask, Celery and Prefect (issue 7)
+    body = f"""## dagfold side by side with Dask, Celery, Prefect and Temporal (issues 7, 27)
 
 Measured {doc['when']} by `make bench-peers` ({'smoke sizes' if doc['smoke'] else 'full sizes'}, time limit
 {doc['limit_s']:.0f} s per run, {doc['workers']} worker processes each). Machine: {report.machine_line(

@@ -19,6 +19,16 @@ dagfold's and Dask's workers do.
 
 * scheduler CPU: the server process and this process (the workflow worker);
 * total CPU: the server, this process and the activity workers.
+
+Configurations tried for the fastest (2026-12-02, a loaded machine): the store (``memory`` ran
+Montage 134 tasks/s, ``wal`` 119: ``wal`` is kept, being durable), ``--shape colocated`` (workflows
+and activities in the same worker processes, the server's eager activity dispatch on:
+``BENCH_TEMPORAL_DYNCFG=system.enableActivityEagerExecution=true``; 115), one task-queue partition
+(``matching.numTaskqueue{Read,Write}Partitions=1``), no sticky cache, more activity slots: none moved
+a chain's hop. The workflow history shows why: after the first dozen hops both the workflow task
+and the activity task wait about 45 ms between scheduled and started, on every configuration, so a
+chain runs at about 10 tasks/s. ``BENCH_TEMPORAL_DYNCFG`` (``KEY=VALUE ...``) passes dynamic
+configuration values to the dev server.
 """
 
 from __future__ import annotations
@@ -173,7 +183,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--limit", type=float, default=180.0)
     ap.add_argument("--temporal-db", choices=DBS, default=os.environ.get("BENCH_TEMPORAL_DB", "wal"))
-    ap.add_argument("--shape", choices=("split", "colocated"), default=os.environ.get("BENCH_TEMPORAL_SHAPE", "split"))
+    ap.add_argument("--shape", choices=("split", "colocated"), default=os.environ.get("BENCH_TEMPORAL_SHAPE", "split"),
+                    help="split: the workflow in this process, activities in the workers; colocated: both in the "
+                         "workers (one task queue)")
     ap.add_argument("--worker", metavar="ADDRESS", help="run as an activity worker of the server at ADDRESS")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
