@@ -610,7 +610,8 @@ class KafkaTransactionalProducer:
         # _CONFLICT. A chaos run caught a scheduler looping on that for 4 minutes, its partitions held.
         self._abort_pending = False
         self._txn = 0  # numbers transactions, so late reports of an aborted one are ignored
-        self._sent = 0
+        self._sent = 0  # records sent in the open transaction
+        self._reported = 0  # of which with a delivery report (send(report=True))
         self._delivered = 0
         self._last: dict[TopicPartition, int] = {}
         # Fences any older instance with this transactional id (and aborts its open transaction).
@@ -672,7 +673,7 @@ class KafkaTransactionalProducer:
         self._call(self._p.begin_transaction, "begin")
         self._open = True
         self._txn += 1
-        self._sent = self._delivered = 0
+        self._sent = self._reported = self._delivered = 0
         self._last = {}
 
     def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None, report: bool = True) -> None:
@@ -700,8 +701,9 @@ class KafkaTransactionalProducer:
                     self._fail(exc, "send")
             except KafkaException as exc:
                 self._fail(exc, "send")
+        self._sent += 1
         if report:
-            self._sent += 1
+            self._reported += 1
 
     def commit(
         self, offsets: Mapping[TopicPartition, int], consumer: Consumer | None = None
@@ -729,13 +731,13 @@ class KafkaTransactionalProducer:
         # Committed, so every record was delivered: collect the remaining delivery reports.
         deadline = time.monotonic() + _TIMEOUT_S
         try:
-            while self._delivered < self._sent and time.monotonic() < deadline:
+            while self._delivered < self._reported and time.monotonic() < deadline:
                 _serve(self._p, 0.01, flush=False)
         except KafkaException as exc:
             raise CommitUnknownError(f"transaction committed, then serving its delivery reports failed: {exc}",
                                      committed=True) from exc
-        if self._delivered < self._sent:
-            raise CommitUnknownError(f"transaction committed but {self._sent - self._delivered} delivery "
+        if self._delivered < self._reported:
+            raise CommitUnknownError(f"transaction committed but {self._reported - self._delivered} delivery "
                                      "report(s) missing", committed=True)
         return dict(self._last)
 
