@@ -1,4 +1,4 @@
-"""`make bench-peers`: dagfold side by side with Dask, Celery and Prefect, then the physical limits.
+"""`make bench-peers`: dagfold side by side with Dask, Celery, Prefect and Temporal, then the physical limits.
 
     python -m bench.peers [--smoke] [--limit 180] [--systems ...] [--workloads ...]
 
