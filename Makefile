@@ -84,7 +84,7 @@ bench: install kafka-fetch
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.recovery
 
-# Dask, Celery and Prefect side by side (installed into .cache/peers-venv, never into .venv)
+# Dask, Celery, Prefect and Temporal side by side (installed into .cache/peers-venv, never into .venv)
 bench-peers: install kafka-fetch
 	bench/peers/setup.sh
 	$(BIN)/python -m bench.peers

@@ -309,6 +309,28 @@ def test_transaction_commits_records_and_offsets_atomically(log_backend: Log, un
     reader.close()
 
 
+def test_transaction_reports_the_offsets_of_reported_records(log_backend: Log, unique_topic: TopicName) -> None:
+    """Records sent with ``report=False`` are committed like the others; the offset returned for a
+    partition is that of its last record when that one was reported (the runtime reports only the
+    last event of each partition it writes: one delivery report, not one per record, on Kafka)."""
+    topic = unique_topic("report")
+    log_backend.create_topics([TopicSpec(topic, 2)])
+    reader = _reader(log_backend, topic)
+    txp = log_backend.transactional_producer("tx-" + topic)
+    for rnd in range(2):  # the second transaction: no report of the first is taken for its own
+        txp.begin()
+        for i in range(5):
+            txp.send(topic, b"k", f"r{rnd}-{i}".encode(), partition=0, report=i == 4)
+        txp.send(topic, b"k", f"r{rnd}-p1".encode(), partition=1, report=False)
+        last = txp.commit({}, None)
+        recs = _drain(reader, 6)
+        assert sorted(r.value or b"" for r in recs) == sorted(
+            [f"r{rnd}-{i}".encode() for i in range(5)] + [f"r{rnd}-p1".encode()])
+        assert last[TopicPartition(topic, 0)] == max(r.offset for r in recs if r.partition == 0)
+    txp.close()
+    reader.close()
+
+
 def test_aborted_transaction_is_never_visible(log_backend: Log, unique_topic: TopicName) -> None:
     topic = unique_topic("abort")
     log_backend.create_topics([TopicSpec(topic, 1)])

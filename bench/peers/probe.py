@@ -94,6 +94,25 @@ def thread_cpu_s(pid: int, tid: int) -> float:
         return 0.0
 
 
+def threads_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process's living threads by thread name (librdkafka's ``rdk:broker1`` and
+    ``rdk:broker2`` add up as ``rdk:broker``; Python's threads are named after the program)."""
+    out: dict[str, float] = {}
+    try:
+        tids = [d.name for d in Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name = raw[raw.index("(") + 1:raw.rindex(")")].rstrip("0123456789-")
+        f = raw[raw.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / _TICK
+    return out
+
+
 def rss_bytes(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE

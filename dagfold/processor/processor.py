@@ -183,6 +183,8 @@ class PartitionProcessor:
         self._started = False
         self._last_timer = 0.0
         self._batch: _Batch | None = None  # folded, not yet committed (spec.commit_interval_s)
+        self._early_topics: dict[str, bool] = {}
+        self._events_parts: dict[int, int] = {}
         # the transactional producer first: its initialisation fences an older instance
         self.producer = log_.transactional_producer(spec.transactional_id)
         self.consumer = log_.consumer(spec.group, client_id=client_id)
@@ -198,8 +200,15 @@ class PartitionProcessor:
         path, n = self.spec.store_path, self.spec.cache_values
         return PartitionStore(path(partition), cache_values=n) if path is not None else MemoryStore(n)
 
+    def _events_partition(self, partition: int) -> int:
+        """``spec.events_partition(partition)``, asked once per partition."""
+        v = self._events_parts.get(partition)
+        if v is None:
+            v = self._events_parts[partition] = self.spec.events_partition(partition)
+        return v
+
     def _events_tp(self, partition: int) -> TopicPartition:
-        return TopicPartition(self.spec.events, self.spec.events_partition(partition))
+        return TopicPartition(self.spec.events, self._events_partition(partition))
 
     def _on_assign(self, tps: list[TopicPartition]) -> None:
         self._take(tps)
@@ -386,7 +395,6 @@ class PartitionProcessor:
         now = self.spec.clock()
         # Not self._batch while folding: a fold that raises past here leaves nothing to commit.
         b, self._batch = (self._batch or _Batch()), None
-        events, early = self.spec.events, self.spec.before_commit
         outputs: list[tuple[int, Output]] = []
         folded = 0
         for rec in recs:
@@ -404,7 +412,6 @@ class PartitionProcessor:
             return
         b.records += folded
         b.outputs += outputs
-        b.urgent = b.urgent or any(o.topic != events and not early(o.topic) for _, o in outputs)
         self._ensure_topics(o.topic for _, o in outputs)
         if not self._send(b, outputs):
             return
@@ -418,22 +425,44 @@ class PartitionProcessor:
         return interval <= 0 or b.urgent or b.records >= self.spec.batch_max_records \
             or time.monotonic() - b.opened >= interval
 
+    def _early(self, topic: str) -> bool:
+        """``spec.before_commit(topic)``, asked once per topic."""
+        v = self._early_topics.get(topic)
+        if v is None:
+            v = self._early_topics[topic] = self.spec.before_commit(topic)
+        return v
+
     def _send(self, b: _Batch, outputs: list[tuple[int, Output]]) -> bool:
         """Add ``outputs`` to the batch's log transaction (begun on its first poll); the
-        ``before_commit`` ones are written (durably) now. False if that failed (handled)."""
+        ``before_commit`` ones are written (durably) now. False if that failed (handled).
+
+        Only the last event of each events partition in ``outputs`` asks for its offset (the
+        applied-events offset at commit): the others go without a delivery report."""
         events = self.spec.events
-        early = self.spec.before_commit
+        early = self._early
+        encode = self.codec.encode
         try:
             if b.log_txn is None:
                 b.log_txn = LogTransaction(self.producer)
             txn = b.log_txn
             before: list[Output] = []
+            inline: list[tuple[Output, int | None]] = []
+            last: dict[int, int] = {}  # events partition -> index in inline of its last event
             for p, o in outputs:
-                if early(o.topic):
+                topic = o.topic
+                part: int | None = None
+                if early(topic):
                     before.append(o)
                     continue
-                part = self.spec.events_partition(p) if o.topic == events else None
-                txn.send(o.topic, o.key.encode(), self.codec.encode(o.record), partition=part)
+                if topic == events:
+                    part = ep = self._events_partition(p)
+                    last[ep] = len(inline)
+                else:
+                    b.urgent = True  # another reader waits for it: commit at the end of this poll
+                inline.append((o, part))
+            reported = set(last.values())
+            for i, (o, part) in enumerate(inline):
+                txn.send(o.topic, o.key.encode(), encode(o.record), part, i in reported)
             if before:
                 self._write_before_commit(txn, before)
             return True

@@ -52,11 +52,12 @@ class LogTransaction:
             self._abort()
             raise
 
-    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None) -> None:
+    def send(self, topic: str, key: bytes, value: bytes, partition: int | None = None, report: bool = True) -> None:
+        """``report=False``: no offset of this record is needed (``TransactionalProducer.send``)."""
         if self.status is not TxnStatus.OPEN:
             raise ProcessorError(f"send in a {self.status.value} transaction")
         try:
-            self._producer.send(topic, key, value, partition)
+            self._producer.send(topic, key, value, partition, report)
         except FencedError:
             raise
         except LogError:
