@@ -1,19 +1,21 @@
 """The span exporter: tails the ``events`` topic and exports each job's spans over OTLP.
 
-Data flow (one ``SpanExporter``: its own consumer, an in-memory ``TraceBuilder``, the SDK's batch
-span processor)::
+Data flow (one ``SpanExporter``: its own consumer, an in-memory ``TraceBuilder``, a ``SpanSink``)::
 
     events (group dagfold-traces) --> TraceBuilder.apply (event types it reads, by fingerprint)
-        --> finished SpanRecords --> SpanSink: BatchSpanProcessor --> OTLP exporter (its own thread)
-    offsets committed after each batch is handed to the processor
+        --> finished SpanRecords --> SpanSink: OTLP-encoded, sent in batches by the OTLP exporter
+    offsets committed after the spans read before them are sent (once per OTEL_BSP_SCHEDULE_DELAY,
+    or when a batch is full)
 
 It runs beside the scheduler, never inside its fold: tracing on costs the fold nothing, and the
 spans depend only on the events (``dagfold audit JOB --trace`` rebuilds a job's trace from its
 partition with ``job_spans``). It starts only when ``dagfold.tracing.otlp_enabled()``.
 
-Delivery is at most once: a span handed to the batch processor is lost if the process dies before
-the processor exports it, and spans begun before a restart's committed position are not rebuilt
-(a trace backend is a diagnostic, not a ledger; the audit export fills a gap).
+Delivery is at least once while the backend answers: offsets are committed after their spans are sent,
+so a restart sends again (the same IDs) what it had sent since its last commit. Spans of a request the
+backend refused (after the OTLP exporter's retries) are dropped and counted, and spans begun before a
+restart's committed position are not rebuilt (a trace backend is a diagnostic, not a ledger; the audit
+export fills a gap).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class SpanExporter:
         self._relevant_fp: dict[bytes, bool] = {}
         self._consumer: Consumer | None = None
         self._lag = LagGauge("traces")
+        self._uncommitted: dict[TopicPartition, int] = {}  # read, their spans not yet flushed
         self.spans = 0
 
     def _ensure_consumer(self) -> bool:
@@ -75,9 +78,10 @@ class SpanExporter:
         return ev if relevant else None
 
     def ingest(self, records: list[LogRecord]) -> int:
-        """Build and export the spans these events end, then commit their offsets; returns spans."""
+        """Build the spans these events end and hand them to the sink; when the sink is due (its schedule
+        delay passed, or a batch is full) flush it and commit every offset read so far; returns spans."""
         spans: list[SpanRecord] = []
-        nexts: dict[TopicPartition, int] = {}
+        nexts = self._uncommitted
         for rec in records:
             tp = TopicPartition(rec.topic, rec.partition)
             nexts[tp] = max(nexts.get(tp, 0), rec.offset + 1)
@@ -87,9 +91,17 @@ class SpanExporter:
         if spans:
             self.sink.export(spans)
             self.spans += len(spans)
-        if self._consumer is not None and nexts:
-            self._consumer.commit(nexts)
+        if self.sink.due():
+            self._flush()
         return len(spans)
+
+    def _flush(self) -> None:
+        """Export the sink's spans, then commit the offsets they came from (a crash before the commit
+        exports them again, with the same IDs)."""
+        self.sink.flush()
+        if self._consumer is not None and self._uncommitted:
+            self._consumer.commit(self._uncommitted)
+            self._uncommitted = {}
 
     def step(self, timeout_s: float | None = None) -> int:
         if not self._ensure_consumer() or self._consumer is None:
@@ -116,9 +128,9 @@ class SpanExporter:
         log.info("span exporter stopped: %d spans", self.spans)
 
     def close(self) -> None:
-        """Export what the batch processor holds, then release the consumer."""
+        """Export what the sink holds and commit, then release the consumer."""
         try:
-            self.sink.flush(10.0)
+            self._flush()
             self.sink.close()
         finally:
             if self._consumer is not None:
