@@ -588,11 +588,11 @@ class SpanSink:
 
     ``export`` encodes the sampled spans and sends every full batch (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``
     spans, default 2,048: one request); ``flush`` sends the rest; ``due`` says when the delay since the
-    last flush (``OTEL_BSP_SCHEDULE_DELAY`` ms, default 1,000) has passed or a batch is full: the span
-    exporter flushes then and commits its offsets after the flush (fewer requests and commits than a
-    flush a poll, and a crash re-exports spans rather than losing them). Sending happens on the caller's
-    thread: a slow backend slows the exporter, never the scheduler. The sampler is
-    ``OTEL_TRACES_SAMPLER``'s, asked once per trace with the trace ID and the submitter's flags as parent:
+    last flush (``OTEL_BSP_SCHEDULE_DELAY`` ms, default 1,000) has passed or a batch is full, and the
+    span exporter flushes then: a few large requests, not one a poll (the variables mean what they mean
+    for the SDK's batch span processor). Sending happens on the caller's thread: a slow backend slows
+    the exporter, never the scheduler. The sampler is ``OTEL_TRACES_SAMPLER``'s, asked once per trace
+    with the trace ID and the submitter's flags as parent:
     ``traceidratio`` keeps or drops whole traces. ``send`` replaces the OTLP transport (tests).
     """
 

@@ -3,19 +3,17 @@
 Data flow (one ``SpanExporter``: its own consumer, an in-memory ``TraceBuilder``, a ``SpanSink``)::
 
     events (group dagfold-traces) --> TraceBuilder.apply (event types it reads, by fingerprint)
-        --> finished SpanRecords --> SpanSink: OTLP-encoded, sent in batches by the OTLP exporter
-    offsets committed after the spans read before them are sent (once per OTEL_BSP_SCHEDULE_DELAY,
-    or when a batch is full)
+        --> finished SpanRecords --> SpanSink: encoded as OTLP, sent in batches by the OTLP exporter's
+            transport once per OTEL_BSP_SCHEDULE_DELAY (or when a batch is full)
+    offsets committed after each batch is handed to the sink
 
 It runs beside the scheduler, never inside its fold: tracing on costs the fold nothing, and the
 spans depend only on the events (``dagfold audit JOB --trace`` rebuilds a job's trace from its
 partition with ``job_spans``). It starts only when ``dagfold.tracing.otlp_enabled()``.
 
-Delivery is at least once while the backend answers: offsets are committed after their spans are sent,
-so a restart sends again (the same IDs) what it had sent since its last commit. Spans of a request the
-backend refused (after the OTLP exporter's retries) are dropped and counted, and spans begun before a
-restart's committed position are not rebuilt (a trace backend is a diagnostic, not a ledger; the audit
-export fills a gap).
+Delivery is at most once: a span handed to the sink is lost if the process dies before the sink
+sends it (within a schedule delay), and spans begun before a restart's committed position are not rebuilt
+(a trace backend is a diagnostic, not a ledger; the audit export fills a gap).
 """
 
 from __future__ import annotations
@@ -52,7 +50,6 @@ class SpanExporter:
         self._relevant_fp: dict[bytes, bool] = {}
         self._consumer: Consumer | None = None
         self._lag = LagGauge("traces")
-        self._uncommitted: dict[TopicPartition, int] = {}  # read, their spans not yet flushed
         self.spans = 0
 
     def _ensure_consumer(self) -> bool:
@@ -78,10 +75,9 @@ class SpanExporter:
         return ev if relevant else None
 
     def ingest(self, records: list[LogRecord]) -> int:
-        """Build the spans these events end and hand them to the sink; when the sink is due (its schedule
-        delay passed, or a batch is full) flush it and commit every offset read so far; returns spans."""
+        """Build and export the spans these events end, then commit their offsets; returns spans."""
         spans: list[SpanRecord] = []
-        nexts = self._uncommitted
+        nexts: dict[TopicPartition, int] = {}
         for rec in records:
             tp = TopicPartition(rec.topic, rec.partition)
             nexts[tp] = max(nexts.get(tp, 0), rec.offset + 1)
@@ -91,17 +87,11 @@ class SpanExporter:
         if spans:
             self.sink.export(spans)
             self.spans += len(spans)
-        if self.sink.due():
-            self._flush()
+        if self.sink.due():  # also on an empty poll: what a burst left is sent within the delay
+            self.sink.flush()
+        if self._consumer is not None and nexts:
+            self._consumer.commit(nexts)
         return len(spans)
-
-    def _flush(self) -> None:
-        """Export the sink's spans, then commit the offsets they came from (a crash before the commit
-        exports them again, with the same IDs)."""
-        self.sink.flush()
-        if self._consumer is not None and self._uncommitted:
-            self._consumer.commit(self._uncommitted)
-            self._uncommitted = {}
 
     def step(self, timeout_s: float | None = None) -> int:
         if not self._ensure_consumer() or self._consumer is None:
@@ -128,9 +118,8 @@ class SpanExporter:
         log.info("span exporter stopped: %d spans", self.spans)
 
     def close(self) -> None:
-        """Export what the sink holds and commit, then release the consumer."""
+        """Export what the sink holds, then release the consumer."""
         try:
-            self._flush()
             self.sink.close()
         finally:
             if self._consumer is not None:
