@@ -352,7 +352,7 @@ def tracing_docs(doc: dict[str, Any]) -> None:
     exporter_line = "" if on_run.get("median_traces_cpu_us_per_task") is None else (
         f"The span exporter's CPU for the job, until it had sent the job's last span (median of the traced runs): "
         f"{on_run['median_traces_cpu_us_per_task']:.0f} µs a task; it had sent them "
-        f"{on_run['median_trace_lag_s']:.1f} s after the job's end (its schedule delay, OTEL_BSP_SCHEDULE_DELAY, is 1 s).")
+        f"{on_run['median_trace_lag_s']:.1f} s after the job's end (schedule delay: 1 s).")
     cpu = "; ".join(f"{'on' if r['system'] == TRACED else 'off'}: " + ", ".join(
         f"{k} {v:.2f}" for k, v in sorted((r.get("cpu_by_process_s") or {}).items())) for r in doc["results"])
     body = f"""## What tracing costs (issue 28)
