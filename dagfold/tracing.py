@@ -688,6 +688,18 @@ class SpanSink:
             self._shutdown()
 
 
+def lower_cpu_priority(by: int) -> None:
+    """Lower the calling thread's CPU priority by ``by`` nice steps (at most to 19). On Linux the nice value
+    is a thread's, and the threads it starts later (a Kafka client's) inherit it: the span exporter calls
+    this first thing on its own thread, so the rest of a ``dagfold up`` process keeps its priority."""
+    if by <= 0:
+        return
+    try:
+        os.nice(by)
+    except OSError as exc:
+        log.warning("could not lower the span exporter's CPU priority: %s", exc)
+
+
 # -- spans of a task's own code ------------------------------------------------------------------
 
 _provider_lock = threading.Lock()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 from typing import Any
 
 import fastavro
@@ -548,3 +550,33 @@ def test_a_traceparent_header_fills_an_empty_submit_job_field_before_the_fold(tm
     for bad in ((("traceparent", b"garbage"),), (("traceparent", SUBMITTER.encode()),) * 2,
                 (("traceparent", SUBMITTER.encode() + b"\xff"),), (("traceparent", b"0" * 10_000),), ()):
         assert admitted("", bad) == ""
+
+
+def test_the_span_exporter_lowers_only_its_own_threads_cpu_priority(tmp_path: Any) -> None:
+    """DAGFOLD_TRACES_NICE: the exporter's thread (and the threads it starts, a Kafka client's) run at a
+    lower priority than the rest of the process, so on a busy host the scheduler goes first."""
+    from dagfold.log import open_log
+    from dagfold.services.tracing import SpanExporter
+
+    def nice_of(tid: int) -> int:
+        with open(f"/proc/self/task/{tid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[16])
+
+    main_before = nice_of(threading.get_native_id())
+    lg = open_log("embedded", tmp_path)
+    exporter = SpanExporter(lg, sink=SpanSink("scheduler", send=Backend()), nice=3)
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def run() -> None:
+        exporter.run(stop)
+        seen.append(nice_of(threading.get_native_id()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    stop.set()
+    t.join(10)
+    exporter.close()
+    lg.close()
+    assert seen == [min(19, main_before + 3)] and nice_of(threading.get_native_id()) == main_before

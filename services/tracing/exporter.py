@@ -29,7 +29,8 @@ from dagfold.log import Log, TopicPartition
 from dagfold.log.base import Consumer, LogRecord
 from dagfold.log.reader import join_when_present, read_to_end
 from dagfold.processor.polling import Backoff, LagGauge
-from dagfold.tracing import EVENT_TYPES, SpanRecord, SpanSink, TraceBuilder
+from dagfold.settings import load_settings
+from dagfold.tracing import EVENT_TYPES, SpanRecord, SpanSink, TraceBuilder, lower_cpu_priority
 
 log = logging.getLogger("dagfold.tracing")
 
@@ -40,8 +41,9 @@ class SpanExporter:
     """Tails ``events`` and exports spans; ``run`` until stopped, then ``close`` (flushes)."""
 
     def __init__(self, log_: Log, *, sink: SpanSink | None = None, codec: Codec | None = None,
-                 batch_max_records: int = 5000, poll_timeout_s: float = 0.2) -> None:
+                 batch_max_records: int = 5000, poll_timeout_s: float = 0.2, nice: int | None = None) -> None:
         self.log = log_
+        self.nice = load_settings().traces_nice if nice is None else nice  # DAGFOLD_TRACES_NICE
         self.sink = sink if sink is not None else SpanSink("scheduler")
         self.builder = TraceBuilder()
         self.batch_max_records = batch_max_records
@@ -105,8 +107,9 @@ class SpanExporter:
         return len(records)
 
     def run(self, stop: threading.Event) -> None:
+        lower_cpu_priority(self.nice)  # before its consumer starts its threads, which inherit it
         backoff = Backoff()
-        log.info("span exporter started (group %s)", GROUP)
+        log.info("span exporter started (group %s, nice +%d)", GROUP, self.nice)
         while not stop.is_set():
             try:
                 self.step()
