@@ -122,6 +122,9 @@ class Settings(BaseSettings):
                                 "given; refused at start otherwise", "--allow-root-tasks", group="process")
     task_dir: Path | None = _s(None, "folder of the per-attempt work folders of task processes (default: the "
                                "system temp folder)", "--task-dir", group="process")
+    traces_nice: int = _s(10, "how far the span exporter (`dagfold traces`, its thread in `dagfold up`) lowers its "
+                          "CPU priority, as `nice` does: on a busy host the scheduler and workers go first and "
+                          "spans wait; 0: the same as theirs", group="process", ge=0, le=19)
     kafka_sasl_password: str | None = _s(None, "the Kafka SASL password (kept out of --log, which every local "
                                          "user sees in the process list)", group="core")
     # -- job-end callbacks (the notifier)

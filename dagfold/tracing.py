@@ -32,21 +32,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import re
+import struct
 import sys
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dagfold.settings import SettingsError
 
+log = logging.getLogger("dagfold.tracing")
+
 TRACEPARENT = "traceparent"  # the HTTP header and the SubmitJob field
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 MAX_TRACEPARENT_CHARS = 256
-SPAN_QUEUE = 65_536  # spans the exporter's batch processor holds (OTEL_BSP_MAX_QUEUE_SIZE overrides)
 ENDED_JOBS_KEPT = 100_000  # ended jobs whose trace context a builder remembers (for a later redrive)
 
 AttrValue = str | int | float | bool
@@ -109,7 +113,7 @@ def current_traceparent() -> str:
 
 
 def _digest(*parts: object) -> bytes:
-    return hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
+    return hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
 
 
 def span_id(*parts: object) -> str:
@@ -404,11 +408,11 @@ def otlp_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Tracing is on when an OTLP endpoint is set (``OTEL_EXPORTER_OTLP_ENDPOINT`` or its traces
     variant), unless ``OTEL_SDK_DISABLED=true`` or ``OTEL_TRACES_EXPORTER=none``."""
     env = os.environ if env is None else env
+    if not (env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
+        return False  # first: the check a worker makes for each task when tracing is off
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
-    if env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() == "none":
-        return False
-    return bool(env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT"))
+    return env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() != "none"
 
 
 def otlp_protocol(env: Mapping[str, str] | None = None) -> str:
@@ -451,65 +455,223 @@ def _span_exporter() -> Any:
     return OTLPSpanExporter()
 
 
-class SpanSink:
-    """Hands ``SpanRecord``s to OpenTelemetry's batch span processor and OTLP exporter (``OTEL_*``).
+# -- OTLP encoding of SpanRecords ----------------------------------------------------------------
+#
+# Why this is written by hand: the SDK's way is a ReadableSpan per span (SpanContext, Status, Event
+# objects) and then the exporter's ``encode_spans``, which builds a protobuf message per span,
+# attribute and value. For dagfold's spans, which are finished, plain data before OpenTelemetry sees
+# them, that cost 110-130 µs of CPU a task (3 spans a task), the largest part of what tracing cost the
+# scheduler's 2 cores (issue 28). The bytes below are the same ExportTraceServiceRequest
+# (opentelemetry-proto's trace.proto; tests/test_tracing.py checks them against the SDK's encoder,
+# message for message), written in 10-15 µs a task. What stays the library's: the resource
+# (``Resource.create``: OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES) and the scope, encoded once by
+# the exporter's own encoder; the sampler (OTEL_TRACES_SAMPLER); and the transport, the
+# opentelemetry-exporter-otlp exporter of the protocol (endpoint, headers, timeout, compression,
+# certificates from OTEL_EXPORTER_OTLP_*, its retries and backoff): ``_otlp_transport``.
 
-    The batch processor queues and exports on its own thread (``OTEL_BSP_*`` tune it), so ``export``
-    costs a span's conversion. The sampler is ``OTEL_TRACES_SAMPLER``'s, asked once per span with the
-    trace ID and the submitter's flags as parent: ``traceidratio`` keeps or drops whole traces.
+_I64 = struct.Struct("<Q").pack
+_F64 = struct.Struct("<d").pack
+_FLAGS = {False: b"\x85\x01" + struct.pack("<I", 0x100),  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE
+          True: b"\x85\x01" + struct.pack("<I", 0x300)}  # ... and IS_REMOTE: the submitter's span
+_STATUS_OK = b"\x7a\x02\x18\x01"  # Status{code: STATUS_CODE_OK}
+_KEYS: dict[str, bytes] = {}  # KeyValue.key, encoded (dagfold's attribute names: a few dozen)
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: its tag, the payload's length, the payload."""
+    return tag + _varint(len(payload)) + payload
+
+
+def _any_value(v: AttrValue) -> bytes:
+    if isinstance(v, str):
+        return _field(b"\x0a", v.encode())  # string_value
+    if isinstance(v, bool):
+        return b"\x10\x01" if v else b"\x10\x00"  # bool_value (before int: a bool is an int)
+    if isinstance(v, int):
+        return b"\x18" + _varint(v & 0xFFFF_FFFF_FFFF_FFFF)  # int_value (int64, two's complement)
+    if isinstance(v, float):
+        return b"\x21" + _F64(v)  # double_value
+    return _field(b"\x0a", str(v).encode())
+
+
+def _attributes(tag: bytes, attrs: Mapping[str, AttrValue]) -> bytes:
+    """Repeated KeyValue under ``tag`` (Span.attributes or Event.attributes)."""
+    out = []
+    for k, v in attrs.items():
+        key = _KEYS.get(k)
+        if key is None:
+            key = _field(b"\x0a", k.encode())
+            if len(_KEYS) < 4096:
+                _KEYS[k] = key
+        out.append(_field(tag, key + _field(b"\x12", _any_value(v))))
+    return b"".join(out)
+
+
+def otlp_span(s: SpanRecord) -> bytes:
+    """The OTLP ``Span`` message of ``s`` (kind INTERNAL; status OK, or ERROR with the reason)."""
+    parts = [b"\x0a\x10", bytes.fromhex(s.trace_id), b"\x12\x08", bytes.fromhex(s.span_id)]
+    if s.parent_id:
+        parts += (b"\x22\x08", bytes.fromhex(s.parent_id))
+    parts += (_field(b"\x2a", s.name.encode()), b"\x30\x01", b"\x39", _I64(s.start_ms * 1_000_000),
+              b"\x41", _I64(s.end_ms * 1_000_000), _attributes(b"\x4a", s.attributes))
+    for e in s.events:
+        parts.append(_field(b"\x5a", b"\x09" + _I64(e.ts_ms * 1_000_000) + _field(b"\x12", e.name.encode())
+                            + _attributes(b"\x1a", e.attributes)))
+    if s.error is None:
+        parts.append(_STATUS_OK)
+    else:
+        parts.append(_field(b"\x7a", (_field(b"\x12", s.error.encode()) if s.error else b"") + b"\x18\x02"))
+    # the job's span is the child of the submitter's (a remote parent); every other parent is ours
+    parts.append(_FLAGS[s.parent_id is not None and s.name == "job" and s.submitter_sampled is not None])
+    return b"".join(parts)
+
+
+OtlpSend = Callable[[int, bytes], bool]  # (spans, an encoded ExportTraceServiceRequest) -> delivered
+
+
+def _otlp_transport() -> tuple[OtlpSend, Callable[[], None]]:
+    """Send and shut down through opentelemetry-exporter-otlp's exporter of ``otlp_protocol()``.
+
+    The exporters take SDK spans and encode them (``encode_spans``); the encoded request goes to the
+    client underneath instead: for http/protobuf the exporter's HTTP client (it sends serialized
+    payloads, with retries), for gRPC the exporter's ``_export`` (channel, retries, backoff) with its
+    one encoding step (``_translate_data``) reading our bytes. Both are the exporters' internals,
+    pinned with them (pyproject.toml); tests/test_tracing_jaeger.py sends over both to a real Jaeger.
+    """
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    if otlp_protocol() == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        class Encoded(GrpcExporter):
+            def _translate_data(self, data: Any) -> ExportTraceServiceRequest:
+                return ExportTraceServiceRequest.FromString(data[1])
+
+            def _count_data(self, data: Any) -> int:
+                return int(data[0])
+
+        grpc_exporter = Encoded()
+        return (lambda n, body: grpc_exporter._export((n, body)) == SpanExportResult.SUCCESS), grpc_exporter.shutdown
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    http_exporter = HttpExporter()
+    return (lambda n, body: bool(http_exporter._client.export(body).success)), http_exporter.shutdown
+
+
+def _positive_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise SettingsError(f"{name}={raw!r}: expected a positive whole number")
+    return value
+
+
+class SpanSink:
+    """Encodes ``SpanRecord``s as OTLP and exports them in batches (``OTEL_*``).
+
+    ``export`` encodes the sampled spans and sends every full batch (``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``
+    spans, default 2,048: one request); ``flush`` sends the rest; ``due`` says when the delay since the
+    last flush (``OTEL_BSP_SCHEDULE_DELAY`` ms, default 1,000) has passed or a batch is full, and the
+    span exporter flushes then: a few large requests, not one a poll (the variables mean what they mean
+    for the SDK's batch span processor). Sending happens on the caller's thread: a slow backend slows
+    the exporter, never the scheduler. The sampler is ``OTEL_TRACES_SAMPLER``'s, asked once per trace
+    with the trace ID and the submitter's flags as parent:
+    ``traceidratio`` keeps or drops whole traces. ``send`` replaces the OTLP transport (tests).
     """
 
-    def __init__(self, component: str = "scheduler", exporter: Any = None) -> None:
+    def __init__(self, component: str = "scheduler", send: OtlpSend | None = None) -> None:
+        from opentelemetry.exporter.otlp.proto.common._internal import (
+            _encode_instrumentation_scope,
+            _encode_resource,
+        )
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        self._resource = _resource(component)
-        self._sampler = TracerProvider(resource=self._resource).sampler  # OTEL_TRACES_SAMPLER(_ARG)
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        # the SDK's default queue (2,048 spans) drops spans of a burst the exporter hands over at once (a
-        # Montage job's 5,200 spans in one poll): a larger one unless OTEL_BSP_MAX_QUEUE_SIZE says otherwise
-        queue = None if os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE") else SPAN_QUEUE
-        self._processor = BatchSpanProcessor(exporter if exporter is not None else _span_exporter(),
-                                             max_queue_size=queue)
-        self._scope = InstrumentationScope("dagfold.tracing")
+        resource = _resource(component)
+        self._sampler = TracerProvider(resource=resource).sampler  # OTEL_TRACES_SAMPLER(_ARG)
+        self.batch = _positive_env("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 2048)
+        self.delay_s = _positive_env("OTEL_BSP_SCHEDULE_DELAY", 1000) / 1000
+        # ResourceSpans.resource (+ schema_url) and ScopeSpans.scope, encoded once by the library
+        self._resource_field = _field(b"\x0a", _encode_resource(resource).SerializeToString()) + (
+            _field(b"\x1a", resource.schema_url.encode()) if resource.schema_url else b"")
+        scope = _encode_instrumentation_scope(InstrumentationScope("dagfold.tracing"))
+        self._scope_field = _field(b"\x0a", scope.SerializeToString())
+        if send is None:
+            self._send, self._shutdown = _otlp_transport()
+        else:
+            self._send, self._shutdown = send, lambda: None
+        self._pending: list[bytes] = []  # ScopeSpans.spans fields
+        self._last_flush = time.monotonic()
         self._decisions: OrderedDict[str, bool] = OrderedDict()  # trace ID -> sampled
-        self.exported = 0
+        self.exported = 0  # spans the backend took
+        self.failed = 0  # spans of requests that failed (logged; not retried beyond the exporter's retries)
 
-    def export(self, spans: list[SpanRecord]) -> None:
-        from opentelemetry import trace
-        from opentelemetry.sdk.trace import Event, ReadableSpan
-        from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
-
-        scope = self._scope
-        flags = TraceFlags(1)
+    def export(self, spans: Sequence[SpanRecord]) -> None:
+        pending = self._pending
         for s in spans:
-            tid, sid = int(s.trace_id, 16), int(s.span_id, 16)
-            parent = (SpanContext(tid, int(s.parent_id, 16), is_remote=True, trace_flags=flags)
-                      if s.parent_id else None)
-            if not self._sampled(s, tid):
-                continue
-            span = ReadableSpan(
-                name=s.name, context=SpanContext(tid, sid, is_remote=False, trace_flags=flags),
-                parent=parent, resource=self._resource, attributes=s.attributes,
-                events=[Event(e.name, e.attributes, e.ts_ms * 1_000_000) for e in s.events],
-                kind=trace.SpanKind.INTERNAL, instrumentation_scope=scope,
-                status=Status(StatusCode.ERROR, s.error) if s.error is not None else Status(StatusCode.OK),
-                start_time=s.start_ms * 1_000_000, end_time=s.end_ms * 1_000_000)
-            self._processor.on_end(span)
-            self.exported += 1
+            if self._sampled(s):
+                pending.append(_field(b"\x12", otlp_span(s)))
+        while len(self._pending) >= self.batch:
+            self._send_batch(self.batch)
 
-    def _sampled(self, s: SpanRecord, tid: int) -> bool:
+    def due(self) -> bool:
+        """Time to flush: the schedule delay has passed since the last flush, or a batch is full."""
+        return len(self._pending) >= self.batch or time.monotonic() - self._last_flush >= self.delay_s
+
+    def flush(self) -> bool:
+        """Send every pending span; False when a request failed."""
+        ok = True
+        while self._pending:
+            ok = self._send_batch(self.batch) and ok
+        self._last_flush = time.monotonic()
+        return ok
+
+    def request(self, spans: Sequence[bytes]) -> bytes:
+        """An ExportTraceServiceRequest of encoded spans (``ScopeSpans.spans`` fields)."""
+        return _field(b"\x0a", self._resource_field + _field(b"\x12", self._scope_field + b"".join(spans)))
+
+    def _send_batch(self, n: int) -> bool:
+        batch, self._pending = self._pending[:n], self._pending[n:]
+        try:
+            ok = self._send(len(batch), self.request(batch))
+        except Exception as exc:  # the transport's own errors are logged by it; anything else here
+            log.warning("OTLP export of %d spans failed: %s", len(batch), exc)
+            ok = False
+        if ok:
+            self.exported += len(batch)
+        else:
+            self.failed += len(batch)
+        return ok
+
+    def _sampled(self, s: SpanRecord) -> bool:
         """The sampler's decision for the span's trace, asked once per trace as for the job's span: a root
         (the job's own trace) or the child of the submitter's span, with its flags. The ratio samplers
         read the trace ID, the parent-based ones the submitter's flags: every span of a trace goes alike."""
         kept = self._decisions.get(s.trace_id)
         if kept is None:
+            from opentelemetry import trace
+            from opentelemetry.trace import SpanContext, TraceFlags
+
+            tid = int(s.trace_id, 16)
             ctx = None
             if s.submitter_sampled is not None:
-                from opentelemetry import trace
-                from opentelemetry.trace import SpanContext, TraceFlags
-
                 ctx = trace.set_span_in_context(trace.NonRecordingSpan(SpanContext(
                     tid, 1, is_remote=True, trace_flags=TraceFlags(1 if s.submitter_sampled else 0))))
             kept = self._sampler.should_sample(ctx, tid, "job").decision.is_sampled()
@@ -518,11 +680,24 @@ class SpanSink:
                 self._decisions.popitem(last=False)
         return kept
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        return bool(self._processor.force_flush(int(timeout_s * 1000)))
-
     def close(self) -> None:
-        self._processor.shutdown()
+        """Send what is pending, then shut the transport down."""
+        try:
+            self.flush()
+        finally:
+            self._shutdown()
+
+
+def lower_cpu_priority(by: int) -> None:
+    """Lower the calling thread's CPU priority by ``by`` nice steps (at most to 19). On Linux the nice value
+    is a thread's, and the threads it starts later (a Kafka client's) inherit it: the span exporter calls
+    this first thing on its own thread, so the rest of a ``dagfold up`` process keeps its priority."""
+    if by <= 0:
+        return
+    try:
+        os.nice(by)
+    except OSError as exc:
+        log.warning("could not lower the span exporter's CPU priority: %s", exc)
 
 
 # -- spans of a task's own code ------------------------------------------------------------------
@@ -550,20 +725,42 @@ def install_process_provider(component: str) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def attempt_context(traceparent: str, component: str = "worker") -> Iterator[None]:
-    """Run a Python handler under its attempt's span: spans it starts are children of the attempt.
+class _Attached:
+    """The attempt's span as the current context while a handler runs (a remote parent)."""
 
-    Nothing of OpenTelemetry is imported when tracing is off.
+    __slots__ = ("parsed", "token")
+
+    def __init__(self, parsed: tuple[str, str, int]) -> None:
+        self.parsed = parsed
+        self.token: Any = None
+
+    def __enter__(self) -> None:
+        from opentelemetry import context, trace
+        from opentelemetry.trace import SpanContext, TraceFlags
+
+        # what TraceContextTextMapPropagator().extract gives for the header, without its carrier dict
+        # and second parse (with the checks below: 30 -> 12 µs a task in a worker, tracing on)
+        trace_id, parent_id, flags = self.parsed
+        self.token = context.attach(trace.set_span_in_context(trace.NonRecordingSpan(SpanContext(
+            int(trace_id, 16), int(parent_id, 16), is_remote=True, trace_flags=TraceFlags(flags & 0xFF)))))
+
+    def __exit__(self, *exc: object) -> None:
+        from opentelemetry import context
+
+        context.detach(self.token)
+
+
+_UNTRACED = contextlib.nullcontext()
+
+
+def attempt_context(traceparent: str, component: str = "worker") -> contextlib.AbstractContextManager[None]:
+    """Run a Python handler under its attempt's span (``with attempt_context(tp): ...``): spans it starts
+    are children of the attempt.
+
+    Nothing of OpenTelemetry is imported when tracing is off, and nothing is made: the check is two
+    environment lookups (``otlp_enabled``), then the same do-nothing context for every task.
     """
-    if not traceparent or not install_process_provider(component):
-        yield
-        return
-    from opentelemetry import context
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-    token = context.attach(TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent}))
-    try:
-        yield
-    finally:
-        context.detach(token)
+    if not traceparent or not (_provider_installed or install_process_provider(component)):
+        return _UNTRACED
+    parsed = parse_traceparent(traceparent)
+    return _UNTRACED if parsed is None else _Attached(parsed)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from typing import Any
 
 import fastavro
 import pytest
 from fastavro.schema import load_schema
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from dagfold.codec import MAGIC, default_codec, schema_fingerprint
 from dagfold.codec import SCHEMA_DIR as SCHEMAS
@@ -26,6 +28,7 @@ from dagfold.services.scheduler.harness import FoldHarness
 from dagfold.services.scheduler.runner import scheduler_spec
 from dagfold.services.worker.handlers import TaskContext
 from dagfold.tracing import (
+    SpanEvent,
     SpanRecord,
     SpanSink,
     TraceBuilder,
@@ -37,6 +40,7 @@ from dagfold.tracing import (
     otlp_enabled,
     otlp_protocol,
     parse_traceparent,
+    span_id,
 )
 
 SUBMITTER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -165,7 +169,8 @@ def test_a_submit_job_written_before_traceparent_existed_is_still_read() -> None
     assert schema_fingerprint(old) != default_codec().schema("dagfold.command.SubmitJob").fingerprint
 
 
-def test_a_gpu_job_preempted_once_waits_for_gpus_again_in_the_same_attempt() -> None:
+def gpu_preempted_events() -> list[dict[str, Any]]:
+    """The events of a GPU job preempted once (checkpointed, requeued, granted again, succeeded)."""
     h = FoldHarness()
     h.submit(spec_of("id: G\ntasks: [{id: train, queue: gpu, resources: {gpus: 1}}]"))
     req = h.controls[-1]
@@ -191,7 +196,11 @@ def test_a_gpu_job_preempted_once_waits_for_gpus_again_in_the_same_attempt() -> 
     h.report("Started", {"job_id": "G", "task_id": "train", "attempt": 1}, "a2")
     h.now_ms += 200
     h.report("Succeeded", {"job_id": "G", "task_id": "train", "attempt": 1}, "a2")
-    spans = spans_of(h.events)
+    return h.events
+
+
+def test_a_gpu_job_preempted_once_waits_for_gpus_again_in_the_same_attempt() -> None:
+    spans = spans_of(gpu_preempted_events())
     names = [s.name for s in spans]
     assert names.count("task train") == 1 and names[-1] == "job"
     (att,) = [s for s in spans if s.name == "task train"]
@@ -220,29 +229,79 @@ def test_tracing_is_on_only_with_an_otlp_endpoint_and_a_known_protocol() -> None
         otlp_protocol({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
 
 
-def test_the_sink_gives_the_sdk_our_ids_times_and_parents(monkeypatch: pytest.MonkeyPatch) -> None:
+class Backend:
+    """An OTLP receiver in place of the transport: the requests the sink sends, decoded."""
+
+    def __init__(self) -> None:
+        self.requests: list[ExportTraceServiceRequest] = []
+
+    def __call__(self, n: int, body: bytes) -> bool:
+        req = ExportTraceServiceRequest.FromString(body)
+        assert n == sum(len(ss.spans) for rs in req.resource_spans for ss in rs.scope_spans)
+        self.requests.append(req)
+        return True
+
+    def spans(self) -> list[Any]:
+        return [s for r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+def sdk_request(spans: list[SpanRecord], component: str) -> ExportTraceServiceRequest:
+    """What the SDK's own encoder (``encode_spans``, as the OTLP exporters call it) makes of our spans,
+    built the SDK's way: a ReadableSpan each, with its SpanContext, Status and Events."""
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+    from dagfold.tracing import _resource
+
+    resource, scope, flags = _resource(component), InstrumentationScope("dagfold.tracing"), TraceFlags(1)
+    sdk = []
+    for s in spans:
+        tid = int(s.trace_id, 16)
+        remote = s.name == "job" and s.submitter_sampled is not None  # the submitter's span
+        parent = SpanContext(tid, int(s.parent_id, 16), is_remote=remote, trace_flags=flags) if s.parent_id else None
+        sdk.append(ReadableSpan(
+            name=s.name, context=SpanContext(tid, int(s.span_id, 16), is_remote=False, trace_flags=flags),
+            parent=parent, resource=resource, attributes=s.attributes,
+            events=[Event(e.name, e.attributes, e.ts_ms * 1_000_000) for e in s.events],
+            kind=SpanKind.INTERNAL, instrumentation_scope=scope,
+            status=Status(StatusCode.ERROR, s.error) if s.error is not None else Status(StatusCode.OK),
+            start_time=s.start_ms * 1_000_000, end_time=s.end_ms * 1_000_000))
+    return encode_spans(sdk)
+
+
+def test_the_sinks_otlp_is_the_sdks_encoding_of_our_ids_times_parents_and_attributes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sink writes OTLP itself (the SDK's objects cost most of tracing's CPU, issue 28): its request
+    must be the one the SDK's encoder makes, message for message, for spans of every kind: a submitter's
+    parent, failed and retried attempts (status ERROR, events), a GPU job's preemption, odd values."""
     monkeypatch.setenv("OTEL_SERVICE_NAME", "dagfold-test")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,team=jobs")
     h = FoldHarness()
     run_retried(h, traceparent=SUBMITTER)
-    spans = spans_of(h.events)
-    mem = InMemorySpanExporter()
-    sink = SpanSink("scheduler", exporter=mem)
+    spans = spans_of(h.events) + spans_of(gpu_preempted_events())
+    spans.append(SpanRecord(job_trace_id("odd"), span_id("odd"), None, "odd ünïcode", 0, 2**40, {
+        "s": "", "t": True, "f": False, "i": -5, "big": 2**62, "x": 0.25, "nan-free": -1e300},
+        (SpanEvent("e", 7, {"k": "v"}), SpanEvent("bare", 8)), ""))
+    assert {s.name for s in spans} >= {"job", "task a", "queued", "running", "retry backoff",
+                                       "gpu allocation wait"}
+    backend = Backend()
+    sink = SpanSink("scheduler", send=backend)
     sink.export(spans)
-    assert sink.flush(10)
-    got = {f"{s.context.span_id:016x}": s for s in mem.get_finished_spans()}
-    assert set(got) == {s.span_id for s in spans}
-    for s in spans:
-        o = got[s.span_id]
-        assert f"{o.context.trace_id:032x}" == s.trace_id and o.name == s.name
-        assert (f"{o.parent.span_id:016x}" if o.parent else None) == s.parent_id
-        assert (o.start_time, o.end_time) == (s.start_ms * 1_000_000, s.end_ms * 1_000_000)
-        assert o.resource.attributes["service.name"] == "dagfold-test"
+    assert sink.flush() and sink.exported == len(spans)
+    (got,) = backend.requests
+    assert got == sdk_request(spans, "scheduler")
+    attrs = {kv.key: kv.value.string_value for kv in got.resource_spans[0].resource.attributes}
+    assert attrs["service.name"] == "dagfold-test" and attrs["team"] == "jobs"
     sink.close()
 
 
-def test_a_burst_of_spans_larger_than_the_sdks_default_queue_is_exported_whole() -> None:
-    """The exporter hands a poll's spans over at once (a Montage job's 1,738 tasks: 5,215 spans); the
-    SDK's default queue of 2,048 dropped the rest ("Queue full, dropping Span") before SPAN_QUEUE."""
+def test_a_burst_of_spans_is_exported_whole_in_batches_of_the_configured_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exporter hands a poll's spans over at once (a Montage job's 1,738 tasks: 5,215 spans): every
+    one is sent, in requests of at most OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans (full ones at once, the
+    rest on flush); the SDK's default queue of 2,048 once dropped the rest of such a burst."""
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "1000")
     h = FoldHarness()
     tasks = ", ".join(f"{{id: t{i}}}" for i in range(1100))
     h.process({"type": "dagfold.command.SubmitJob", "spec": spec_of(f"id: J\ntasks: [{tasks}]"),
@@ -250,20 +309,56 @@ def test_a_burst_of_spans_larger_than_the_sdks_default_queue_is_exported_whole()
     h.run_all("w1")
     spans = spans_of(h.events)
     assert len(spans) > 3000
-    released = threading.Event()
-
-    class BusyBackend(InMemorySpanExporter):  # an export over the network takes a while
-        def export(self, batch: Any) -> Any:
-            released.wait(10)
-            return super().export(batch)
-
-    mem = BusyBackend()
-    sink = SpanSink("scheduler", exporter=mem)
+    backend = Backend()
+    sink = SpanSink("scheduler", send=backend)
     sink.export(spans)
-    released.set()
-    assert sink.flush(30)
-    assert len(mem.get_finished_spans()) == len(spans)
+    assert [len(r.resource_spans[0].scope_spans[0].spans) for r in backend.requests] == [1000] * 3
+    assert sink.flush()
+    assert [len(r.resource_spans[0].scope_spans[0].spans) for r in backend.requests][-1] == len(spans) - 3000
+    assert [s.span_id.hex() for s in backend.spans()] == [s.span_id for s in spans]
     sink.close()
+
+
+def test_a_refused_export_is_counted_and_reported_by_flush() -> None:
+    h = FoldHarness()
+    run_retried(h)
+    sink = SpanSink("scheduler", send=lambda n, body: False)
+    sink.export(spans_of(h.events))
+    assert not sink.flush() and sink.exported == 0 and sink.failed == len(spans_of(h.events))
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_a_bad_batch_setting_is_refused_with_its_name(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", value)
+    with pytest.raises(ValueError, match="OTEL_BSP_SCHEDULE_DELAY"):
+        SpanSink("scheduler", send=Backend())
+
+
+def test_the_exporter_sends_a_bursts_spans_within_the_schedule_delay_and_the_rest_on_close(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request per schedule delay, not one per poll (a poll during a Montage job holds a few events):
+    spans wait in the sink until the delay has passed, then go on the next poll, an empty one too."""
+    from dagfold.services.tracing import SpanExporter
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "60000")
+    h = FoldHarness()
+    run_retried(h)
+    codec = default_codec()
+    records = [LogRecord("events", 0, i, b"J", codec.encode(e), 0) for i, e in enumerate(h.events)]
+    backend = Backend()
+    exporter = SpanExporter(None, sink=SpanSink("scheduler", send=backend))  # type: ignore[arg-type]
+    for i in range(0, len(records), 2):  # polls of two events
+        exporter.ingest(records[i:i + 2])
+    assert backend.requests == [] and exporter.spans == len(spans_of(h.events))
+    exporter.sink.delay_s = 0  # the delay has passed: the next poll, with no record, sends them
+    exporter.ingest([])
+    assert len(backend.requests) == 1 and len(backend.spans()) == exporter.spans
+    exporter.sink.delay_s = 60
+    run_retried(h2 := FoldHarness(), traceparent=SUBMITTER)
+    exporter.ingest([LogRecord("events", 0, i, b"J2", codec.encode(e), 0) for i, e in enumerate(h2.events)])
+    assert len(backend.requests) == 1
+    exporter.close()
+    assert len(backend.requests) == 2 and len(backend.spans()) == exporter.spans
 
 
 def test_a_ratio_sampler_keeps_or_drops_whole_traces(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,14 +370,13 @@ def test_a_ratio_sampler_keeps_or_drops_whole_traces(monkeypatch: pytest.MonkeyP
         h.submit(spec_of(f"id: J{i}\ntasks: [{{id: a}}, {{id: b, depends_on: [a]}}]"))
         h.run_all()
         spans += spans_of(h.events)
-    mem = InMemorySpanExporter()
-    sink = SpanSink("scheduler", exporter=mem)
+    backend = Backend()
+    sink = SpanSink("scheduler", send=backend)
     sink.export(spans)
-    sink.flush(10)
-    kept = mem.get_finished_spans()
-    per_trace: dict[int, int] = {}
-    for s in kept:
-        per_trace[s.context.trace_id] = per_trace.get(s.context.trace_id, 0) + 1
+    sink.flush()
+    per_trace: dict[bytes, int] = {}
+    for s in backend.spans():
+        per_trace[s.trace_id] = per_trace.get(s.trace_id, 0) + 1
     assert 0 < len(per_trace) < 40 and set(per_trace.values()) == {len(spans) // 40}
     sink.close()
 
@@ -422,14 +516,14 @@ def test_a_parent_based_sampler_decides_for_the_whole_trace_as_for_the_job(monke
         h = FoldHarness()
         run_retried(h, traceparent=tp)
         spans += spans_of(h.events)
-    mem = InMemorySpanExporter()
-    sink = SpanSink("scheduler", exporter=mem)
+    backend = Backend()
+    sink = SpanSink("scheduler", send=backend)
     sink.export(spans)
-    sink.flush(10)
+    sink.flush()
     sink.close()
-    kept = {f"{s.context.trace_id:032x}" for s in mem.get_finished_spans()}
+    kept = {s.trace_id.hex() for s in backend.spans()}
     assert kept == {SUBMITTER.split("-")[1]}
-    assert len(mem.get_finished_spans()) == len(spans) // 3
+    assert len(backend.spans()) == len(spans) // 3
 
 
 def test_a_traceparent_header_fills_an_empty_submit_job_field_before_the_fold(tmp_path: Any) -> None:
@@ -456,3 +550,33 @@ def test_a_traceparent_header_fills_an_empty_submit_job_field_before_the_fold(tm
     for bad in ((("traceparent", b"garbage"),), (("traceparent", SUBMITTER.encode()),) * 2,
                 (("traceparent", SUBMITTER.encode() + b"\xff"),), (("traceparent", b"0" * 10_000),), ()):
         assert admitted("", bad) == ""
+
+
+def test_the_span_exporter_lowers_only_its_own_threads_cpu_priority(tmp_path: Any) -> None:
+    """DAGFOLD_TRACES_NICE: the exporter's thread (and the threads it starts, a Kafka client's) run at a
+    lower priority than the rest of the process, so on a busy host the scheduler goes first."""
+    from dagfold.log import open_log
+    from dagfold.services.tracing import SpanExporter
+
+    def nice_of(tid: int) -> int:
+        with open(f"/proc/self/task/{tid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[16])
+
+    main_before = nice_of(threading.get_native_id())
+    lg = open_log("embedded", tmp_path)
+    exporter = SpanExporter(lg, sink=SpanSink("scheduler", send=Backend()), nice=3)
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def run() -> None:
+        exporter.run(stop)
+        seen.append(nice_of(threading.get_native_id()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    stop.set()
+    t.join(10)
+    exporter.close()
+    lg.close()
+    assert seen == [min(19, main_before + 3)] and nice_of(threading.get_native_id()) == main_before

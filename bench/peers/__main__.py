@@ -369,6 +369,15 @@ def tracing_docs(doc: dict[str, Any]) -> None:
     off, on = (by.get(k, {}).get("tasks_per_s") for k in ("dagfold-kafka", TRACED))
     verdict = "not measured" if not off or not on else (
         f"{'met' if on / off >= 0.9 else 'not met'} ({on / off:.2f})")
+    runs_off, runs_on = (by.get(k, {}).get("runs_tasks_per_s") or [] for k in ("dagfold-kafka", TRACED))
+    paired = sorted(b / a for a, b in zip(runs_off, runs_on, strict=False) if a and b)
+    paired_line = ("" if not paired else f"Run by run (each traced run ÷ the untraced run just before it): "
+                   f"{', '.join(f'{x:.2f}' for x in paired)}; median {paired[(len(paired) - 1) // 2]:.2f}.")
+    on_run = by.get(TRACED, {})
+    exporter_line = "" if on_run.get("median_traces_cpu_us_per_task") is None else (
+        f"The span exporter's CPU for the job, until it had sent the job's last span (median of the traced runs): "
+        f"{on_run['median_traces_cpu_us_per_task']:.0f} µs a task; it had sent them "
+        f"{on_run['median_trace_lag_s']:.1f} s after the job's end (schedule delay: 1 s).")
     cpu = "; ".join(f"{'on' if r['system'] == TRACED else 'off'}: " + ", ".join(
         f"{k} {v:.2f}" for k, v in sorted((r.get("cpu_by_process_s") or {}).items())) for r in doc["results"])
     body = f"""## What tracing costs (issue 28)
@@ -380,7 +389,8 @@ Machine: {report.machine_line(doc['machine'], doc['load_before'])}; 1-min load a
 
 *off*: no OpenTelemetry variable (no OpenTelemetry module is imported). *on*: `OTEL_EXPORTER_OTLP_ENDPOINT` set
 for every dagfold process, and a `dagfold traces` process (the span exporter, `dagfold.services.tracing`: spans
-built from the events, the SDK's batch span processor, OTLP/HTTP) exporting to a Jaeger v2 with in-memory
+built from the events, encoded as OTLP by `dagfold.tracing.SpanSink`, sent in batches by the OTLP exporter's
+HTTP client) exporting to a Jaeger v2 with in-memory
 storage on the same machine (deploy/jaeger/jaeger.sh; its CPU counts in the total). Before each traced run's
 clock starts, the exporter has caught up with the events of the runs before it. The runs alternate off, on,
 off, on, ... so that a load that comes and goes falls on both alike; each row is the median run by tasks/s.
@@ -389,6 +399,8 @@ Raw figures: `bench/results/peers-tracing.json`.
 {table}
 
 CPU seconds by process in the median runs: {cpu}.
+
+{paired_line} {exporter_line}
 
 Target (issue 28): tracing on costs less than 10% of tasks/s (on ÷ off ≥ 0.90): {verdict}.
 """
@@ -402,7 +414,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ranked = sorted(runs, key=lambda r: r.get("tasks_per_s") or 0.0)
     out = {**ranked[(len(ranked) - 1) // 2], "runs_tasks_per_s": [r.get("tasks_per_s") for r in runs],
            "runs_load_before": [r.get("load_before") for r in runs]}
-    for key in ("total_cpu_us_per_task", "sched_cpu_us_per_task", "dep_to_dispatch_p99_ms", "lat_p99_ms"):
+    for key in ("total_cpu_us_per_task", "sched_cpu_us_per_task", "dep_to_dispatch_p99_ms", "lat_p99_ms",
+                "traces_cpu_us_per_task", "trace_lag_s"):
         vals = [r.get(key) for r in runs]
         out[f"runs_{key}"] = vals
         known = sorted(v for v in vals if v is not None)

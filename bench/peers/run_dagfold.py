@@ -142,6 +142,7 @@ def main() -> None:
     stack = Stack(cfg, StackOptions(workers=thread_workers, api=False, callbacks=False,
                                     scheduler=not split, traces=not split)).start()
     sched_proc: subprocess.Popen[bytes] | None = None
+    traces_proc: subprocess.Popen[bytes] | None = None
     try:
         if split:
             prof = ["-m", "bench.peers.cpu_profile", str(args.sched_cprofile)] if args.sched_cprofile else []
@@ -150,9 +151,10 @@ def main() -> None:
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(sched_proc)
             if tracing:  # a deployment's shape: the span exporter is a `dagfold traces` process
-                procs.append(subprocess.Popen(
+                traces_proc = subprocess.Popen(
                     [sys.executable, "-m", "dagfold", "traces", "--log", args.log, "--data", str(data / "traces")],
-                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                procs.append(traces_proc)
         if thread_workers == 0:
             for _ in range(args.workers):
                 procs.append(subprocess.Popen(
@@ -189,6 +191,7 @@ def main() -> None:
 
         sched0 = sched_cpu()
         threads0 = probe.threads_cpu_s(sched_proc.pid) if sched_proc is not None else {}
+        traces0 = probe.proc_cpu_s(traces_proc.pid) if traces_proc is not None else 0.0
         spy = None
         if args.pyspy is not None:
             spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(os.getpid()),
@@ -234,6 +237,15 @@ def main() -> None:
             spy.send_signal(2)
             spy.wait(60)
         status = "ok" if job is not None and job["state"] == "succeeded" else "timeout"
+        traced: dict[str, Any] = {}
+        if traces_proc is not None and status == "ok":
+            # after the measured window: how long the exporter took to send the job's last spans, and all
+            # the CPU it spent on the job (the window's figures miss what it does after the job's end)
+            t_end = time.perf_counter()
+            wait_traces_caught_up(stack, cfg)
+            traced = {"trace_lag_s": round(time.perf_counter() - t_end, 2),
+                      "traces_cpu_us_per_task": round(
+                          (probe.proc_cpu_s(traces_proc.pid) - traces0) * 1e6 / len(dag), 1)}
         if stack.failed:
             status = "error"
         done = len(dag) if status == "ok" else int(((job or {}).get("counts") or {}).get("succeeded", 0))
@@ -251,7 +263,7 @@ def main() -> None:
                            dep_to_dispatch_p50_ms=probe._r(probe.percentile(lat_d, 50)),
                            dep_to_dispatch_p99_ms=probe._r(probe.percentile(lat_d, 99)),
                            error=repr(stack.errors[0]) if stack.errors else None,
-                           sched_cpu_by_thread_s={k: v for k, v in sorted(threads.items()) if v > 0})
+                           sched_cpu_by_thread_s={k: v for k, v in sorted(threads.items()) if v > 0}, **traced)
         probe.emit(res, args.out)
     finally:
         for p in procs:

@@ -1,18 +1,19 @@
 """The span exporter: tails the ``events`` topic and exports each job's spans over OTLP.
 
 Data flow (one ``SpanExporter``: its reader, a ``dagfold.log.reader.GroupReader``, an in-memory
-``TraceBuilder``, the SDK's batch span processor)::
+``TraceBuilder``, a ``SpanSink``)::
 
     events (group dagfold-traces) --> TraceBuilder.apply (event types it reads, by fingerprint)
-        --> finished SpanRecords --> SpanSink: BatchSpanProcessor --> OTLP exporter (its own thread)
-    offsets committed after each batch is handed to the processor
+        --> finished SpanRecords --> SpanSink: encoded as OTLP, sent in batches by the OTLP exporter's
+            transport once per OTEL_BSP_SCHEDULE_DELAY (or when a batch is full)
+    offsets committed after each batch is handed to the sink
 
 It runs beside the scheduler, never inside its fold: tracing on costs the fold nothing, and the
 spans depend only on the events (``dagfold audit JOB --trace`` rebuilds a job's trace from its
 partition with ``job_spans``). It starts only when ``dagfold.tracing.otlp_enabled()``.
 
-Delivery is at most once: a span handed to the batch processor is lost if the process dies before
-the processor exports it, and spans begun before a restart's committed position are not rebuilt
+Delivery is at most once: a span handed to the sink is lost if the process dies before the sink
+sends it (within a schedule delay), and spans begun before a restart's committed position are not rebuilt
 (a trace backend is a diagnostic, not a ledger; the audit export fills a gap).
 """
 
@@ -28,7 +29,8 @@ from dagfold.exceptions import CodecError
 from dagfold.log import Log
 from dagfold.log.base import LogRecord
 from dagfold.log.reader import GroupReader, read_key
-from dagfold.tracing import EVENT_TYPES, SpanRecord, SpanSink, TraceBuilder
+from dagfold.settings import load_settings
+from dagfold.tracing import EVENT_TYPES, SpanRecord, SpanSink, TraceBuilder, lower_cpu_priority
 
 log = logging.getLogger("dagfold.tracing")
 
@@ -39,8 +41,9 @@ class SpanExporter:
     """Tails ``events`` and exports spans; ``run`` until stopped, then ``close`` (flushes)."""
 
     def __init__(self, log_: Log, *, sink: SpanSink | None = None, codec: Codec | None = None,
-                 batch_max_records: int = 5000, poll_timeout_s: float = 0.2) -> None:
+                 batch_max_records: int = 5000, poll_timeout_s: float = 0.2, nice: int | None = None) -> None:
         self.log = log_
+        self.nice = load_settings().traces_nice if nice is None else nice  # DAGFOLD_TRACES_NICE
         self.sink = sink if sink is not None else SpanSink("scheduler")
         self.builder = TraceBuilder()
         self._codec = codec or default_codec()
@@ -73,20 +76,22 @@ class SpanExporter:
         if spans:
             self.sink.export(spans)
             self.spans += len(spans)
+        if self.sink.due():  # also on an empty poll: what a burst left is sent within the delay
+            self.sink.flush()
         return len(spans)
 
     def step(self, timeout_s: float | None = None) -> int:
         return self.reader.step(timeout_s)
 
     def run(self, stop: threading.Event) -> None:
-        log.info("span exporter started (group %s)", GROUP)
+        lower_cpu_priority(self.nice)  # before its consumer starts its threads, which inherit it
+        log.info("span exporter started (group %s, nice +%d)", GROUP, self.nice)
         self.reader.run(stop)
         log.info("span exporter stopped: %d spans", self.spans)
 
     def close(self) -> None:
-        """Export what the batch processor holds, then release the consumer."""
+        """Export what the sink holds, then release the consumer."""
         try:
-            self.sink.flush(10.0)
             self.sink.close()
         finally:
             self.reader.close()
