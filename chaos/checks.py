@@ -115,7 +115,7 @@ class _Job:
 class EventModel:
     """Folds the events of the log, partition by partition, and flags what the state machine forbids.
 
-    Written apart from the scheduler's appliers on purpose: it checks them (and the processors that
+    Written apart from the scheduler's appliers on purpose: it checks them (and the handlers that
     decide the events) against the lifecycle table, ``dagfold.lifecycle.LIFECYCLE``.
     """
 

@@ -64,6 +64,9 @@ JOB_TERMINAL = frozenset({JobState.SUCCEEDED, JobState.SUCCEEDED_PARTIAL, JobSta
 JOB_FINAL = JOB_TERMINAL | {JobState.REJECTED}
 """What the read model can report as over: a terminal job, or a submission rejected at admission."""
 
+JOB_OPEN = frozenset(JobState) - JOB_FINAL
+"""An accepted job not over yet: its tasks' reports count, their outcomes propagate, it ends when none can run."""
+
 REDRIVABLE = frozenset({JobState.FAILED, JobState.SUCCEEDED_PARTIAL, JobState.CANCELLED})
 """Jobs a RedriveJob reopens: their failed, skipped and cancelled tasks run again."""
 

@@ -195,7 +195,7 @@ def check_capabilities(ctx: ApiContext, spec: dict[str, Any]) -> None:
     """The tenant's tier and handlers (403), the deployment's handlers and their own argument checks.
 
     The scheduler applies the tenant part again to SubmitJob records from any producer
-    (``processors.entitlement_refusal``); the API answers at once, before anything is written.
+    (``handlers.jobs.entitlement_refusal``); the API answers at once, before anything is written.
     """
     tenant = spec["tenant"]
     ent = ctx.entitlements(tenant)

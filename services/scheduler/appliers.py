@@ -1,6 +1,6 @@
 """Event appliers: the only code that changes scheduler state.
 
-Processors decide and emit events; each event is applied here at once (so
+Command handlers decide and emit events; each event is applied here at once (so
 later decisions in the batch see it) and again, alone, on replay. Appliers
 never look at commands, the clock or anything outside the event and the state,
 which is why replaying the events topic rebuilds the same state byte for byte.
@@ -39,11 +39,11 @@ def get_task(txn: PartitionTransaction, job_id: str, task_id: str) -> dict[str, 
 
 
 def read_job(txn: PartitionTransaction, job_id: str) -> Mapping[str, Any] | None:
-    """The job record itself, to decide from (processors): no copy, so never change it.
+    """The job record itself, to decide from (handlers): no copy, so never change it.
 
     Stored records are replaced on every change, never changed in place, so what
     this returns stays the state as it was when read, exactly like a copy would.
-    Processors read a task about ten times per command; copying each read was a
+    Handlers read a task about ten times per command; copying each read was a
     fifth of the fold's time.
     """
     j: Mapping[str, Any] | None = txn.get(keys.job(job_id))
