@@ -169,6 +169,8 @@ class EventModel:
                                                  f"e.g. {open_tasks[0]} {j.state[open_tasks[0]]}")
             j.final = step.job
             return
+        if name in ("JobPaused", "JobResumed"):
+            return  # the job's state only; its tasks keep theirs
         if name in ("JobRedriven", "TaskReopened"):
             for tid in e["task_ids"]:
                 if tid in j.state and j.state[tid] in (step.from_task or ()):

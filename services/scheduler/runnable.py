@@ -10,9 +10,11 @@ what the task gets now:
 * **GPU request**: the same for a GPU task, whose queue names its pool: the attempt is an allocation
   request there, dispatched to node agents when the grant comes back (``handlers.gpu``);
 * **re-dispatch**: the current, still runnable attempt gets a new record on its queue (or, while the
-  queue is still draining older records, the check is deferred).
+  queue is still draining older records, the check is deferred);
+* **hold**: its job is paused (``lifecycle.HOLDING``): a TaskHeld event, its state unchanged, nothing sent;
+  resuming the job (``handlers.jobs.resume_job``) brings it back here.
 
-A rule about whether a task may start now (a paused job, a quota, a maintenance window) belongs here.
+A rule about whether a task may start now (a quota, a maintenance window) belongs here too.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 from dagfold.config import ALLOCATOR_COMMANDS, REDISPATCH_MAX_FACTOR, dispatch_topic
 from dagfold.jobspec import is_gpu
-from dagfold.lifecycle import TaskState
+from dagfold.lifecycle import HOLDING, TaskState
 from dagfold.services.allocator import commands as alloc_cmds
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import read_job
@@ -33,17 +35,22 @@ from dagfold.tracing import attempt_traceparent
 def make_runnable(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], tenant: str) -> None:
     """Let the task run now: a runnable attempt is re-dispatched (a new record for the same attempt, or a
     deferred check); any other task (pending with its trigger rule met, retrying with its backoff over,
-    or its worker lost) gets its next attempt dispatched. ``t`` is the task as it stands now.
+    or its worker lost) gets its next attempt dispatched. ``t`` is the task as it stands now. While its job
+    is paused nothing is sent: the task is held (TaskHeld, once) until ResumeJob brings it back here.
 
     Attempt numbers count on across runs (``t["attempt"] + 1``, not 1): a task re-opened by a redrive keeps
     counting its attempts, so reports and StopTasks of its earlier attempts stay fenced off.
     """
+    j = read_job(ctx.txn, job_id)
+    if j is not None and j["state"] in HOLDING:
+        if not t.get("held"):  # held already: a second upstream outcome of a pending task changes nothing
+            ctx.event("TaskHeld", job_id, task_id=task_id, attempt=t["attempt"], reason=f"job {j['state']}")
+        return
     if t["state"] == TaskState.RUNNABLE:
         if not is_gpu(t):  # a GPU attempt's request waits at its pool: nothing to send again
             _redispatch_due(ctx, job_id, task_id, t, tenant)
         return
     _dispatch(ctx, job_id, task_id, t, t["attempt"] + 1, tenant)
-
 
 
 def _dispatch(ctx: Ctx, job_id: str, task_id: str, t: Mapping[str, Any], attempt: int, tenant: str) -> None:

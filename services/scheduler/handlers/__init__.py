@@ -2,7 +2,7 @@
 
 | family | module | commands |
 |---|---|---|
-| a job's life | ``jobs`` | SubmitJob, CancelJob, RedriveJob |
+| a job's life | ``jobs`` | SubmitJob, CancelJob, RedriveJob, PauseJob, ResumeJob |
 | an operator's decision on a task | ``actions`` | RetryTask, MarkTaskSucceeded |
 | a worker's report on its attempt | ``reports`` | TaskStarted, TaskHeartbeat, TaskSucceeded, TaskFailed, TaskReleased |
 | a due timer | ``timers`` | TimerFired |
@@ -27,6 +27,8 @@ HANDLERS: dict[str, Handler] = {
     "dagfold.command.SubmitJob": jobs.submit_job,
     "dagfold.command.CancelJob": jobs.cancel_job,
     "dagfold.command.RedriveJob": jobs.redrive_job,
+    "dagfold.command.PauseJob": jobs.pause_job,
+    "dagfold.command.ResumeJob": jobs.resume_job,
     "dagfold.command.RetryTask": actions.retry_task,
     "dagfold.command.MarkTaskSucceeded": actions.mark_task_succeeded,
     "dagfold.command.TaskStarted": reports.task_started,

@@ -1,10 +1,11 @@
-"""Handlers of a job's commands: SubmitJob, CancelJob, RedriveJob."""
+"""Handlers of a job's commands: SubmitJob, CancelJob, RedriveJob, PauseJob, ResumeJob."""
 
 from __future__ import annotations
 
 from dagfold.codec import Record
 from dagfold.jobspec import Rejection, rejected_graph, spec_hash, validate_job_spec
-from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, REOPENABLE
+from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, REOPENABLE, TaskState, job_control_refusal
+from dagfold.rules import MAX_REASON_LEN
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import read_job, read_task, read_tenant
 from dagfold.services.scheduler.context import Ctx
@@ -92,4 +93,39 @@ def redrive_job(ctx: Ctx, cmd: Record) -> None:
         return
     ctx.event("JobRedriven", job_id, task_ids=reopen)
     rerun(ctx, job_id, reopen, j["tenant"], "after redrive")
+    finish_job_if_done(ctx, job_id)
+
+
+def pause_job(ctx: Ctx, cmd: Record) -> None:
+    """Pause a running job: from now on ``make_runnable`` holds its tasks instead of dispatching them.
+    Attempts already dispatched are left as they are (running ones finish, a record already queued may
+    still be taken); the job ends as usual if nothing is left to run."""
+    job_id = cmd["job_id"]
+    j = read_job(ctx.txn, job_id)
+    if job_control_refusal("pause", job_id, j["state"] if j is not None else None) is not None:
+        return  # not running: a no-op, the command stays in the log for the audit; the API answers 409
+    ctx.event("JobPaused", job_id, reason=cmd["reason"][:MAX_REASON_LEN],
+              requested_by=cmd["requested_by"][:MAX_REASON_LEN])
+
+
+def resume_job(ctx: Ctx, cmd: Record) -> None:
+    """Resume a paused job and let its held tasks run: one pass over the job's task list (as a cancel's).
+    A held pending task decides again by its trigger rule (an operator's retry may have re-opened an
+    upstream meanwhile); a held retrying or runnable one goes back to ``make_runnable``."""
+    job_id = cmd["job_id"]
+    j = read_job(ctx.txn, job_id)
+    if job_control_refusal("resume", job_id, j["state"] if j is not None else None) is not None or j is None:
+        return
+    ctx.event("JobResumed", job_id, reason=cmd["reason"][:MAX_REASON_LEN],
+              requested_by=cmd["requested_by"][:MAX_REASON_LEN])
+    pending = []
+    for tid in ctx.txn.get(keys.task_list(job_id)) or []:
+        t = read_task(ctx.txn, job_id, tid)
+        if t is None or not t.get("held"):
+            continue
+        if t["state"] == TaskState.PENDING:
+            pending.append(tid)
+        elif t["state"] in (TaskState.RETRYING, TaskState.RUNNABLE):
+            make_runnable(ctx, job_id, tid, t, j["tenant"])
+    rerun(ctx, job_id, pending, j["tenant"], "on resume")
     finish_job_if_done(ctx, job_id)
