@@ -115,7 +115,7 @@ class _Job:
 class EventModel:
     """Folds the events of the log, partition by partition, and flags what the state machine forbids.
 
-    Written apart from the scheduler's appliers on purpose: it checks them (and the processors that
+    Written apart from the scheduler's appliers on purpose: it checks them (and the handlers that
     decide the events) against the lifecycle table, ``dagfold.lifecycle.LIFECYCLE``.
     """
 
@@ -169,6 +169,8 @@ class EventModel:
                                                  f"e.g. {open_tasks[0]} {j.state[open_tasks[0]]}")
             j.final = step.job
             return
+        if name in ("JobPaused", "JobResumed"):
+            return  # the job's state only; its tasks keep theirs
         if name in ("JobRedriven", "TaskReopened"):
             for tid in e["task_ids"]:
                 if tid in j.state and j.state[tid] in (step.from_task or ()):

@@ -36,6 +36,7 @@ class JobState(StrEnum):
     """A job's state: running while any task can still run, then how it ended; ``rejected`` at admission."""
 
     RUNNING = "running"
+    PAUSED = "paused"  # an operator paused it: its tasks that could run are held (TaskHeld), running ones finish
     SUCCEEDED = "succeeded"
     SUCCEEDED_PARTIAL = "succeeded_partial"  # allow_partial: some tasks did not succeed
     FAILED = "failed"
@@ -63,6 +64,9 @@ JOB_TERMINAL = frozenset({JobState.SUCCEEDED, JobState.SUCCEEDED_PARTIAL, JobSta
 
 JOB_FINAL = JOB_TERMINAL | {JobState.REJECTED}
 """What the read model can report as over: a terminal job, or a submission rejected at admission."""
+
+JOB_OPEN = frozenset(JobState) - JOB_FINAL
+"""An accepted job not over yet: its tasks' reports count, their outcomes propagate, it ends when none can run."""
 
 REDRIVABLE = frozenset({JobState.FAILED, JobState.SUCCEEDED_PARTIAL, JobState.CANCELLED})
 """Jobs a RedriveJob reopens: their failed, skipped and cancelled tasks run again."""
@@ -135,6 +139,9 @@ LIFECYCLE: Mapping[str, Transition | ByFlag] = {
     "dagfold.event.TaskReopened": Transition(task=_T.PENDING, job=JobState.RUNNING, from_task=REOPENABLE),
     "dagfold.event.TaskMarkedSucceeded": Transition(task=_T.SUCCEEDED, from_task=frozenset({_T.PENDING})),
     "dagfold.event.TaskActionRejected": UNCHANGED,
+    "dagfold.event.JobPaused": Transition(job=JobState.PAUSED),
+    "dagfold.event.JobResumed": Transition(job=JobState.RUNNING),
+    "dagfold.event.TaskHeld": Transition(from_task=frozenset({_T.PENDING, _T.RETRYING, _T.RUNNABLE})),
 }
 """Every event type and its ``Transition`` (a TaskMarkedSucceeded follows the TaskReopened that made its
 task pending; a TaskRetryScheduled follows the non-final TaskFailed or LeaseReclaimed of its attempt)."""
@@ -193,6 +200,8 @@ def task_action_refusal(action: str, job_id: str, job_state: str | None, task_id
     if task_state is None:
         return "unknown_task", f"job {job_id!r} has no task {task_id!r}"
     if job_state not in TASK_ACTION_JOB_STATES:
+        if job_state == JobState.PAUSED:
+            return "job_paused", f"job {job_id!r} is paused; resume it first (`dagfold resume {job_id}`)"
         if job_state == JobState.CANCELLED:
             return "job_cancelled", (f"job {job_id!r} was cancelled; its tasks cannot be {verb} "
                                      f"(`dagfold redrive {job_id}` runs its unfinished tasks again)")
@@ -207,3 +216,31 @@ def task_action_refusal(action: str, job_id: str, job_state: str | None, task_id
              TaskState.RETRYING: f"is waiting to retry (attempt {attempt} failed; its retry policy runs it again)"}
     return "task_not_finished", (f"task {task_id!r} {doing.get(task_state, f'is {task_state}')}; only a failed, "
                                  f"skipped or cancelled task can be {verb}")
+
+
+# -- an operator's control of a whole job ----------------------------------------------------------------
+HOLDING = frozenset({JobState.PAUSED})
+"""Jobs whose tasks are held instead of dispatched when they could run (``runnable.make_runnable``)."""
+
+JOB_CONTROL_FROM: Mapping[str, frozenset[JobState]] = {
+    "pause": frozenset({JobState.RUNNING}),
+    "resume": frozenset({JobState.PAUSED}),
+}
+"""The job states each of an operator's job controls (PauseJob, ResumeJob) acts on; docs/semantics.md#pause."""
+
+
+def job_control_refusal(action: str, job_id: str, job_state: str | None) -> tuple[str, str] | None:
+    """Why ``action`` ("pause" or "resume") cannot be done to the job, as ``(code, reason)``; None if it can.
+
+    The one table of rules: the API answers 409 with it before sending the command; the scheduler folds a
+    command it refuses as a no-op (the command stays in the log for the audit), as it does a late cancel.
+    """
+    if job_state is None or job_state == JobState.REJECTED:
+        return "unknown_job", f"job {job_id!r} does not exist"
+    if job_state in JOB_CONTROL_FROM[action]:
+        return None
+    if job_state in JOB_TERMINAL:
+        return "job_finished", f"job {job_id!r} already {job_state}; it can no longer be {action}d"
+    if action == "pause":
+        return "job_paused", f"job {job_id!r} is paused already (`dagfold resume {job_id}` runs it again)"
+    return "job_not_paused", f"job {job_id!r} is {job_state}, not paused"

@@ -627,6 +627,16 @@ def _job_cancelled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
     ctx.save(ev["ts_ms"])
 
 
+def _job_state_set(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """The job's state changes, nothing else (JobPaused, JobResumed)."""
+    ctx = _Ctx(txn, ev["job_id"], None)
+    state = job_state_after(ev)
+    if ctx.job is None or state is None:
+        return
+    _set_job_state(txn, ctx.job, state)
+    ctx.save(ev["ts_ms"])
+
+
 def _reopen_tasks(txn: ReadModelTxn, ev: Record, counter: str, extra: dict[str, Record] | None = None) -> None:
     """Tasks the scheduler re-opened (a redrive, an operator's retry or mark succeeded): each listed task that
     ended without succeeding is pending again (``extra`` adds fields per task), the job is running again and
@@ -722,6 +732,9 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.TaskMarkedSucceeded": _task_marked_succeeded,
     "dagfold.event.TaskActionRejected": _history_only,
     "dagfold.event.TenantEntitlementsSet": _tenant_entitlements_set,
+    "dagfold.event.JobPaused": _job_state_set,
+    "dagfold.event.JobResumed": _job_state_set,
+    "dagfold.event.TaskHeld": _history_only,
 }
 
 
@@ -797,6 +810,11 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "TaskMarkedSucceeded":
         return (f"marked succeeded by {g('requested_by') or 'an operator'}, not run"
                 + (f": {g('reason')}" if g("reason") else ""))
+    if kind in ("JobPaused", "JobResumed"):
+        by = f" by {g('requested_by')}" if g("requested_by") else ""
+        return f"{kind[3:].lower()}{by}" + (f": {g('reason')}" if g("reason") else "")
+    if kind == "TaskHeld":
+        return f"could run, held: {g('reason')} (runs when the job is resumed)"
     if kind == "TaskActionRejected":
         what = "retry" if g("action") == "retry" else "mark succeeded"
         return f"{what} refused ({g('code')}): {g('reason')}"

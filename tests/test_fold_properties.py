@@ -13,8 +13,9 @@ world around the fold:
 * a timer that fires late, twice, out of order or not at all (a dropped fire
   comes back at the next scan, as in the runner), plus injected stale and
   duplicate ``TimerFired`` commands, stale reports of old attempts, reports
-  from intruder workers, duplicate submissions, cancellations, redrives and
-  operators' task retries and mark-succeeded (refused ones included);
+  from intruder workers, duplicate submissions, cancellations, redrives,
+  operators' task retries and mark-succeeded (refused ones included), and
+  pauses and resumes of the jobs at random (out of turn ones included);
 * then the drain: every worker behaves and time moves on until every job is
   terminal.
 
@@ -35,6 +36,8 @@ Invariants checked (see each ``check_*``):
    backoff (``retry_at_ms - ts_ms == backoff_ms(...)``, never dispatched
    early); timeouts never fire before they are due; an attempt is re-dispatched
    only while runnable and unleased, when due, at doubling intervals;
+   a paused job dispatches and re-dispatches nothing (its tasks are held), and
+   a task is held only while its job is paused;
 7. replaying the events gives the same state (``replayed_digest() == digest()``);
 8. every record the fold emitted validates against its Avro schema.
 
@@ -57,7 +60,7 @@ from hypothesis import strategies as st
 from dagfold.codec import Record, default_codec
 from dagfold.config import SchedulerOptions
 from dagfold.jobspec import is_gpu, parse_spec, still_skipped, to_job_spec
-from dagfold.lifecycle import JOB_TERMINAL, REDRIVABLE, task_action_refusal
+from dagfold.lifecycle import JOB_OPEN, JOB_TERMINAL, REDRIVABLE, job_control_refusal, task_action_refusal
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.harness import FoldHarness
@@ -153,6 +156,7 @@ class World:
     steps_per_task: int
     p_lose_record: float = 0.0  # a dispatch record that never reaches any worker (re-dispatch recovers it)
     redispatch_after_s: float = 60.0
+    pauses: bool = False  # an operator pauses and resumes jobs at random
 
 
 worlds = st.builds(
@@ -168,6 +172,7 @@ worlds = st.builds(
     steps_per_task=st.integers(3, 10),
     p_lose_record=st.sampled_from([0.0, 0.0, 0.1]),
     redispatch_after_s=st.sampled_from([5.0, 60.0]),
+    pauses=st.booleans(),
 )
 
 
@@ -293,7 +298,10 @@ class Sim:
             return h.job(cmd["spec"]["job_id"]) is None
         j = h.job(cmd["job_id"])
         if typ == "CancelJob":
-            return j is not None and j["state"] == "running"
+            return j is not None and j["state"] in JOB_OPEN
+        if typ in ("PauseJob", "ResumeJob"):
+            action = "pause" if typ == "PauseJob" else "resume"
+            return job_control_refusal(action, cmd["job_id"], j["state"] if j is not None else None) is None
         if typ == "RedriveJob":
             return j is not None and j["state"] in REDRIVABLE
         if typ in ("RetryTask", "MarkTaskSucceeded"):
@@ -307,15 +315,15 @@ class Sim:
         if t is None or j is None:
             return False
         if typ == "TaskStarted":
-            return j["state"] == "running" and t["state"] == "runnable" and t["attempt"] == cmd["attempt"]
+            return j["state"] in JOB_OPEN and t["state"] == "runnable" and t["attempt"] == cmd["attempt"]
         if typ in ("TaskSucceeded", "TaskFailed") and t["state"] == "runnable":
             # an outcome without a start report (an instant task) starts and ends the current attempt
-            return j["state"] == "running" and t["attempt"] == cmd["attempt"] and not is_gpu(t)
+            return j["state"] in JOB_OPEN and t["attempt"] == cmd["attempt"] and not is_gpu(t)
         if typ in ("TaskHeartbeat", "TaskSucceeded", "TaskFailed"):
             return t["state"] == "running" and t["attempt"] == cmd["attempt"] and t["worker"] == cmd["worker_id"]
         assert typ == "TimerFired"
         due = (t.get("timers") or {}).get(cmd["timer"])
-        return j["state"] == "running" and t["attempt"] == cmd["attempt"] and due is not None and due <= h.now_ms
+        return j["state"] in JOB_OPEN and t["attempt"] == cmd["attempt"] and due is not None and due <= h.now_ms
 
     def deliver(self, cmd: Record, *, full_digest: bool = False) -> None:
         accept = self.may_change(cmd)
@@ -461,6 +469,12 @@ class Sim:
     def control(self) -> None:
         rnd = self.rnd
         job_id = rnd.choice(list(self.specs))
+        if self.world.pauses and rnd.random() < 0.4:  # mostly in turn, sometimes not (a no-op)
+            paused = (self.h.job(job_id) or {}).get("state") == "paused"
+            kind = "ResumeJob" if paused != (rnd.random() < 0.1) else "PauseJob"
+            self.deliver({"type": f"dagfold.command.{kind}", "job_id": job_id, "reason": "chaos",
+                          "requested_by": "op", "requested_at_ms": self.h.now_ms})
+            return
         x = rnd.random()
         if x < 0.4:
             self.deliver({"type": "dagfold.command.SubmitJob", "spec": self.specs[job_id],
@@ -486,6 +500,10 @@ class Sim:
         for _ in range(max_rounds):
             if self.all_terminal():
                 return
+            for jid, state in self.job_states().items():
+                if state == "paused":  # the operator resumes what is paused
+                    self.deliver({"type": "dagfold.command.ResumeJob", "job_id": jid, "reason": "drain",
+                                  "requested_by": "op", "requested_at_ms": h.now_ms})
             if self.queue:
                 d = self.queue.pop(0)
                 self.n_workers += 1
@@ -614,11 +632,13 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
                 assert e["ts_ms"] >= lease[k], f"{k}: lease expired early"
             lost[k] += 1
             assert e["losses"] == lost[k] and e["final"] == (lost[k] >= opts.max_worker_losses)
-            nxt = events[i + 1]
-            assert nxt["task_id"] == k[1] and short(nxt) == ("TaskFailed" if e["final"] else "TaskDispatched")
+            nxt = events[i + 1]  # the next attempt at once, or held while the job is paused
+            assert nxt["task_id"] == k[1] and short(nxt) in (("TaskFailed",) if e["final"]
+                                                             else ("TaskDispatched", "TaskHeld"))
             if not e["final"]:
                 reclaimed.add(k)
         elif typ == "TaskRedispatched":  # the same attempt again: only runnable, unleased, and when due
+            assert job_state[job_id] == "running", f"{k} re-dispatched while the job is {job_state[job_id]}"
             assert e["attempt"] == attempt[k] and k not in outcome and k not in leased, f"{k} re-dispatched"
             due = redispatch_due.get(k)
             assert due is not None and e["ts_ms"] >= due, f"{k} re-dispatched at {e['ts_ms']}, due {due}"
@@ -695,8 +715,17 @@ def check_event_stream(events: list[Record], specs: list[Record], opts: Schedule
             redispatch_due[k] = None
             outcome[k] = "cancelled"
             retry_due.pop(k, None)
+        elif typ == "TaskHeld":  # could run, but its job is paused: nothing dispatched
+            assert job_state[job_id] == "paused", f"{k} held while the job is {job_state[job_id]}"
+            assert e["attempt"] == attempt.get(k, 0) and k not in outcome and k not in leased, f"{k} held"
+        elif typ == "JobPaused":
+            assert job_state[job_id] == "running", job_state[job_id]
+            job_state[job_id] = "paused"
+        elif typ == "JobResumed":
+            assert job_state[job_id] == "paused", job_state[job_id]
+            job_state[job_id] = "running"
         elif typ in ("JobSucceeded", "JobFailed", "JobCancelled"):
-            assert job_state[job_id] == "running"
+            assert job_state[job_id] in ("running", "paused")
             job_state[job_id] = typ
             open_tasks = [tk for tk in tspec if tk[0] == job_id and tk not in outcome]
             assert not open_tasks, f"{typ} with open tasks {open_tasks[:5]}"

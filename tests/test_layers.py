@@ -134,13 +134,14 @@ def _in(mod: str, *packages: str) -> bool:
     return any(mod == p or mod.startswith(p + ".") for p in packages)
 
 
-SCHEDULER_WRITE_SIDE = ("dagfold.services.scheduler.fold", "dagfold.services.scheduler.processors",
-                        "dagfold.services.scheduler.appliers")
+SCHEDULER_WRITE_SIDE = ("dagfold.services.scheduler.fold", "dagfold.services.scheduler.handlers",
+                        "dagfold.services.scheduler.runnable", "dagfold.services.scheduler.outcomes",
+                        "dagfold.services.scheduler.context", "dagfold.services.scheduler.appliers")
 
 
 def test_the_api_and_the_sdk_never_import_the_scheduler_s_fold() -> None:
     """They speak the job contract (``dagfold.jobspec``) and the lifecycle (``dagfold.lifecycle``), not the
-    scheduler's write side: its fold, command handlers (processors) and appliers, directly or not."""
+    scheduler's write side: its fold, command handlers and appliers, directly or not."""
     graph = import_graph()
     wrong = sorted(f"{mod} reaches {dep}" for mod in graph if _in(mod, "dagfold.services.api", "dagfold.client")
                    for dep in reachable(graph, mod) if _in(dep, *SCHEDULER_WRITE_SIDE))

@@ -883,6 +883,26 @@ def cancel(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as
     _print_json(res) if as_json else out.print(f"cancel requested for {job_id}")
 
 
+def _job_control(action: str, job_ref: str, reason: str, api: str, api_key: str | None, as_json: bool) -> None:
+    job_id = resolve_job(api, api_key, job_ref)["job_id"]
+    res = _request("POST", api, f"/v1/jobs/{seg(job_id)}/{action}", api_key, json={"reason": reason})
+    _print_json(res) if as_json else out.print(f"{action} requested for {job_id}")
+
+
+@app.command()
+def pause(job_id: JobArg, reason: str = typer.Option("", "--reason", help="why, for the job's history"),
+          api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Pause a running job: nothing new is dispatched, running tasks finish (`dagfold resume` runs it again)."""
+    _job_control("pause", job_id, reason, api, api_key, as_json)
+
+
+@app.command()
+def resume(job_id: JobArg, reason: str = typer.Option("", "--reason", help="why, for the job's history"),
+           api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+    """Resume a paused job: what became runnable while it was paused is dispatched."""
+    _job_control("resume", job_id, reason, api, api_key, as_json)
+
+
 @app.command()
 def redrive(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
     """Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled tasks."""

@@ -183,6 +183,14 @@ class RestClient:
         self._post(f"/v1/jobs/{path_segment(job_id)}/tasks/{path_segment(task_id)}/mark-succeeded",
                    {"reason": reason})
 
+    def pause(self, job_id: str, reason: str = "") -> None:
+        """Pause a running job: nothing new is dispatched (nor GPUs requested), running tasks finish."""
+        self._post(f"/v1/jobs/{path_segment(job_id)}/pause", {"reason": reason})
+
+    def resume(self, job_id: str, reason: str = "") -> None:
+        """Resume a paused job: what became runnable while it was paused is dispatched."""
+        self._post(f"/v1/jobs/{path_segment(job_id)}/resume", {"reason": reason})
+
     def redrive(self, job_id: str) -> None:
         """Re-run a finished job's failed, skipped and cancelled tasks."""
         self._post(f"/v1/jobs/{path_segment(job_id)}/redrive", None)

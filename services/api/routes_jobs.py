@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from dagfold.clock import now_ms
 from dagfold.codec import make
 from dagfold.jobspec import JobSpecIn, SpecError, SpecRejected, parse_spec, spec_hash, still_skipped, to_job_spec
-from dagfold.lifecycle import JOB_STATES, REDRIVABLE, TASK_STATES, task_action_refusal
+from dagfold.lifecycle import JOB_STATES, REDRIVABLE, TASK_STATES, job_control_refusal, task_action_refusal
 from dagfold.parsing import ParseError, load_json, load_yaml
 from dagfold.projections.jobs import TERMINAL_JOB_STATES, Page
 from dagfold.services.api.auth import Principal
@@ -100,7 +100,8 @@ def _parse_body(body: bytes, kind: str) -> JobSpecIn:
 def job_links(prefix: str = "/v1/jobs", routes: tuple[tuple[str, str, str], ...] = (
         ("GetJob", "", "get"), ("GetTasks", "/tasks", "get"), ("GetJobAttempts", "/attempts", "get"),
         ("GetHistory", "/history", "get"), ("GetGraph", "/graph", "get"), ("CancelJob", "/cancel", "post"),
-        ("RedriveJob", "/redrive", "post"))) -> dict[str, Any]:
+        ("RedriveJob", "/redrive", "post"), ("PauseJob", "/pause", "post"),
+        ("ResumeJob", "/resume", "post"))) -> dict[str, Any]:
     """OpenAPI links from a submission's answer to the routes of the job it names (clients and the stateful
     fuzzing in tests/test_schemathesis.py follow them)."""
     base = prefix.replace("/", "~1") + "~1{job_id}"
@@ -195,7 +196,7 @@ def check_capabilities(ctx: ApiContext, spec: dict[str, Any]) -> None:
     """The tenant's tier and handlers (403), the deployment's handlers and their own argument checks.
 
     The scheduler applies the tenant part again to SubmitJob records from any producer
-    (``processors.entitlement_refusal``); the API answers at once, before anything is written.
+    (``handlers.jobs.entitlement_refusal``); the API answers at once, before anything is written.
     """
     tenant = spec["tenant"]
     ent = ctx.entitlements(tenant)
@@ -230,6 +231,19 @@ def request_cancel(ctx: ApiContext, job_id: str, principal: Principal, reason: s
     ctx.sender.send(make("dagfold.command.CancelJob", job_id=job_id, reason=reason, requested_at_ms=now_ms()),
                     job_id)
     return {"job_id": job_id, "state": "cancel_requested"}
+
+
+def request_job_control(ctx: ApiContext, job_id: str, principal: Principal, action: str,
+                        reason: str) -> dict[str, Any]:
+    """Send PauseJob or ResumeJob for a job the caller may see (404 otherwise), after the lifecycle's rules
+    (409 with their code; the scheduler applies them again when it folds the command)."""
+    job = ctx.job_for(job_id, principal)
+    why = job_control_refusal(action, job_id, job["state"])
+    if why is not None:
+        raise ApiError(409, *why)
+    ctx.sender.send(make(f"dagfold.command.{action.capitalize()}Job", job_id=job_id, reason=reason,
+                         requested_by=principal.name, requested_at_ms=now_ms()), job_id)
+    return {"job_id": job_id, "state": f"{action}_requested"}
 
 
 def _upstream_counts(ctx: ApiContext, job_id: str, task: dict[str, Any]) -> dict[str, Any]:
@@ -432,6 +446,22 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
                            f"{', '.join(sorted(REDRIVABLE))} jobs can be redriven")
         ctx.sender.send(make("dagfold.command.RedriveJob", job_id=job_id, requested_at_ms=now_ms()), job_id)
         return {"job_id": job_id, "state": "redrive_requested"}
+
+    control_responses: dict[int | str, dict[str, Any]] = {
+        404: {"description": "No such job (or another tenant's job)"},
+        409: {"description": "The job is not in a state for this (code: job_paused, job_not_paused, job_finished)"}}
+
+    @r.post("/v1/jobs/{job_id}/pause", status_code=202, responses=control_responses,
+            summary="Pause a running job: nothing new is dispatched, running tasks finish")
+    def pause_job(job_id: str, principal: Caller,
+                  body: Annotated[TaskActionIn | None, Body()] = None) -> dict[str, Any]:
+        return request_job_control(ctx, job_id, principal, "pause", body.reason if body else "")
+
+    @r.post("/v1/jobs/{job_id}/resume", status_code=202, responses=control_responses,
+            summary="Resume a paused job: what became runnable meanwhile is dispatched")
+    def resume_job(job_id: str, principal: Caller,
+                   body: Annotated[TaskActionIn | None, Body()] = None) -> dict[str, Any]:
+        return request_job_control(ctx, job_id, principal, "resume", body.reason if body else "")
 
     action_responses: dict[int | str, dict[str, Any]] = {
         404: {"description": "No such job or task (or another tenant's job)"},

@@ -1,6 +1,6 @@
 """Event appliers: the only code that changes scheduler state.
 
-Processors decide and emit events; each event is applied here at once (so
+Command handlers decide and emit events; each event is applied here at once (so
 later decisions in the batch see it) and again, alone, on replay. Appliers
 never look at commands, the clock or anything outside the event and the state,
 which is why replaying the events topic rebuilds the same state byte for byte.
@@ -39,11 +39,11 @@ def get_task(txn: PartitionTransaction, job_id: str, task_id: str) -> dict[str, 
 
 
 def read_job(txn: PartitionTransaction, job_id: str) -> Mapping[str, Any] | None:
-    """The job record itself, to decide from (processors): no copy, so never change it.
+    """The job record itself, to decide from (handlers): no copy, so never change it.
 
     Stored records are replaced on every change, never changed in place, so what
     this returns stays the state as it was when read, exactly like a copy would.
-    Processors read a task about ten times per command; copying each read was a
+    Handlers read a task about ten times per command; copying each read was a
     fifth of the fold's time.
     """
     j: Mapping[str, Any] | None = txn.get(keys.job(job_id))
@@ -106,6 +106,7 @@ def _finish_task(txn: PartitionTransaction, e: Record) -> None:
     t["worker"] = None
     t["alloc"] = None
     t["ended_ms"] = e["ts_ms"]
+    t.pop("held", None)
     txn.put(keys.task(job_id, task_id), t)
     j = get_job(txn, job_id)
     if j is not None:
@@ -188,6 +189,7 @@ def _task_dispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) ->
     t["alloc"] = None
     t.pop("redisp", None)
     t.pop("redefer", None)
+    t.pop("held", None)
     _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start",
                _timeout_due(e, t, "schedule_to_start_s"), e["attempt"])
@@ -204,6 +206,7 @@ def _task_redispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) 
     """A new record for the same runnable attempt: counted (the next interval doubles), timer re-armed."""
     t["redisp"] = e["redispatches"]
     t["disp"] = e["ts_ms"]
+    t.pop("held", None)
     _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", e["next_redispatch_at_ms"], e["attempt"])
 
 
@@ -211,6 +214,7 @@ def _task_redispatched(txn: PartitionTransaction, e: Record, t: dict[str, Any]) 
 def _task_redispatch_deferred(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
     """No new record (the queue is still draining records older than this one's): the check re-armed."""
     t["redefer"] = e["deferrals"]
+    t.pop("held", None)
     _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", e["next_redispatch_at_ms"], e["attempt"])
 
 
@@ -233,6 +237,7 @@ def _lease_granted(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> N
     t["state"] = task_state_after(e)
     t["worker"] = e["worker_id"]
     t["lease_ms"] = e["lease_deadline_ms"]
+    t.pop("held", None)
     _set_timer(txn, e["job_id"], e["task_id"], t, "schedule_to_start", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", None, e["attempt"])
     _set_timer(txn, e["job_id"], e["task_id"], t, "lease", e["lease_deadline_ms"], e["attempt"])
@@ -388,6 +393,23 @@ def _task_reopened(txn: PartitionTransaction, e: Record) -> None:
     txn.put(keys.job(job_id), j)
 
 
+@_on_task
+def _task_held(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
+    """Its job is paused: marked held (what ResumeJob lets run), its backoff and re-dispatch timers gone
+    (the one that fired is spent; a re-dispatch is decided again on resume)."""
+    t["held"] = True
+    _set_timer(txn, e["job_id"], e["task_id"], t, "backoff", None, e["attempt"])
+    _set_timer(txn, e["job_id"], e["task_id"], t, "redispatch", None, e["attempt"])
+
+
+def _job_state_set(txn: PartitionTransaction, e: Record) -> None:
+    """A job's state changes, nothing else (JobPaused, JobResumed)."""
+    j = get_job(txn, e["job_id"])
+    if j is not None:
+        j["state"] = job_state_after(e)
+        txn.put(keys.job(e["job_id"]), j)
+
+
 def _no_state(txn: PartitionTransaction, e: Record) -> None:
     """Recorded for the audit only."""
 
@@ -432,6 +454,9 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.TaskReopened": _task_reopened,
     "dagfold.event.TaskMarkedSucceeded": _finish_task,
     "dagfold.event.TaskActionRejected": _no_state,
+    "dagfold.event.JobPaused": _job_state_set,
+    "dagfold.event.JobResumed": _job_state_set,
+    "dagfold.event.TaskHeld": _task_held,
 }
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dagfold.codec import Record
 from dagfold.config import SchedulerOptions
+from dagfold.outputs import Output
 from dagfold.services.scheduler.appliers import apply_event
+from dagfold.services.scheduler.context import Ctx
 from dagfold.services.scheduler.exceptions import UnknownCommandError
-from dagfold.services.scheduler.processors import PROCESSORS, Ctx, Output
+from dagfold.services.scheduler.handlers import HANDLERS
 from dagfold.state import PartitionTransaction
 
 
@@ -31,11 +33,11 @@ class SchedulerFold:
 
         On an exception nothing of this command stays in the transaction.
         """
-        proc = PROCESSORS.get(command["type"])
-        if proc is None:
+        handler = HANDLERS.get(command["type"])
+        if handler is None:
             raise UnknownCommandError(f"{command['type']} is not a scheduler command")
         ctx = Ctx(txn, now_ms, offset, self.opts)
-        txn.atomically(proc, ctx, command)
+        txn.atomically(handler, ctx, command)
         return ctx.out
 
     def reload(self) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 from dagfold.codec import Record
 from dagfold.config import EVENTS, SchedulerOptions
+from dagfold.outputs import Output
 from dagfold.services.scheduler.appliers import get_job, get_task
 from dagfold.services.scheduler.fold import SchedulerFold
-from dagfold.services.scheduler.processors import Output
 from dagfold.services.scheduler.timers import due_timers
 from dagfold.state import MemoryStore, PartitionTransaction
 from dagfold.state.store import state_digest

@@ -58,7 +58,7 @@ def tenant(name: str) -> bytes:
 @lru_cache(maxsize=1 << 10)
 def queue_progress(queue: str, tenant: str) -> bytes:
     """How far this partition's records of ``tenant`` on ``queue`` have been taken by workers: re-dispatch
-    tells a lost record from one still queued behind a backlog by it (processors.redispatch_due)."""
+    tells a lost record from one still queued behind a backlog by it (``runnable.make_runnable``)."""
     return f"Q{S}{queue}{S}{tenant}".encode()
 
 

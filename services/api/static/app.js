@@ -15,7 +15,7 @@ const TASK_STATES = Object.keys(STATE_COLORS);
 const MARK_COLOR = "#dc2626";  // a rejected job's offending edges and tasks
 const OUTCOME_COLORS = { running: "#3b82f6", succeeded: "#2e9e5b", failed: "#d64545", cancelled: "#6b7280" };
 const TERMINAL = new Set(["succeeded", "succeeded_partial", "failed", "cancelled", "rejected"]);
-const JOB_STATES = ["running", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"];
+const JOB_STATES = ["running", "paused", "succeeded", "succeeded_partial", "failed", "cancelled", "rejected"];
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const view = $("#view");
@@ -827,6 +827,8 @@ function jobHeader(job) {
   const canRedrive = ["failed", "succeeded_partial", "cancelled"].includes(job.state);
   return `<div class="row job-head" style="align-items:center">
       <h1 class="grow mono job-title" style="margin:0">${job.name ? `<span class="job-name">${esc(job.name)}</span> ` : ""}${esc(job.job_id)} <span id="job-state">${badge(job.state)}</span></h1>
+      ${job.state === "running" ? `<button id="btn-pause" title="nothing new is dispatched; running tasks finish">Pause</button>` : ""}
+      ${job.state === "paused" ? `<button id="btn-resume" title="dispatch what became runnable while paused">Resume</button>` : ""}
       ${canCancel ? `<button class="danger" id="btn-cancel">Cancel</button>` : ""}
       ${canRedrive ? `<button id="btn-redrive">Redrive</button>` : ""}
     </div>
@@ -1008,6 +1010,10 @@ async function pageJob(jobId, signal, params = new URLSearchParams()) {
   const select = (tid) => { showTask(jobId, tid, () => restart()); const g = hooks.graph; if (g && g.index.has(tid)) { g.selected = g.index.get(tid); g.redraw(); } };
   const bindButtons = () => {
     const c = $("#btn-cancel"), r = $("#btn-redrive");
+    for (const action of ["pause", "resume"]) {
+      const b = $(`#btn-${action}`);
+      if (b) b.addEventListener("click", async () => { try { await api(`/v1/jobs/${enc(jobId)}/${action}`, { method: "POST" }); restart(); } catch (e) { alert(e.message); } });
+    }
     if (c) c.addEventListener("click", async () => { if (confirm(`Cancel job ${jobId}?`)) { try { await api(`/v1/jobs/${enc(jobId)}/cancel`, { method: "POST" }); } catch (e) { alert(e.message); } } });
     if (r) r.addEventListener("click", async () => { try { await api(`/v1/jobs/${enc(jobId)}/redrive`, { method: "POST" }); restart(); } catch (e) { alert(e.message); } });
   };
