@@ -31,10 +31,10 @@ Key spaces (``\\x00``-separated, see ``dagfold.projections.keys``)::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from dagfold.lifecycle import JOB_STATES, TASK_STATES, JobState, TaskState
+from dagfold.lifecycle import JOB_OPEN, JOB_STATES, TASK_STATES, TaskState
 from dagfold.projections.keys import SEP, U32, Record, clamp_limit, job_key, key, ms, part, public, task_key, unpart
 from dagfold.projections.store import ReadModelStore, ReadModelTxn, decode_value
 
@@ -246,6 +246,11 @@ def _parse_due_key(k: bytes, prefix_len: int) -> tuple[int, str, str]:
     return int(due), unpart(job), unpart(task)
 
 
+
+def open_job_count(jobs_by_state: Mapping[str, int]) -> int:
+    """Jobs not finished (running or paused: ``lifecycle.JOB_OPEN``) among a tenant's jobs by state."""
+    return sum(int(n) for state, n in jobs_by_state.items() if state in JOB_OPEN)
+
 class OperatorModel:
     """Queries over the operator read models; safe from any thread."""
 
@@ -264,7 +269,7 @@ class OperatorModel:
     def open_jobs(self, tenant: str) -> int:
         """Jobs of ``tenant`` that are not finished (the queued-jobs cap counts these)."""
         u = self.tenant(tenant)
-        return int(u["jobs"].get(JobState.RUNNING, 0)) if u else 0
+        return open_job_count(u["jobs"]) if u else 0
 
     # -- queues --------------------------------------------------------------------
     def queues(self, tenant: str | None = None) -> list[Record]:

@@ -65,6 +65,26 @@ def test_open_jobs_cap(tmp_path: Path) -> None:
         a.close()
 
 
+def test_a_paused_job_still_counts_against_the_open_jobs_cap(tmp_path: Path) -> None:
+    """Pausing is not finishing: a tenant that pauses its jobs cannot queue more than its cap."""
+    from tests.api_support import ev
+
+    limits = {"acme": TenantLimits(max_open_jobs=2)}
+    a = ApiHarness(tmp_path, admission=AdmissionConfig(rate_per_s=1000, burst=1000, max_open_jobs=50,
+                                                       tenants=limits))
+    try:
+        a.project(accepted("p-1", ["a"]), accepted("p-2", ["a"]))
+        a.project(ev("JobPaused", job_id="p-1", ts_ms=1), ev("JobPaused", job_id="p-2", ts_ms=1))
+        r = a.client.post("/v1/jobs", json={"tenant": "acme", "tasks": [{"id": "a"}]})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_queued_jobs", r.text
+        r = a.client.get("/v1/tenants")
+        assert r.status_code == 200, r.text
+        [acme] = [t for t in r.json()["tenants"] if t["tenant"] == "acme"]
+        assert acme["open_jobs"] == 2 and acme["jobs"]["paused"] == 2, acme
+    finally:
+        a.close()
+
+
 def test_in_flight_submissions_expire(tmp_path: Path) -> None:
     clock = [0.0]
     adm = Admission(AdmissionConfig(max_open_jobs=2), open_jobs=lambda t: 0, job_known=lambda j: False,

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Query
 
 from dagfold.clock import now_ms
 from dagfold.projections.keys import Record
+from dagfold.projections.operator import open_job_count
 from dagfold.services.api.auth import Principal
 from dagfold.services.api.context import ApiContext, parse_time_ms
 
@@ -82,7 +83,7 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
             rate, burst, cap = ctx.admission.config.limits(name)
             out.append({
                 "tenant": name, "jobs": u["jobs"], "tasks": u["tasks"], "running_tasks": running,
-                "open_jobs": u["jobs"].get("running", 0), "retries": u["retries"], "failures": u["failures"],
+                "open_jobs": open_job_count(u["jobs"]), "retries": u["retries"], "failures": u["failures"],
                 "lease_expiries": u["lease_expiries"], "worker_losses": u.get("worker_losses", 0),
                 "redispatches": u.get("redispatches", 0),
                 "gpus": g.get("gpus", 0) if cluster_on else None,
