@@ -368,6 +368,17 @@ class EmbeddedLog:
     def commit_offsets(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
         self._append_batch([], offsets, group)
 
+    def _load_queue(self, group: str, tp: TopicPartition) -> bytes | None:
+        """The stored done state of a queue group's partition (``_Queue.encode``), or None."""
+        v = self._db.get(_qkey(group, tp))
+        return None if v is None else bytes(v)
+
+    def _save_queues(self, group: str, states: Mapping[TopicPartition, bytes]) -> None:
+        wb = WriteBatch(raw_mode=True)
+        for tp, state in states.items():
+            wb.put(_qkey(group, tp), state)
+        self._db.write(wb)
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -607,7 +618,7 @@ class _QueueGroup:
     def queue(self, tp: TopicPartition) -> _Queue:
         q = self.queues.get(tp)
         if q is None:
-            q = self.queues[tp] = _Queue.decode(self.log._db.get(_qkey(self.name, tp)))
+            q = self.queues[tp] = _Queue.decode(self.log._load_queue(self.name, tp))
         return q
 
     def acquire(self, member: int, max_records: int) -> list[QueuedRecord]:
@@ -669,10 +680,7 @@ class _QueueGroup:
     def store(self, tps: set[TopicPartition]) -> None:
         if not tps:
             return
-        wb = WriteBatch(raw_mode=True)
-        for tp in tps:
-            wb.put(_qkey(self.name, tp), self.queues[tp].encode())
-        self.log._db.write(wb)
+        self.log._save_queues(self.name, {tp: self.queues[tp].encode() for tp in tps})
         self.log._cond.notify_all()
 
     def leave(self, member: int) -> None:
