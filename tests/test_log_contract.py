@@ -1,8 +1,8 @@
 """The log contract (dagfold/log/base.py), run against both backends.
 
 Every test in the first part takes ``log_backend`` (embedded, Kafka, and the in-memory test
-backend the virtual-time driver runs over), so the backends are held to the same observable behaviour. The Kafka-only and embedded-only
-tests at the end cover what only one of them can show.
+backend the virtual-time driver runs over), so the backends are held to the same observable
+behaviour. The Kafka-only and embedded-only tests at the end cover what only one of them can show.
 """
 
 from __future__ import annotations
