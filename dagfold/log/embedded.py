@@ -267,38 +267,48 @@ class EmbeddedLog:
                 raise LogError("the log is open read-only")
             if fence is not None and self._epochs.get(fence[0]) != fence[1]:
                 raise FencedError(f"transactional id {fence[0]!r} was taken over by a newer instance")
-            wb = WriteBatch(raw_mode=True)
-            ts = now_ms()
+            if offsets and group is None:
+                raise LogError("offsets committed without a consumer group")
+            ts = self._now_ms()
             last: dict[TopicPartition, int] = {}
             next_off: dict[TopicPartition, int] = {}
             written: list[LogRecord] = []
             for topic, partition, key, value in records:
                 tp = TopicPartition(topic, partition)
                 off = next_off.get(tp, self._hwm[tp])
-                wb.put(_rkey(topic, partition, off), _HDR.pack(ts, len(key)) + key + value)
                 written.append(LogRecord(topic, partition, off, key, value, ts))
                 next_off[tp] = off + 1
                 last[tp] = off
-            if offsets:
-                if group is None:
-                    raise LogError("offsets committed without a consumer group")
-                for tp, off in offsets.items():
-                    wb.put(_gkey(group, tp), _OFF.pack(off))
-            if not wb.is_empty():
-                try:
-                    self._db.write(wb)
-                except Exception as exc:  # RocksDB reports I/O failures (ENOSPC among them) as plain Exception
-                    raise LogError(f"cannot write the embedded log: {exc}") from exc
-            for rec in written:
-                tp = TopicPartition(rec.topic, rec.partition)
-                tail = self._tails.get(tp)
-                if tail is None:
-                    tail = self._tails[tp] = _Tail(rec.offset)
-                tail.append(rec)
+            self._store(written, offsets or {}, group)
             self._hwm.update(next_off)
             if next_off:
                 self._cond.notify_all()
             return last
+
+    def _now_ms(self) -> int:
+        """The records' timestamp (the memory log's is injectable)."""
+        return now_ms()
+
+    def _store(self, written: Sequence[LogRecord], offsets: Mapping[TopicPartition, int], group: str | None) -> None:
+        """Store one batch atomically: its records (offsets assigned) and the group's offsets."""
+        wb = WriteBatch(raw_mode=True)
+        for rec in written:
+            key = rec.key or b""
+            wb.put(_rkey(rec.topic, rec.partition, rec.offset),
+                   _HDR.pack(rec.timestamp_ms, len(key)) + key + (rec.value or b""))
+        for tp, off in offsets.items():
+            wb.put(_gkey(group or "", tp), _OFF.pack(off))
+        if not wb.is_empty():
+            try:
+                self._db.write(wb)
+            except Exception as exc:  # RocksDB reports I/O failures (ENOSPC among them) as plain Exception
+                raise LogError(f"cannot write the embedded log: {exc}") from exc
+        for rec in written:
+            tp = TopicPartition(rec.topic, rec.partition)
+            tail = self._tails.get(tp)
+            if tail is None:
+                tail = self._tails[tp] = _Tail(rec.offset)
+            tail.append(rec)
 
     def producer(self, client_id: str) -> EmbeddedProducer:
         return EmbeddedProducer(self)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dagfold.clock import now_ms
-from dagfold.exceptions import FencedError, LogError
+from dagfold.exceptions import LogError
 from dagfold.log.base import DEFAULT_PARTITIONER, LogRecord, TopicPartition, TopicSpec, partitioner_named
 from dagfold.log.embedded import EmbeddedLog, _Group, _QueueGroup
 
@@ -89,37 +89,15 @@ class MemoryLog(EmbeddedLog):
                     g.bump()
                 self._cond.notify_all()
 
-    def _append_batch(
-        self,
-        records: Sequence[tuple[str, int, bytes, bytes]],
-        offsets: Mapping[TopicPartition, int] | None = None,
-        group: str | None = None,
-        fence: tuple[str, int] | None = None,
-    ) -> dict[TopicPartition, int]:
-        with self._lock:
-            if self._closed:
-                raise LogError("log is closed")
-            if fence is not None and self._epochs.get(fence[0]) != fence[1]:
-                raise FencedError(f"transactional id {fence[0]!r} was taken over by a newer instance")
-            if offsets and group is None:
-                raise LogError("offsets committed without a consumer group")
-            ts = self.clock()
-            last: dict[TopicPartition, int] = {}
-            stored = self.broker.records
-            for topic, partition, key, value in records:
-                tp = TopicPartition(topic, partition)
-                log = stored[tp]
-                off = len(log)
-                log.append(LogRecord(topic, partition, off, key, value, ts))
-                last[tp] = off
-            if offsets:
-                for tp, off in offsets.items():
-                    self.broker.offsets[(group, tp)] = off  # type: ignore[index]  # group is set (checked above)
-            for tp, off in last.items():
-                self._hwm[tp] = off + 1
-            if last:
-                self._cond.notify_all()
-            return last
+    def _now_ms(self) -> int:
+        return self.clock()
+
+    def _store(self, written: Sequence[LogRecord], offsets: Mapping[TopicPartition, int], group: str | None) -> None:
+        stored = self.broker.records
+        for rec in written:
+            stored[TopicPartition(rec.topic, rec.partition)].append(rec)
+        for tp, off in offsets.items():
+            self.broker.offsets[(group or "", tp)] = off
 
     def read(self, tp: TopicPartition, offset: int, max_records: int) -> list[LogRecord]:
         log = self.broker.records.get(tp)

@@ -235,3 +235,26 @@ class VirtualDriver:
     def close(self) -> None:
         self.processor.close()
         self.producer.close()
+
+
+class DriverFacade:
+    """What a harness over a ``VirtualDriver`` shares: the clock, partition 0's store, the command count."""
+
+    driver: VirtualDriver
+
+    @property
+    def now_ms(self) -> int:
+        return self.driver.now_ms
+
+    @now_ms.setter
+    def now_ms(self, value: int) -> None:
+        self.driver.now_ms = value
+
+    @property
+    def store(self) -> Store:
+        return self.driver.store(0)
+
+    @property
+    def offset(self) -> int:
+        """Commands folded so far."""
+        return self.driver.commands

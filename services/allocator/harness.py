@@ -22,14 +22,14 @@ from typing import Any
 from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_COMMANDS, ALLOCATOR_EVENTS, SCHEDULER_INTERNAL, Config
 from dagfold.outputs import Output
-from dagfold.processor.driver import VirtualDriver
+from dagfold.processor.driver import DriverFacade, VirtualDriver
 from dagfold.services.allocator import commands as cmds
 from dagfold.services.allocator.fold import AllocatorFold
 from dagfold.services.allocator.keys import request_key
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.runner import allocator_spec
 from dagfold.services.allocator.timers import due_timers
-from dagfold.state import MemoryStore, PartitionTransaction, Store
+from dagfold.state import MemoryStore, PartitionTransaction
 from dagfold.state.store import state_digest
 
 
@@ -101,7 +101,7 @@ class _PoolCommands:
         return self.fold.state.alloc_of_req.get(request_key(job_id, task_id, attempt))
 
 
-class AllocatorHarness(_PoolCommands):
+class AllocatorHarness(DriverFacade, _PoolCommands):
     """The allocator of one pool on a ``VirtualDriver`` (module docstring). ``commit_every``: commands
     per transaction (the runner's batch); ``keep_events`` False keeps no lists (the log has them)."""
 
@@ -117,28 +117,11 @@ class AllocatorHarness(_PoolCommands):
                                     topics=config.core_topics(), client_id=f"allocator-{self.opts.pool}",
                                     commit_every=commit_every)
 
-    @property  # type: ignore[override]
-    def now_ms(self) -> int:
-        return self.driver.now_ms
-
-    @now_ms.setter
-    def now_ms(self, value: int) -> None:
-        self.driver.now_ms = value
-
     @property
     def fold(self) -> AllocatorFold:
         fold = self.driver.fold()
         assert isinstance(fold, AllocatorFold)
         return fold
-
-    @property
-    def store(self) -> Store:
-        return self.driver.store()
-
-    @property
-    def offset(self) -> int:
-        """Commands folded so far."""
-        return self.driver.commands
 
     def process(self, cmd: Record) -> list[Output]:
         """Write one command to the pool's partition and run the allocator until it is idle."""

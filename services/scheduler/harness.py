@@ -16,7 +16,7 @@ from typing import Any
 from dagfold.codec import Record
 from dagfold.commands import job_id_of
 from dagfold.config import COMMANDS, EVENTS, SCHEDULER_INTERNAL, Config, SchedulerOptions
-from dagfold.processor.driver import VirtualDriver
+from dagfold.processor.driver import DriverFacade, VirtualDriver
 from dagfold.services.scheduler.appliers import get_job, get_task
 from dagfold.services.scheduler.fold import SchedulerFold
 from dagfold.services.scheduler.processors import Output
@@ -25,7 +25,7 @@ from dagfold.state import MemoryStore, PartitionTransaction, Store
 from dagfold.state.store import state_digest
 
 
-class FoldHarness:
+class FoldHarness(DriverFacade):
     """The scheduler of one partition on a ``VirtualDriver``; its outputs sorted into lists."""
 
     def __init__(self, opts: SchedulerOptions | None = None, now_ms: int = 1_000_000,
@@ -41,27 +41,10 @@ class FoldHarness:
         self.controls: list[Record] = []
 
     @property
-    def now_ms(self) -> int:
-        return self.driver.now_ms
-
-    @now_ms.setter
-    def now_ms(self, value: int) -> None:
-        self.driver.now_ms = value
-
-    @property
-    def store(self) -> Store:
-        return self.driver.store(0)
-
-    @property
     def fold(self) -> SchedulerFold:
         fold = self.driver.fold(0)
         assert isinstance(fold, SchedulerFold)
         return fold
-
-    @property
-    def offset(self) -> int:
-        """Commands folded so far."""
-        return self.driver.commands
 
     def _sort(self, out: Sequence[Output]) -> None:
         for o in out:
