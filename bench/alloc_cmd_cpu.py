@@ -27,7 +27,7 @@ def run(gpus: int, jobs: int, seed: int = 42, digest: bool = False) -> dict[str,
     from dagfold.services.allocator.sim_day import run_day
 
     per: dict[str, list[float]] = {}
-    orig = sim_core.AllocatorHarness.process
+    orig = sim_core.SimAllocator.process
     h = hashlib.sha256()
 
     def timed(self: Any, cmd: Any) -> Any:
@@ -42,13 +42,13 @@ def run(gpus: int, jobs: int, seed: int = 42, digest: bool = False) -> dict[str,
                 h.update(json.dumps(o.record, sort_keys=True).encode())
         return out
 
-    sim_core.AllocatorHarness.process = timed  # type: ignore[method-assign]
+    sim_core.SimAllocator.process = timed  # type: ignore[method-assign]
     try:
         before = os.getloadavg()
         r = run_day(gpus, jobs, seed, "ours", True)
         after = os.getloadavg()
     finally:
-        sim_core.AllocatorHarness.process = orig  # type: ignore[method-assign]
+        sim_core.SimAllocator.process = orig  # type: ignore[method-assign]
     res = {"gpus": gpus, "jobs": jobs, "cpu_s": r["cpu_s"], "fold_cpu_s": r["fold_cpu_s"],
            "decision_p50_ms": r["decision_p50_ms"], "decision_p99_ms": r["decision_p99_ms"],
            "utilization": r["utilization"],

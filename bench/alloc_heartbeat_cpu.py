@@ -18,12 +18,12 @@ import os
 import time
 
 from dagfold.services.allocator import commands as cmds
-from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.harness import SimAllocator
 from dagfold.services.allocator.options import AllocatorOptions
 
 
-def pool(hosts: int = 1250) -> AllocatorHarness:
-    h = AllocatorHarness(opts=AllocatorOptions(lease_s=900), keep_events=False, commit_every=2048)
+def pool(hosts: int = 1250) -> SimAllocator:
+    h = SimAllocator(opts=AllocatorOptions(lease_s=900), keep_events=False, commit_every=2048)
     for i in range(hosts):
         h.register(f"n{i:04d}")
     for j in range(hosts):
@@ -32,7 +32,7 @@ def pool(hosts: int = 1250) -> AllocatorHarness:
     return h
 
 
-def heartbeats(h: AllocatorHarness, rounds: int) -> float:
+def heartbeats(h: SimAllocator, rounds: int) -> float:
     """CPU µs per heartbeat over ``rounds`` heartbeats of every host."""
     st = h.fold.state
     on = {nid: [(a, st.allocs[a].epoch) for a in n.allocs] for nid, n in st.nodes.items()}

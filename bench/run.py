@@ -47,9 +47,7 @@ def layered(width: int, depth: int, job_id: str) -> dict[str, Any]:
 
 
 def fold_rate(spec: dict[str, Any], store_dir: Path | None = None) -> dict[str, Any]:
-    h = FoldHarness()
-    if store_dir is not None:
-        h.store = PartitionStore(store_dir)  # type: ignore[assignment]
+    h = FoldHarness(store=PartitionStore(store_dir) if store_dir is not None else None)
     t0 = time.perf_counter()
     h.submit(spec)
     h.run_all()
@@ -58,7 +56,7 @@ def fold_rate(spec: dict[str, Any], store_dir: Path | None = None) -> dict[str, 
     n_events = len(h.events)
     assert h.job(spec["job_id"])["state"] == "succeeded"
     if store_dir is not None:
-        h.store.close()  # type: ignore[attr-defined]
+        h.store.close()
     return {"tasks": len(spec["tasks"]), "commands": commands, "events": n_events, "seconds": round(dt, 3),
             "commands_per_s": round(commands / dt), "events_per_s": round(n_events / dt)}
 

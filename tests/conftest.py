@@ -206,11 +206,16 @@ def unique_topic() -> Callable[..., str]:
     return make
 
 
-@pytest.fixture(params=["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
+@pytest.fixture(params=["embedded", "memory", pytest.param("kafka", marks=pytest.mark.kafka)])
 def log_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Log]:
-    """A fresh ``Log`` of each backend; Kafka is started only when a Kafka test runs."""
+    """A fresh ``Log`` of each backend (the in-memory one is the virtual-time driver's); Kafka is
+    started only when a Kafka test runs."""
     log: Log
-    if request.param == "embedded":
+    if request.param == "memory":
+        from dagfold.log.memory import MemoryLog
+
+        log = MemoryLog()
+    elif request.param == "embedded":
         from dagfold.log.embedded import EmbeddedLog
 
         log = EmbeddedLog(tmp_path / "log")

@@ -29,16 +29,16 @@ PINNED = {
 
 def day_digest(monkeypatch: pytest.MonkeyPatch, policy: str) -> tuple[str, dict[str, Any]]:
     h = hashlib.sha256()
-    orig = sim_core.AllocatorHarness.process
+    orig = sim_core.SimAllocator.process
 
-    def hashed(self: sim_core.AllocatorHarness, cmd: dict[str, Any]) -> Any:
+    def hashed(self: sim_core.SimAllocator, cmd: dict[str, Any]) -> Any:
         out = orig(self, cmd)
         for o in out:
             h.update(o.topic.encode())
             h.update(json.dumps(o.record, sort_keys=True).encode())
         return out
 
-    monkeypatch.setattr(sim_core.AllocatorHarness, "process", hashed)
+    monkeypatch.setattr(sim_core.SimAllocator, "process", hashed)
     r = run_day(240, 2400, 7, policy, True)
     return h.hexdigest(), r
 

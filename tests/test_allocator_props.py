@@ -72,7 +72,7 @@ def preemption_edges_go_down(h: AllocatorHarness) -> None:
 
 
 def timers_agree(h: AllocatorHarness) -> None:
-    """The fold's in-memory timer heap (what the harness and the simulators fire) holds exactly the live timers
+    """The fold's in-memory timer heap (what the simulators fire, ``SimAllocator``) holds exactly the live timers
     of the store's due-time index (what the runtime scans, ``due_timers_in_store``), and both fire the same
     timers at any time."""
     h.commit()
@@ -149,8 +149,9 @@ def test_random_operations_keep_invariants(ops: list, placement: str) -> None:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(op, min_size=5, max_size=60), st.sampled_from(["frag", "bestfit"]))
 def test_the_timer_heap_the_harness_fires_is_the_store_index_the_runtime_scans(ops: list, placement: str) -> None:
-    """Live, the runtime fires allocator timers by scanning the store's index; the harness and the
-    simulators pop the fold's heap. After every step of random operations both hold the same timers."""
+    """Live and in the harness (the runtime over the virtual-time driver), allocator timers are fired by
+    scanning the store's index; the simulators pop the fold's heap. After every step of random operations
+    both hold the same timers."""
     h = _harness(placement, commit_every=1)
     _drive_ops(h, ops, timers_agree)
     h.advance(600_000)

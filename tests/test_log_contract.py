@@ -1,8 +1,8 @@
 """The log contract (dagfold/log/base.py), run against both backends.
 
-Every test in the first part takes ``log_backend`` (embedded and Kafka), so the two
-backends are held to the same observable behaviour. The Kafka-only and embedded-only
-tests at the end cover what only one of them can show.
+Every test in the first part takes ``log_backend`` (embedded, Kafka, and the in-memory test
+backend the virtual-time driver runs over), so the backends are held to the same observable
+behaviour. The Kafka-only and embedded-only tests at the end cover what only one of them can show.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ def _reader(log: Log, topic: str) -> Consumer:
 
 def _reopen(log: Log) -> Log:
     """The same log opened anew (a new process would see this)."""
+    if log.url == "memory":
+        from dagfold.log.memory import MemoryLog
+
+        assert isinstance(log, MemoryLog)
+        return log.reopen()
     if log.url == "embedded":
         from dagfold.log.embedded import EmbeddedLog
 

@@ -179,7 +179,7 @@ def gpu_preempted_events() -> list[dict[str, Any]]:
     def status(kind: str, alloc: str, **kw: Any) -> None:
         h.process({"type": "dagfold.command.TaskAllocation", "job_id": "G", "task_id": "train", "attempt": 1,
                    "pool": "gpu", "status": kind, "alloc_id": alloc, "epoch": kw.get("epoch", 1), "ts_ms": h.now_ms,
-                   "hosts": [{"node_id": "n1", "gpu_indices": [0]}], "reason": kw.get("reason", ""),
+                   "hosts": [{"node_id": "n1", "gpu_indices": [0], "gpu_milli": 1000}], "reason": kw.get("reason", ""),
                    "checkpoint_uri": kw.get("checkpoint_uri")})
 
     h.now_ms += 10

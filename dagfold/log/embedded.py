@@ -261,38 +261,48 @@ class EmbeddedLog:
                 raise LogError("the log is open read-only")
             if fence is not None and self._epochs.get(fence[0]) != fence[1]:
                 raise FencedError(f"transactional id {fence[0]!r} was taken over by a newer instance")
-            wb = WriteBatch(raw_mode=True)
-            ts = now_ms()
+            if offsets and group is None:
+                raise LogError("offsets committed without a consumer group")
+            ts = self._now_ms()
             last: dict[TopicPartition, int] = {}
             next_off: dict[TopicPartition, int] = {}
             written: list[LogRecord] = []
             for topic, partition, key, value in records:
                 tp = TopicPartition(topic, partition)
                 off = next_off.get(tp, self._hwm[tp])
-                wb.put(_rkey(topic, partition, off), _HDR.pack(ts, len(key)) + key + value)
                 written.append(LogRecord(topic, partition, off, key, value, ts))
                 next_off[tp] = off + 1
                 last[tp] = off
-            if offsets:
-                if group is None:
-                    raise LogError("offsets committed without a consumer group")
-                for tp, off in offsets.items():
-                    wb.put(_gkey(group, tp), _OFF.pack(off))
-            if not wb.is_empty():
-                try:
-                    self._db.write(wb)
-                except Exception as exc:  # RocksDB reports I/O failures (ENOSPC among them) as plain Exception
-                    raise LogError(f"cannot write the embedded log: {exc}") from exc
-            for rec in written:
-                tp = TopicPartition(rec.topic, rec.partition)
-                tail = self._tails.get(tp)
-                if tail is None:
-                    tail = self._tails[tp] = _Tail(rec.offset)
-                tail.append(rec)
+            self._store(written, offsets or {}, group)
             self._hwm.update(next_off)
             if next_off:
                 self._cond.notify_all()
             return last
+
+    def _now_ms(self) -> int:
+        """The records' timestamp (the memory log's is injectable)."""
+        return now_ms()
+
+    def _store(self, written: Sequence[LogRecord], offsets: Mapping[TopicPartition, int], group: str | None) -> None:
+        """Store one batch atomically: its records (offsets assigned) and the group's offsets."""
+        wb = WriteBatch(raw_mode=True)
+        for rec in written:
+            key = rec.key or b""
+            wb.put(_rkey(rec.topic, rec.partition, rec.offset),
+                   _HDR.pack(rec.timestamp_ms, len(key)) + key + (rec.value or b""))
+        for tp, off in offsets.items():
+            wb.put(_gkey(group or "", tp), _OFF.pack(off))
+        if not wb.is_empty():
+            try:
+                self._db.write(wb)
+            except Exception as exc:  # RocksDB reports I/O failures (ENOSPC among them) as plain Exception
+                raise LogError(f"cannot write the embedded log: {exc}") from exc
+        for rec in written:
+            tp = TopicPartition(rec.topic, rec.partition)
+            tail = self._tails.get(tp)
+            if tail is None:
+                tail = self._tails[tp] = _Tail(rec.offset)
+            tail.append(rec)
 
     def producer(self, client_id: str) -> EmbeddedProducer:
         return EmbeddedProducer(self)
@@ -361,6 +371,17 @@ class EmbeddedLog:
 
     def commit_offsets(self, group: str, offsets: Mapping[TopicPartition, int]) -> None:
         self._append_batch([], offsets, group)
+
+    def _load_queue(self, group: str, tp: TopicPartition) -> bytes | None:
+        """The stored done state of a queue group's partition (``_Queue.encode``), or None."""
+        v = self._db.get(_qkey(group, tp))
+        return None if v is None else bytes(v)
+
+    def _save_queues(self, group: str, states: Mapping[TopicPartition, bytes]) -> None:
+        wb = WriteBatch(raw_mode=True)
+        for tp, state in states.items():
+            wb.put(_qkey(group, tp), state)
+        self._db.write(wb)
 
     def close(self) -> None:
         with self._lock:
@@ -601,7 +622,7 @@ class _QueueGroup:
     def queue(self, tp: TopicPartition) -> _Queue:
         q = self.queues.get(tp)
         if q is None:
-            q = self.queues[tp] = _Queue.decode(self.log._db.get(_qkey(self.name, tp)))
+            q = self.queues[tp] = _Queue.decode(self.log._load_queue(self.name, tp))
         return q
 
     def acquire(self, member: int, max_records: int) -> list[QueuedRecord]:
@@ -663,10 +684,7 @@ class _QueueGroup:
     def store(self, tps: set[TopicPartition]) -> None:
         if not tps:
             return
-        wb = WriteBatch(raw_mode=True)
-        for tp in tps:
-            wb.put(_qkey(self.name, tp), self.queues[tp].encode())
-        self.log._db.write(wb)
+        self.log._save_queues(self.name, {tp: self.queues[tp].encode() for tp in tps})
         self.log._cond.notify_all()
 
     def leave(self, member: int) -> None:

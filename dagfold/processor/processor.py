@@ -182,6 +182,9 @@ class PartitionProcessor:
         self._lag = LagGauge(spec.service)
         self._started = False
         self._last_timer = 0.0
+        # how often ``step`` scans for due timers (wall time); a driver that fires them itself, on its
+        # own clock, sets math.inf (``dagfold.processor.driver``)
+        self.timer_interval_s = TIMER_INTERVAL_S
         self._batch: _Batch | None = None  # folded, not yet committed (spec.commit_interval_s)
         self._early_topics: dict[str, bool] = {}
         self._events_parts: dict[int, int] = {}
@@ -357,7 +360,7 @@ class PartitionProcessor:
             self._commit_open()
         mono = time.monotonic()
         # timers scan the committed state: not while a transaction holds newer writes
-        if self.timers is not None and self._batch is None and mono - self._last_timer >= TIMER_INTERVAL_S:
+        if self.timers is not None and self._batch is None and mono - self._last_timer >= self.timer_interval_s:
             self._last_timer = mono
             sent = self.timers.fire(self.stores, self.spec.clock())
             if sent:
@@ -365,6 +368,11 @@ class PartitionProcessor:
         if self._lag.due():
             self.report_lag()
         return len(recs)
+
+    def commit_now(self) -> None:
+        """Commit the open batch now, if any (a driver before it scans timers; ``close`` does the same)."""
+        if self._batch is not None:
+            self._commit_open()
 
     def fire_timers(self, now: int) -> int:
         """Scan the owned partitions' due timers now and write their commands (tests, tools)."""

@@ -1,12 +1,12 @@
 """Shared machinery of the time-driven simulations (``openb`` and ``day``).
 
 A virtual clock, a heap of simulated world events (arrivals, process exits,
-checkpoints, heartbeats, faults) and the allocator fold driven through the
-harness; the fold's own timers are interleaved in due order. The world reacts
-to the fold's events the way node agents would: it starts a job on a grant,
-checkpoints and releases on a preemption request, loses the work since the
-last checkpoint when its node is lost, and resumes from the checkpoint when
-the job is granted again.
+checkpoints, heartbeats, faults) and the allocator fold driven directly
+(``SimAllocator``: why not through the runtime, see its module); the fold's
+own timers are interleaved in due order. The world reacts to the fold's events
+the way node agents would: it starts a job on a grant, checkpoints and releases
+on a preemption request, loses the work since the last checkpoint when its node
+is lost, and resumes from the checkpoint when the job is granted again.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dagfold.codec import Record
 from dagfold.config import ALLOCATOR_EVENTS
 from dagfold.outputs import Output
 from dagfold.services.allocator import commands as cmds
-from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.harness import SimAllocator
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.timers import fired
 
@@ -77,7 +77,7 @@ class World:
     ckpt_every_ms: int = 300_000
     ckpt_cost_ms: int = 10_000  # time a job takes to write a checkpoint when asked
     start_ms: int = 0
-    harness: AllocatorHarness = field(init=False)
+    harness: SimAllocator = field(init=False)
     jobs: dict[str, Job] = field(default_factory=dict)
     heap: list[tuple[int, int, str, Any]] = field(default_factory=list)
     seq: int = 0
@@ -104,7 +104,7 @@ class World:
     on_tick: Callable[[World], None] | None = None
 
     def __post_init__(self) -> None:
-        self.harness = AllocatorHarness(opts=self.opts, now_ms=self.start_ms, keep_events=False, commit_every=2048)
+        self.harness = SimAllocator(opts=self.opts, now_ms=self.start_ms, keep_events=False, commit_every=2048)
         self.last_t = self.start_ms
 
     # -- world events ------------------------------------------------------------------------

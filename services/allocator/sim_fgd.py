@@ -19,7 +19,7 @@ from typing import Any
 
 from dagfold.services.allocator import commands as cmds
 from dagfold.services.allocator import scoring
-from dagfold.services.allocator.harness import AllocatorHarness
+from dagfold.services.allocator.harness import SimAllocator
 from dagfold.services.allocator.options import AllocatorOptions
 from dagfold.services.allocator.traces import load_nodes, load_pods, resample
 
@@ -39,7 +39,7 @@ def run_seed(data: Path, trace: str, seed: int, placement: str, tune: float = 1.
     pods = load_pods(data, trace)
     cap = sum(n.gpus for n in nodes) * 1000
     work = resample(pods, cap, tune, seed)
-    h = AllocatorHarness(opts=fgd_options(placement), now_ms=0, keep_events=False, commit_every=4096)
+    h = SimAllocator(opts=fgd_options(placement), now_ms=0, keep_events=False, commit_every=4096)
     for n in nodes:
         h.register(n.name, n.model, n.gpus, cpu_milli=n.cpu_milli, memory_mib=n.memory_mib)
     arrived = allocated = failed = 0

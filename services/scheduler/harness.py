@@ -1,46 +1,52 @@
-"""Virtual-time harness: the scheduler fold with an in-memory store and a fake clock.
+"""Virtual-time harness: the scheduler as it runs in production, over an in-memory log and a fake clock.
 
-The same fold as in production, with the log replaced by lists: tests, property
-checks, the simulator and the fold benchmark drive it command by command and
-control time explicitly (``advance`` fires due timers through the fold, as the
-live timer does through the log).
+A facade over ``dagfold.processor.driver.VirtualDriver``: the real ``PartitionProcessor`` configured
+by ``scheduler_spec`` (admission, the fold in its state transaction, the log transaction, the state
+commit, timers written through the log by the runtime's scanner), one command partition, state in
+memory. Tests, property checks and the simulator drive it command by command and control time
+explicitly (``advance`` moves the clock and lets the runtime fire what fell due).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 from dagfold.codec import Record
-from dagfold.config import EVENTS, SchedulerOptions
+from dagfold.commands import job_id_of
+from dagfold.config import COMMANDS, EVENTS, SCHEDULER_INTERNAL, Config, SchedulerOptions
 from dagfold.outputs import Output
+from dagfold.processor.driver import DriverFacade, VirtualDriver
 from dagfold.services.scheduler.appliers import get_job, get_task
 from dagfold.services.scheduler.fold import SchedulerFold
-from dagfold.services.scheduler.timers import due_timers
-from dagfold.state import MemoryStore, PartitionTransaction
+from dagfold.services.scheduler.runner import INTERNAL_ONLY, scheduler_spec
+from dagfold.state import MemoryStore, PartitionTransaction, Store
 from dagfold.state.store import state_digest
 
 
-@dataclass
-class FoldHarness:
-    opts: SchedulerOptions = field(default_factory=SchedulerOptions)
-    now_ms: int = 1_000_000
-    store: MemoryStore = field(default_factory=lambda: MemoryStore(SchedulerFold.CACHE_VALUES))
-    events: list[Record] = field(default_factory=list)
-    dispatched: deque[Record] = field(default_factory=deque)
-    controls: list[Record] = field(default_factory=list)
-    offset: int = 0
+class FoldHarness(DriverFacade):
+    """The scheduler of one partition on a ``VirtualDriver``; its outputs sorted into lists."""
 
-    def __post_init__(self) -> None:
-        self.fold = SchedulerFold(self.opts)
+    def __init__(self, opts: SchedulerOptions | None = None, now_ms: int = 1_000_000,
+                 store: Store | None = None) -> None:
+        """``store``: where the partition's state goes (default: a ``MemoryStore`` with the fold's value cache)."""
+        self.opts = opts or SchedulerOptions()
+        config = Config(partitions=1, allocator_partitions=1, dispatch_partitions=1, scheduler=self.opts)
+        self.driver = VirtualDriver(scheduler_spec(config, "harness"), now_ms=now_ms,
+                                    topics=config.core_topics(), client_id="scheduler-harness",
+                                    store_for=None if store is None else lambda partition: store)
+        self.events: list[Record] = []
+        self.dispatched: deque[Record] = deque()
+        self.controls: list[Record] = []
 
-    def process(self, cmd: Record) -> list[Output]:
-        """Fold one command in its own transaction, as the runner does per batch."""
-        txn = PartitionTransaction(self.store)
-        out = self.fold.process(txn, cmd, self.now_ms, self.offset)
-        txn.commit(applied_events=self.offset)
-        self.offset += 1
+    @property
+    def fold(self) -> SchedulerFold:
+        fold = self.driver.fold(0)
+        assert isinstance(fold, SchedulerFold)
+        return fold
+
+    def _sort(self, out: Sequence[Output]) -> None:
         for o in out:
             if o.topic == EVENTS:
                 self.events.append(o.record)
@@ -48,6 +54,13 @@ class FoldHarness:
                 self.dispatched.append(o.record)
             else:
                 self.controls.append(o.record)
+
+    def process(self, cmd: Record) -> list[Output]:
+        """Write one command to the log (allocation grants to ``scheduler.internal``, where only the
+        allocators may write) and run the scheduler until it is idle: one transaction per command."""
+        topic = SCHEDULER_INTERNAL if cmd["type"] in INTERNAL_ONLY else COMMANDS
+        out = self.driver.process(topic, job_id_of(cmd), cmd)
+        self._sort(out)
         return out
 
     def submit(self, spec: Record) -> list[Output]:
@@ -55,12 +68,10 @@ class FoldHarness:
                              "submitted_at_ms": self.now_ms, "source": "harness"})
 
     def advance(self, ms: int) -> int:
-        """Move the clock and fold a TimerFired for every timer now due; returns how many fired."""
-        self.now_ms += ms
-        fired = [cmd for _, cmd in due_timers(self.store, self.now_ms)]
-        for cmd in fired:
-            self.process(cmd)
-        return len(fired)
+        """Move the clock and let the runtime fire every timer now due; returns how many fired."""
+        before = self.offset
+        self._sort(self.driver.advance(ms))
+        return self.offset - before
 
     # -- worker reports -------------------------------------------------------------
     def report(self, kind: str, d: Record, worker: str = "w1", **fields: Any) -> list[Output]:
@@ -98,9 +109,9 @@ class FoldHarness:
         return state_digest(self.store)
 
     def replayed_digest(self) -> str:
-        """Digest of a fresh store built by applying this harness's events only."""
+        """Digest of a fresh store built by applying the events topic only, as the log holds them."""
         store = MemoryStore()
-        for e in self.events:
+        for e in self.driver.read(EVENTS):
             txn = PartitionTransaction(store)
             SchedulerFold.apply(txn, e)
             txn.commit()
