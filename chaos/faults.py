@@ -110,7 +110,10 @@ class FaultPlan:
     isolate_every_s: float = 0.0  # a broker isolated from the other two
     isolate_s: tuple[float, float] = (5.0, 12.0)  # uniform, or isolate_long_share of them from partition_long_s
     isolate_long_share: float = 0.0
-    isolate_settle_s: float = 1.0  # after the cluster is whole again, before the next broker fault
+    isolate_settle_s: float = 0.5  # after the cluster is whole again, before the next broker fault
+    # at least this long between two broker kills inside a commit (0: no limit): each holds the one broker slot
+    # for a minute or more on a loaded machine, and taken whenever the slot is free they starve the isolations
+    commit_broker_gap_s: float = 0.0
 
 
 class Injector:
@@ -144,6 +147,7 @@ class Injector:
         self._disarm = threading.Event()  # set by recover(): stop waiting for a commit to take a fault
         self._commit_turn = rng.randrange(len(commitfaults.KINDS))
         self._armed_at = 0.0
+        self._broker_commit_at = 0.0
         self._armed_kind: str | None = None
         self._conts: list[tuple[float, int, Proc, int, Proc | None]] = []  # SIGCONT due: (t, seq, proc, pid, successor)
         self.hosts = list(hosts)  # hosts the partitions cut (tests.netns_support.Host); none: no host partitions
@@ -436,11 +440,18 @@ class Injector:
                 # a broker is down or coming back (minutes on a loaded machine): the next kind instead
                 kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
                 self._commit_turn += 1
+        if kind == "broker-restart" and self.counts[BROKER_RESTART_IN_COMMIT] and \
+                now < self._broker_commit_at + self.plan.commit_broker_gap_s:
+            kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]  # not yet: the next kind
+            self._commit_turn += 1
+            if kind == "broker-restart":
+                return False
         self._armed_at = now
         self._armed_kind = kind
         commitfaults.arm(folder, kind)
         self.record("armed", "schedulers", fault=kind)
         if kind == "broker-restart":
+            self._broker_commit_at = now
             self._broker_busy = True
             self._broker_thread = threading.Thread(target=self._kill_broker_in_commit, args=(folder,),
                                                    daemon=True, name="broker-in-commit")
@@ -579,7 +590,7 @@ class Injector:
         self.record("partition healed", f"broker-{node}")
         # Until the healed broker has caught up with the controller, its metadata (which clients may ask) is the
         # stale one of before the cut: whole, full ISRs. Look only after it had time to hear the news.
-        time.sleep(1.5)
+        time.sleep(1.0)
         if not self.cluster.wait_healthy(180):
             self.say(f"warning: broker-{node} is back in the network but the ISR is not complete after 180 s")
         self._broker_ready_at = time.monotonic()

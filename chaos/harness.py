@@ -130,11 +130,12 @@ PROFILES: dict[str, Profile] = {
     # each partition kind (issue 25). Host partitions: up to 4 of the 6 hosts (3 GPU hosts, 3 workers) cut at
     # once, one every 3 s on average while fewer are cut, 85% of them 5-12 s long and 15% 15-180 s (log-uniform):
     # about 17 s on average, so about 600 in 50 minutes. A broker isolation holds the one broker slot until the
-    # cluster is whole again (a broker kill holds it for a minute or more on a loaded machine), so most are short:
-    # 96% of 5-6 s (the followers of the isolated broker's partitions stop fetching, acks=all produces to its
-    # leaders wait, the controller quorum goes on without it), 4% of 15-180 s (past the 9 s broker session
-    # timeout: the controller fences it, leaders move, its clients time out): about 8 s on average, 11-13 s with
-    # the recovery, 300 in 55-65 minutes; plain broker kills are rarer than before (every 600 s) for that.
+    # cluster is whole again, and a broker kill (plain, or inside a commit) holds it for a minute or more on a
+    # loaded machine, so most isolations are short: 97% of 5-6 s (the followers of the isolated broker's
+    # partitions stop fetching, acks=all produces to its leaders wait, the controller quorum goes on without it),
+    # 3% of 15-180 s (past the 9 s broker session timeout: the controller fences it, leaders move, its clients
+    # time out): about 7.5 s on average, 8-9 s with the recovery, 300 in 45-55 minutes; plain broker kills every
+    # 900 s and broker kills inside a commit at least 600 s apart, for that.
     "long": Profile("long", generated_jobs=1200,
                     workflows=("montage-chameleon-2mass-01d-001.json.gz", "seismology-chameleon-1100p-001.json.gz",
                                "1000genome-chameleon-22ch-250k-001.json.gz", "cycles-chameleon-10l-1c-9p-001.json.gz",
@@ -144,11 +145,12 @@ PROFILES: dict[str, Profile] = {
                     max_open_jobs=30, dup_rate=0.15, dup_max_per_s=0.7,
                     require_kinds=PARTITION_KINDS, require_count=300, gpu_hosts=3, worker_hosts=True,
                     gpu_jobs=400, max_open_gpu_jobs=3,
-                    plan=FaultPlan(scheduler_every_s=3.5, worker_every_s=2.0, broker_every_s=600.0,
+                    plan=FaultPlan(scheduler_every_s=3.5, worker_every_s=2.0, broker_every_s=900.0,
                                    commit_every_s=6.0, sigstop_every_s=60.0, allocator_sigstop_every_s=60.0,
                                    partition_every_s=3.0, partition_s=(5.0, 12.0), partition_long_s=(15.0, 180.0),
                                    partition_long_share=0.15, max_hosts_cut=4,
-                                   isolate_every_s=0.5, isolate_s=(5.0, 6.0), isolate_long_share=0.04)),
+                                   isolate_every_s=0.5, isolate_s=(5.0, 6.0), isolate_long_share=0.03,
+                                   commit_broker_gap_s=600.0)),
     # 3 schedulers on 3 brokers: kill -9 one instance and one broker mid-run, bring neither back until the end.
     "failover": Profile("failover", generated_jobs=40, workflows=("montage-chameleon-2mass-01d-001.json.gz",),
                         inject_s=0, drain_s=240, dup_rate=0.0, scenario="failover"),
