@@ -135,6 +135,8 @@ LIFECYCLE: Mapping[str, Transition | ByFlag] = {
     "dagfold.event.TaskReopened": Transition(task=_T.PENDING, job=JobState.RUNNING, from_task=REOPENABLE),
     "dagfold.event.TaskMarkedSucceeded": Transition(task=_T.SUCCEEDED, from_task=frozenset({_T.PENDING})),
     "dagfold.event.TaskActionRejected": UNCHANGED,
+    # a finished job's retention ended: its records leave the state and the read models (no state is left)
+    "dagfold.event.JobExpired": UNCHANGED,
 }
 """Every event type and its ``Transition`` (a TaskMarkedSucceeded follows the TaskReopened that made its
 task pending; a TaskRetryScheduled follows the non-final TaskFailed or LeaseReclaimed of its attempt)."""

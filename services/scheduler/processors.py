@@ -198,13 +198,31 @@ def finish_job_if_done(ctx: Ctx, job_id: str) -> None:
     j = read_job(ctx.txn, job_id)
     if j is None or j["state"] != "running" or j["open"] > 0:
         return
+    expires = expires_ms(ctx)
     if j["failed"] == 0:
-        ctx.event("JobSucceeded", job_id, partial=False)
+        ctx.event("JobSucceeded", job_id, partial=False, expires_ms=expires)
     elif j["policy"] == "allow_partial" and j["leaf_ok"] > 0:
-        ctx.event("JobSucceeded", job_id, partial=True)
+        ctx.event("JobSucceeded", job_id, partial=True, expires_ms=expires)
     else:
         first = j.get("first_failure")
-        ctx.event("JobFailed", job_id, reason=f"{j['failed']} task(s) failed" + (f"; first: {first}" if first else ""))
+        ctx.event("JobFailed", job_id, reason=f"{j['failed']} task(s) failed" + (f"; first: {first}" if first else ""),
+                  expires_ms=expires)
+
+
+def expires_ms(ctx: Ctx) -> int | None:
+    """When a job that ends now leaves the state (``finished_job_retention_ms`` after its end); None: never.
+    Decided here and carried by the job's end event, so a replay under other settings expires it alike."""
+    keep = ctx.opts.finished_job_retention_ms
+    return None if keep < 0 else ctx.now_ms + keep
+
+
+def job_expired(ctx: Ctx, job_id: str, due_ms: int) -> None:
+    """A finished job's retention timer: its records go (JobExpired), unless it was redriven meanwhile (its
+    timer then went with it) or ended again later (a later timer)."""
+    j = read_job(ctx.txn, job_id)
+    if j is None or j["state"] not in JOB_TERMINAL or j.get("expires_ms") != due_ms or due_ms > ctx.now_ms:
+        return
+    ctx.event("JobExpired", job_id)
 
 
 def cancel_open_tasks(ctx: Ctx, job_id: str, reason: str) -> None:
@@ -295,7 +313,7 @@ def cancel_job(ctx: Ctx, cmd: Record) -> None:
     if j is None or j["state"] in JOB_TERMINAL:
         return  # unknown or finished: a no-op, the command stays in the log for the audit
     cancel_open_tasks(ctx, job_id, f"job cancelled: {cmd['reason']}")
-    ctx.event("JobCancelled", job_id, reason=cmd["reason"])
+    ctx.event("JobCancelled", job_id, reason=cmd["reason"], expires_ms=expires_ms(ctx))
 
 
 
@@ -588,6 +606,9 @@ def task_failed(ctx: Ctx, cmd: Record) -> None:
 def timer_fired(ctx: Ctx, cmd: Record) -> None:
     """Decide what a due timer means now; a timer made stale by later events does nothing."""
     job_id, task_id, attempt, kind = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["timer"]
+    if kind == keys.EXPIRE_TIMER:
+        job_expired(ctx, job_id, cmd["due_ms"])
+        return
     if task_id is None:
         return
     t = read_task(ctx.txn, job_id, task_id)
