@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.run import layered
 from dagfold.codec import default_codec
 from dagfold.commands import submit_job
 from dagfold.config import COMMANDS, EVENTS, Config
@@ -69,21 +70,12 @@ def job_ids(partition: int, prefix: str) -> Iterator[str]:
         i += 1
 
 
-def layered(job_id: str, width: int = 10, depth: int = 10) -> dict[str, Any]:
-    tasks = []
-    for level in range(depth):
-        for i in range(width):
-            deps = [f"l{level - 1}-{j}" for j in range(width)] if level else []
-            tasks.append({"id": f"l{level}-{i}", "handler": "noop", "depends_on": deps})
-    return to_job_spec(parse_spec({"id": job_id, "tasks": tasks}))
-
-
 def fold_jobs(h: FoldHarness, ids: Iterator[str], n_events: int) -> Iterator[list[dict[str, Any]]]:
     """Fold jobs until ``n_events`` events were emitted; yields the events job by job."""
     made = 0
     while made < n_events:
         jid = next(ids)
-        h.submit(layered(jid))
+        h.submit(layered(10, 10, jid))
         while h.dispatched:
             d = h.dispatched.popleft()
             h.report("Started", d)

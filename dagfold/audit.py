@@ -15,8 +15,8 @@ from typing import Any
 from dagfold.codec import default_codec
 from dagfold.config import COMMANDS, EVENTS
 from dagfold.exceptions import CodecError
-from dagfold.log import Log, TopicPartition
-from dagfold.log.reader import read_to_end
+from dagfold.log import Log
+from dagfold.log.reader import read_key
 
 COLUMNS = ("topic", "partition", "offset", "timestamp_ms", "type", "task_id", "attempt", "worker_id",
            "cause_offset", "reason")
@@ -24,23 +24,18 @@ COLUMNS = ("topic", "partition", "offset", "timestamp_ms", "type", "task_id", "a
 
 def job_timeline(log: Log, job_id: str, partitions: int) -> list[dict[str, Any]]:
     codec = default_codec()
-    p = log.partition_for(job_id.encode(), partitions)
-    key = job_id.encode()
     rows: list[dict[str, Any]] = []
     for topic in (COMMANDS, EVENTS):
-        for recs in read_to_end(log, TopicPartition(topic, p)):
-            for r in recs:
-                if r.key != key:
-                    continue
-                try:
-                    rec = codec.decode(r.value)
-                except CodecError as exc:
-                    rec = {"type": "undecodable", "reason": str(exc)}
-                rows.append({
-                    "topic": topic, "partition": p, "offset": r.offset, "timestamp_ms": r.timestamp_ms,
-                    "type": rec["type"], "task_id": rec.get("task_id"), "attempt": rec.get("attempt"),
-                    "worker_id": rec.get("worker_id"), "cause_offset": rec.get("cause_offset"),
-                    "reason": rec.get("reason") or rec.get("code"), "record": _jsonable(rec)})
+        for r in read_key(log, topic, job_id.encode(), partitions):
+            try:
+                rec = codec.decode(r.value)
+            except CodecError as exc:
+                rec = {"type": "undecodable", "reason": str(exc)}
+            rows.append({
+                "topic": topic, "partition": r.partition, "offset": r.offset, "timestamp_ms": r.timestamp_ms,
+                "type": rec["type"], "task_id": rec.get("task_id"), "attempt": rec.get("attempt"),
+                "worker_id": rec.get("worker_id"), "cause_offset": rec.get("cause_offset"),
+                "reason": rec.get("reason") or rec.get("code"), "record": _jsonable(rec)})
     rows.sort(key=lambda r: (r["timestamp_ms"], r["topic"] != COMMANDS, r["offset"]))
     return rows
 

@@ -209,6 +209,7 @@ class Config:
                   artifacts_url=s.artifacts,
                   scheduler=SchedulerOptions(redispatch_after_s=s.redispatch_after_s,
                                              finished_job_retention_ms=s.finished_job_retention_ms,
+                                             commit_interval_s=s.commit_interval_s,
                                              redispatch_after_s_by_queue=parse_queue_seconds(
                                                  s.redispatch_after_s_by_queue)))
         clean = {k: v for k, v in overrides.items() if v is not None and k not in _SETTING_OF}

@@ -15,8 +15,9 @@ their blocks share one LRU cache of ``BLOCK_CACHE``. A flush writes a small leve
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
-from rocksdict import BlockBasedOptions, Cache, Options, WriteBufferManager
+from rocksdict import AccessType, BlockBasedOptions, Cache, Options, Rdict, WriteBufferManager
 
 MEMTABLE_BUDGET = 64 << 20  # every memtable of the process together
 WRITE_BUFFER = 16 << 20  # one store's memtable (RocksDB's default: 64 MiB)
@@ -46,3 +47,13 @@ def options(create: bool = False) -> Options:
     opts.set_write_buffer_manager(manager)
     opts.set_write_buffer_size(WRITE_BUFFER)
     return opts
+
+
+def open_db(path: Path, read_only: bool = False) -> Rdict:
+    """A store of this process (raw mode, within the memory budget) at ``path``: opened read-only, or else
+    created with its folder if missing. rocksdict's own exception when it cannot be opened (a caller says
+    what it is: the log, a state store, a read model)."""
+    if read_only:
+        return Rdict(str(path), options=options(), access_type=AccessType.read_only())
+    path.mkdir(parents=True, exist_ok=True)
+    return Rdict(str(path), options=options(create=True))

@@ -84,6 +84,10 @@ class Settings(BaseSettings):
                                           group="scheduler",
                                           pattern=r"^(\s*[A-Za-z0-9._-]+\s*=\s*[0-9]+(\.[0-9]+)?\s*"
                                                   r"(,\s*[A-Za-z0-9._-]+\s*=\s*[0-9]+(\.[0-9]+)?\s*)*)?$")
+    commit_interval_s: float = _s(0.1, "how long the scheduler's log transaction stays open across polls, seconds "
+                                  "(Kafka Streams' commit.interval.ms): dispatches leave at once, events and "
+                                  "offsets commit within it; 0: one transaction per poll", group="scheduler",
+                                  ge=0, le=10)
     # -- API
     api_host: str = _s("127.0.0.1", "address the API listens on (`dagfold up`)", group="api", min_length=1)
     port: int = _s(8080, "port of the API and dashboard (`dagfold up`)", "--port", group="api", ge=1, le=65535)

@@ -22,7 +22,7 @@ never contain ``\\x00``, which keeps every prefix unambiguous)::
     it tenant created job          -> 0   (per tenant)
     is state created job           -> 0   (per job state)
     iu tenant state created job    -> 0   (per tenant and job state)
-    p  topic partition(>I)         -> next offset to read (projector position)
+    p  topic partition(>I)         -> next offset to read (the reader's position: dagfold.log.reader.position_key)
     m  name                        -> counters (skipped records, applier errors)
 
 The operator models (tenant usage, queue depths, stuck-task deadlines, failure
@@ -123,10 +123,6 @@ def history_prefix(job_id: str) -> bytes:
 
 def history_key(job_id: str, partition: int, offset: int) -> bytes:
     return history_prefix(job_id) + _U32.pack(partition) + _U64.pack(offset)
-
-
-def position_key(topic: str, partition: int) -> bytes:
-    return b"p" + _SEP + part(topic) + _SEP + _U32.pack(partition)
 
 
 def meta_key(name: str) -> bytes:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from rocksdict import Rdict, ReadOptions, WriteBatch
+from rocksdict import ReadOptions, WriteBatch
 
 from dagfold import rocks
 from dagfold.projections.exceptions import StoreError
@@ -111,12 +111,9 @@ class ReadModelStore:
     """
 
     def __init__(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
         self.path = path
-        opts = rocks.options()  # the process's RocksDB memory budget
-        opts.create_if_missing(True)
         try:
-            self._db = Rdict(str(path), options=opts)
+            self._db = rocks.open_db(path)  # the process's RocksDB memory budget
         except Exception as exc:
             raise StoreError(f"cannot open read-model store at {path} (in use by another process?): "
                              f"{exc}") from exc

@@ -32,9 +32,10 @@ import pytest
 
 from dagfold.codec import default_codec, make
 from dagfold.config import EVENTS, Config
-from dagfold.log.base import TopicPartition
 from dagfold.log.embedded import EmbeddedLog
-from dagfold.services.callbacks import GROUP, CallbackNotifier
+from dagfold.log.reader import position_key
+from dagfold.projections.store import ReadModelStore
+from dagfold.services.callbacks import LEDGER_DIR, CallbackNotifier
 from dagfold.services.callbacks.egress import ENV_ALLOW, EgressRules, parse_allow
 
 LOOPBACK_CIDR = "127.0.0.1/32"
@@ -183,11 +184,15 @@ class EventLog:
         self.emit("JobAccepted", job_id, spec=make("dagfold.common.JobSpec", job_id=job_id, tenant=tenant,
                                                    callback_url=url, tasks=[task]))
 
-    def reset_group(self) -> None:
-        """Move the notifier group's offsets back to 0: as if it died after its ledger write, before the commit."""
-        c = self.log.consumer(GROUP)
-        c.commit({TopicPartition(EVENTS, p): 0 for p in range(self.config.partitions)})
-        c.close()
+    def forget_positions(self, data_dir: Path) -> None:
+        """Drop the positions from the (closed) notifier's ledger in ``data_dir``: a ledger written before it
+        kept its positions reads every event again."""
+        store = ReadModelStore(data_dir / LEDGER_DIR)
+        txn = store.txn()
+        for p in range(self.config.partitions):
+            txn.delete(position_key(EVENTS, p))
+        store.commit(txn)
+        store.close()
 
     def close(self) -> None:
         self._producer.close()

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,26 @@ def _die_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def stop_process_groups(procs: Iterable[subprocess.Popen[Any]], grace_s: float = 15.0, *,
+                        resume: bool = False) -> None:
+    """Stop processes started each in its own session: SIGTERM to each one's process group (``resume``: SIGCONT
+    first, for a group a test stopped), then wait up to ``grace_s`` for each; a group still running then is
+    killed (SIGKILL)."""
+    procs = list(procs)
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            if resume:
+                os.killpg(p.pid, signal.SIGCONT)
+            os.killpg(p.pid, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 def dagfold(*args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

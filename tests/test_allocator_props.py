@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dagfold.services.allocator import keys
 from dagfold.services.allocator.harness import AllocatorHarness
 from dagfold.services.allocator.model import FULL
 from dagfold.services.allocator.options import AllocatorOptions
+from dagfold.services.allocator.timers import due_timers_in_store
 
 TIERS = ("enterprise", "standard", "free")
 
@@ -68,12 +71,24 @@ def preemption_edges_go_down(h: AllocatorHarness) -> None:
             assert rank[e["preemptor_tier"]] < rank[e["tier"]], e
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(op, min_size=5, max_size=60), st.sampled_from(["frag", "bestfit", "firstfit"]))
-def test_random_operations_keep_invariants(ops: list, placement: str) -> None:
-    h = AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), placement=placement, lease_s=30.0,
-                                      grace_s=20.0, preempt_after_s={"enterprise": 0.0, "standard": 30.0}),
-                         commit_every=3)
+def timers_agree(h: AllocatorHarness) -> None:
+    """The fold's in-memory timer heap (what the harness and the simulators fire) holds exactly the live timers
+    of the store's due-time index (what the runtime scans, ``due_timers_in_store``), and both fire the same
+    timers at any time."""
+    h.commit()
+    s = h.fold.state
+    index = {keys.parse_timer(k) for k, _ in h.store.range(*keys.timers_due_until(2**62))}
+    live = {(due, kind, target) for (kind, target), due in s.timers.items()}
+    in_heap = {e for e in s.timer_heap if s.timers.get((e[1], e[2])) == e[0]}
+    assert live == index, f"live timers {sorted(live - index)} not indexed, {sorted(index - live)} indexed only"
+    assert in_heap == live, f"live timers missing from the heap: {sorted(live - in_heap)}"
+    now = h.now_ms + 30_000
+    from_store = {(c["due_ms"], c["timer"], c["target"]) for _, c in due_timers_in_store(h.store, h.pool, now)}
+    assert from_store == {e for e in in_heap if e[0] <= now}
+    assert s.next_timer_ms() == (min(index)[0] if index else None)
+
+
+def _drive_ops(h: AllocatorHarness, ops: list, each: Callable[[AllocatorHarness], None]) -> None:
     silent: set[str] = set()
     for i in range(4):
         h.register(f"n{i}", "H100", 8)
@@ -111,11 +126,35 @@ def test_random_operations_keep_invariants(ops: list, placement: str) -> None:
             nid = f"n{o[1]}"
             silent.discard(nid)
             h.register(nid, "H100", 8, incarnation=h.fold.state.nodes[nid].incarnation + 1)
-        check(h)
+        each(h)
     h.advance(120_000)
-    check(h)
+    each(h)
+
+
+def _harness(placement: str, commit_every: int) -> AllocatorHarness:
+    return AllocatorHarness(opts=replace(AllocatorOptions(pool="p"), placement=placement, lease_s=30.0,
+                                         grace_s=20.0, preempt_after_s={"enterprise": 0.0, "standard": 30.0}),
+                            commit_every=commit_every)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=5, max_size=60), st.sampled_from(["frag", "bestfit", "firstfit"]))
+def test_random_operations_keep_invariants(ops: list, placement: str) -> None:
+    h = _harness(placement, commit_every=3)
+    _drive_ops(h, ops, check)
     preemption_edges_go_down(h)
     assert h.digest() == h.replayed_digest()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(op, min_size=5, max_size=60), st.sampled_from(["frag", "bestfit"]))
+def test_the_timer_heap_the_harness_fires_is_the_store_index_the_runtime_scans(ops: list, placement: str) -> None:
+    """Live, the runtime fires allocator timers by scanning the store's index; the harness and the
+    simulators pop the fold's heap. After every step of random operations both hold the same timers."""
+    h = _harness(placement, commit_every=1)
+    _drive_ops(h, ops, timers_agree)
+    h.advance(600_000)
+    timers_agree(h)
 
 
 def _drive(h: AllocatorHarness, jobs: list[tuple[int, str, int, float, float]], until_ms: int) -> dict[str, int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +20,7 @@ from typer.testing import CliRunner
 from dagfold.cli import app
 from dagfold.services.api.auth import AuthConfig
 from tests.api_support import T0, ApiHarness, LiveServer, accepted, ev, free_port, now_ms
+from tests.cli_support import stop_process_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "k-ops-admin-000001"
@@ -186,16 +186,6 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, **kw: Any) -> httpx.Response:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -230,7 +220,7 @@ def test_up_with_auth_file_and_worker_metrics(tmp_path: Path) -> None:
                      'dagfold_tenant_jobs{state="succeeded",tenant="acme"}'):
             assert name in metrics, name
     finally:
-        _stop(up)
+        stop_process_groups([up], 20)
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("keys: [nope]\n")
@@ -246,4 +236,4 @@ def test_up_with_auth_file_and_worker_metrics(tmp_path: Path) -> None:
         assert "# TYPE dagfold_worker_tasks_total counter" in text
         assert "# TYPE dagfold_dispatch_latency_seconds histogram" in text
     finally:
-        _stop(worker)
+        stop_process_groups([worker], 20)

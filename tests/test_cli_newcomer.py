@@ -217,6 +217,22 @@ def test_every_variable_read_is_a_declared_setting_and_none_is_dead() -> None:
         CallbackOptions.timeout_s, CallbackOptions.max_attempts, CallbackOptions.base_backoff_s,
         CallbackOptions.max_backoff_s, CallbackOptions.concurrency, CallbackOptions.tenant_concurrency)
     assert s.callback_allow == "" and CallbackOptions(secret="x").egress.allow == ()
+    from dagfold.config import SchedulerOptions
+
+    assert s.commit_interval_s == SchedulerOptions.commit_interval_s
+
+
+def test_the_scheduler_commit_interval_is_an_operator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DAGFOLD_COMMIT_INTERVAL_S reaches the scheduler's runtime (0: a transaction per poll); a bad value is
+    refused with the setting's name."""
+    from dagfold.config import Config
+    from dagfold.settings import SettingsError
+
+    monkeypatch.setenv("DAGFOLD_COMMIT_INTERVAL_S", "0")
+    assert Config.from_env().scheduler.commit_interval_s == 0
+    monkeypatch.setenv("DAGFOLD_COMMIT_INTERVAL_S", "-1")
+    with pytest.raises(SettingsError, match="DAGFOLD_COMMIT_INTERVAL_S"):
+        Config.from_env()
 
 
 # -- 6. errors are one line and say what to do --------------------------------------------------------

@@ -26,7 +26,7 @@ from dagfold.services.callbacks.egress import ENV_ALLOW
 from dagfold.services.callbacks.signing import verify
 from tests.api_support import free_port
 from tests.callback_support import LOOPBACK_CIDR, Receiver
-from tests.cli_support import DAGFOLD, ROOT, UpProcess
+from tests.cli_support import DAGFOLD, ROOT, UpProcess, stop_process_groups
 
 pytestmark = pytest.mark.kafka
 SECRET = "gpu-e2e-secret"
@@ -68,15 +68,7 @@ class GpuPool:
         os.killpg(self.procs[node].pid, sig)
 
     def close(self) -> None:
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGCONT)
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_process_groups(self.procs.values(), resume=True)  # an agent a test stopped (SIGSTOP) too
 
 
 @pytest.fixture(scope="module")

@@ -76,8 +76,7 @@ def test_projector_observes_lag(tmp_path: Path) -> None:
         assert value("dagfold_events_folded_total", {"component": "projector"}) == applied + 2
         assert value("dagfold_projection_lag_seconds_count") == lags + 2
         assert value("dagfold_projection_lag_seconds_sum") >= 2.0
-        api.projector._lag_at = 0.0
-        api.projector._update_lag()
+        api.projector.reader.report_lag()
         assert value("dagfold_consumer_lag_records", {"consumer": "projector", "topic": "events"}) == 0
         assert value("dagfold_projection_last_applied_timestamp_seconds") > 0
     finally:

@@ -10,8 +10,6 @@ re-register after the heal; the job moves to the other host and completes once, 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import time
 import uuid
@@ -26,7 +24,7 @@ from dagfold.config import ALLOCATOR_EVENTS, COMMANDS
 from dagfold.localkafka import LocalKafka, free_base_port
 from dagfold.log import Log, TopicPartition, open_log
 from dagfold.log.reader import read_to_end
-from tests.cli_support import DAGFOLD, ROOT, UpProcess
+from tests.cli_support import DAGFOLD, ROOT, UpProcess, stop_process_groups
 from tests.netns_support import Net
 from tests.test_gpu_kafka import _processes_of, final_output, history, submit_gpu, task, wait_running
 
@@ -65,14 +63,7 @@ class Procs:
         return (self.tmp / f"{name}.log").read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_process_groups(self.procs.values())
 
 
 def _read(lg: Log, topic: str) -> list[Record]:

@@ -47,7 +47,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import cast
 
-from rocksdict import AccessType, Rdict, ReadOptions, WriteBatch
+from rocksdict import Rdict, ReadOptions, WriteBatch
 
 from dagfold import rocks
 from dagfold.clock import now_ms
@@ -165,16 +165,10 @@ class EmbeddedLog:
         self.url = "embedded"
         self.path = path
         self.read_only = read_only
-        opts = rocks.options()  # the process's RocksDB memory budget
         try:
-            if read_only:
-                if not path.exists():
-                    raise LogError(f"no embedded log at {path}")
-                self._db = Rdict(str(path), options=opts, access_type=AccessType.read_only())
-            else:
-                path.mkdir(parents=True, exist_ok=True)
-                opts.create_if_missing(True)
-                self._db = Rdict(str(path), options=opts)
+            if read_only and not path.exists():
+                raise LogError(f"no embedded log at {path}")
+            self._db = rocks.open_db(path, read_only)  # the process's RocksDB memory budget
         except Exception as exc:
             raise LogError(f"cannot open embedded log at {path} (is another dagfold using it?): {exc}") from exc
         self._lock = threading.RLock()

@@ -5,7 +5,6 @@
   aborted, unknown), which decides what a failure means;
 * ``catchup``: applying a partition's events to its state (assignment, reconciliation);
 * ``timers``: due-timer scans that write timer commands to the log;
-* ``polling``: consumer lag and back-off, shared with the projector and the callback notifier;
 * ``processor``: ``PartitionProcessor`` and its configuration, ``ProcessorSpec``.
 """
 

@@ -59,10 +59,10 @@ from dagfold.codec import Record, default_codec
 from dagfold.config import DEADLETTER
 from dagfold.exceptions import CodecError, FencedError, LogError
 from dagfold.log.base import Log, LogRecord, Producer, TopicPartition, TopicSpec
+from dagfold.log.reader import Backoff, LagGauge
 from dagfold.outputs import Output, dead_letter
 from dagfold.processor.catchup import catch_up
 from dagfold.processor.fold import Fold
-from dagfold.processor.polling import Backoff, LagGauge
 from dagfold.processor.timers import TimerPolicy, TimerScanner
 from dagfold.processor.transaction import LogTransaction, TxnStatus
 from dagfold.state import MemoryStore, PartitionStore, PartitionTransaction, Store

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from rocksdict import AccessType, Rdict, ReadOptions, WriteBatch
+from rocksdict import ReadOptions, WriteBatch
 
 from dagfold import rocks
 from dagfold.state.exceptions import StateError
@@ -106,14 +106,8 @@ class PartitionStore:
 
     def __init__(self, path: Path, read_only: bool = False, cache_values: int = 0) -> None:
         self.values = ValueCache(cache_values) if cache_values > 0 else None
-        opts = rocks.options()  # the process's RocksDB memory budget
         try:
-            if read_only:
-                self._db = Rdict(str(path), options=opts, access_type=AccessType.read_only())
-            else:
-                path.mkdir(parents=True, exist_ok=True)
-                opts.create_if_missing(True)
-                self._db = Rdict(str(path), options=opts)
+            self._db = rocks.open_db(path, read_only)  # the process's RocksDB memory budget
         except Exception as exc:
             raise StateError(f"cannot open state store {path}: {exc}") from exc
         self.path = path

@@ -3,7 +3,7 @@
 from dagfold.services.callbacks.egress import EgressRules, RefusedDestination
 from dagfold.services.callbacks.exceptions import CallbackConfigError, CallbackError
 from dagfold.services.callbacks.ledger import DELIVERED, FAILURES, GAVE_UP, PENDING, CallbackLedger
-from dagfold.services.callbacks.notifier import GROUP, LEDGER_DIR, CallbackNotifier, Outcome, classify
+from dagfold.services.callbacks.notifier import LEDGER_DIR, CallbackNotifier, Outcome, classify
 from dagfold.services.callbacks.options import CallbackOptions
 from dagfold.services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, verify
 
@@ -12,7 +12,6 @@ __all__ = [
     "DELIVERY_HEADER",
     "FAILURES",
     "GAVE_UP",
-    "GROUP",
     "LEDGER_DIR",
     "PENDING",
     "SIGNATURE_HEADER",

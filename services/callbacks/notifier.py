@@ -1,8 +1,8 @@
 """The callback notifier: POSTs a signed JSON body once a job with a ``callback_url`` ends.
 
-Data flow (one ``CallbackNotifier``: its own consumer, its ledger, a pool of HTTP threads)::
+Data flow (one ``CallbackNotifier``: its reader, its ledger, a pool of HTTP threads)::
 
-    events (group dagfold-callbacks) --> ingest: ledger write batch, then commit the offsets
+    events (every partition, from the positions in the ledger) --> _ingest: one ledger write batch
         JobAccepted with spec.callback_url   -> remember the URL (ledger ``j``)
         JobSucceeded | JobFailed | JobCancelled of a remembered job -> delivery ``pending``, due now
         JobRedriven, TaskReopened            -> the next end is a new delivery (``round`` + 1)
@@ -12,10 +12,12 @@ Data flow (one ``CallbackNotifier``: its own consumer, its ledger, a pool of HTT
         2xx -> delivered;  408, 429, other non-2xx, connection error, timeout -> pending, due after a backoff;
         other 4xx, unusable URL, refused destination, or max_attempts reached -> gave_up (with the reason)
 
-"Called once": the offsets of a polled batch are committed only after its
-ledger batch is written, and re-reading events is a no-op (the ledger keeps
-each job's last applied offset), so a restart neither loses a job's end nor
-schedules its delivery twice; a delivered callback is never sent again. A
+"Called once": the reader runtime (``dagfold.log.reader.Reader``) writes a polled
+batch's ledger changes and the next positions in one write batch, and re-reading
+events is a no-op anyway (the ledger keeps each job's last applied offset: a ledger
+written before it held its positions reads the topic again from the start), so a
+restart neither loses a job's end nor schedules its delivery twice; a delivered
+callback is never sent again. A
 delivery in flight when the process dies is still ``pending`` in the ledger
 and is sent again after the restart (at least once): the receiver deduplicates
 on ``X-Dagfold-Delivery``.
@@ -37,9 +39,8 @@ never the status or error text of what answered (recipe 5); operators have both
 in the ledger and the log.
 
 One notifier per deployment: the ledger is local to its data folder, and the
-URL of a job is known only to the instance that read its JobAccepted. (With a
-second instance in the group, a partition that moves between them would take
-jobs accepted before the move without their URL.)
+URL of a job is known only to the instance that read its JobAccepted (it reads
+every partition itself, no consumer group).
 
 Metrics (``dagfold.metrics``): callbacks delivered, retried, given up by
 reason; consumer lag of the events topic.
@@ -65,11 +66,10 @@ from dagfold import metrics
 from dagfold.clock import now_ms
 from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
-from dagfold.exceptions import CodecError, LogError
+from dagfold.exceptions import CodecError
 from dagfold.lifecycle import JOB_ENDING_EVENTS, job_state_after
-from dagfold.log.base import Consumer, Log, LogRecord, TopicPartition
-from dagfold.log.reader import join_when_present
-from dagfold.processor.polling import Backoff, LagGauge
+from dagfold.log.base import Log, LogRecord
+from dagfold.log.reader import Reader
 from dagfold.projections.store import ReadModelTxn
 from dagfold.services.callbacks.egress import GuardedBackend, RefusedDestination, attempt_deadline
 from dagfold.services.callbacks.ledger import (
@@ -93,7 +93,6 @@ from dagfold.services.callbacks.signing import DELIVERY_HEADER, SIGNATURE_HEADER
 
 log = logging.getLogger("dagfold.callbacks")
 
-GROUP = "dagfold-callbacks"
 LEDGER_DIR = "callbacks"
 USER_AGENT = "dagfold-callbacks/0.1"
 ACCEPTED = "dagfold.event.JobAccepted"
@@ -200,11 +199,8 @@ class CallbackNotifier:
             opts = replace(opts, egress=replace(opts.egress, own_ports=opts.egress.own_ports | frozenset(own_ports)))
         self.options = opts
         self.ledger = CallbackLedger(data_dir / LEDGER_DIR)
-        self.batch_max_records = batch_max_records
-        self.poll_timeout_s = poll_timeout_s
         self._codec = codec or default_codec()
         self._relevant_fp: dict[bytes, bool] = {}  # writer fingerprint -> is it a type the notifier reads
-        self._consumer: Consumer | None = None
         self._client = httpx.Client(timeout=self.options.timeout_s, follow_redirects=False, trust_env=False,
                                     transport=transport or guarded_transport(self.options),
                                     headers={"User-Agent": USER_AGENT})
@@ -214,8 +210,11 @@ class CallbackNotifier:
         self._last_tenant = ""  # the tenant served last: the next round starts after it
         self.ledger.reindex()
         self._rng = random.Random()
-        self._lag = LagGauge("callbacks", LAG_CHECK_S)
         self._closed = False
+        self.reader: Reader[ReadModelTxn] = Reader(
+            log, "callbacks", (EVENTS,), self.ledger.store, self._ingest, batch_max_records=batch_max_records,
+            poll_timeout_s=poll_timeout_s, lag_every_s=LAG_CHECK_S, client_id="dagfold-callbacks",
+            tick=self._tick, wait_s=self._poll_wait_s)
         # counters of this instance (the Prometheus counters are process-wide)
         self.delivered = 0
         self.retried = 0
@@ -223,17 +222,6 @@ class CallbackNotifier:
         self.attempts = 0
 
     # -- the events side ------------------------------------------------------------
-    def _ensure_consumer(self) -> bool:
-        """Join the group once the events topic exists; False until then."""
-        if self._consumer is not None:
-            return True
-        consumer = join_when_present(self.log, EVENTS, GROUP, "dagfold-callbacks")
-        if consumer is None:
-            return False
-        self._consumer = consumer
-        log.info("callback notifier joined group %s on %s", GROUP, EVENTS)
-        return True
-
     def _relevant(self, rec: LogRecord) -> Record | None:
         """The decoded event if it is one the notifier reads (other types are skipped by fingerprint)."""
         fp = rec.value[2:10] if rec.value is not None else b""
@@ -248,24 +236,13 @@ class CallbackNotifier:
         self._relevant_fp[fp] = relevant
         return ev if relevant else None
 
-    def ingest(self, records: list[LogRecord]) -> int:
-        """Apply polled events to the ledger (one write batch), then commit their offsets; returns deliveries due."""
-        if not records:
-            return 0
-        txn = self.ledger.txn()
+    def _ingest(self, records: list[LogRecord], txn: ReadModelTxn) -> None:
+        """The reader's handler: apply polled events to the ledger's write batch (the reader adds the positions)."""
         now = self._now_ms()
-        scheduled = 0
-        nexts: dict[TopicPartition, int] = {}
         for rec in records:
-            tp = TopicPartition(rec.topic, rec.partition)
-            nexts[tp] = max(nexts.get(tp, 0), rec.offset + 1)
             ev = self._relevant(rec)
             if ev is not None:
-                scheduled += self._apply(txn, ev, rec.offset, now)
-        self.ledger.commit(txn)
-        if self._consumer is not None:
-            self._consumer.commit(nexts)  # after the ledger: a crash in between re-reads, which is a no-op
-        return scheduled
+                self._apply(txn, ev, rec.offset, now)
 
     def _apply(self, txn: ReadModelTxn, ev: Record, offset: int, now_ms: int) -> int:
         job_id: str = ev["job_id"]
@@ -486,8 +463,8 @@ class CallbackNotifier:
     def _now_ms(self) -> int:  # a method: tests move this notifier's clock
         return now_ms()
 
-    def _poll_wait_s(self, timeout_s: float | None) -> float:
-        wait = self.poll_timeout_s if timeout_s is None else timeout_s
+    def _poll_wait_s(self, wait: float) -> float:
+        """The reader's wait for this round: ``wait`` at most, until the next due delivery."""
         nxt = self.ledger.next_due_ms()
         if nxt is not None:
             until = (nxt - self._now_ms()) / 1000.0
@@ -495,39 +472,21 @@ class CallbackNotifier:
                 wait = min(wait, until)
         return max(wait, 0.0)
 
+    def _tick(self) -> None:
+        """The delivery side of a round (before each poll and after each batch): record finished
+        attempts, start due deliveries."""
+        self._collect()
+        self._dispatch_due()
+
     def step(self, timeout_s: float | None = None) -> int:
         """One round: record finished attempts, poll and ingest one batch, start due deliveries; returns records."""
-        self._collect()
-        self._dispatch_due()
-        if not self._ensure_consumer() or self._consumer is None:
-            time.sleep(min(self._poll_wait_s(timeout_s), 0.5))
-            return 0
-        records = self._consumer.poll(self.batch_max_records, self._poll_wait_s(timeout_s))
-        self.ingest(records)
-        self._collect()
-        self._dispatch_due()
-        self._update_lag()
-        return len(records)
-
-    def _update_lag(self) -> None:
-        if self._consumer is None or not self._lag.due():
-            return
-        consumer = self._consumer
-        self._lag.report(self.log, {tp: consumer.position(tp) for tp in consumer.assignment()})
+        return self.reader.step(timeout_s)
 
     def run(self, stop: threading.Event) -> None:
         """Notify until ``stop`` is set; then wait up to ``timeout_s`` (at most 5 s) for the attempts in flight."""
-        backoff = Backoff()
         log.info("callback notifier started (ledger %s)", self.ledger.store.path)
         try:
-            while not stop.is_set():
-                try:
-                    self.step()
-                    backoff.succeeded()
-                except LogError as exc:
-                    delay = backoff.failed()
-                    log.warning("callbacks: log error, retrying in %.1fs: %s", delay, exc)
-                    stop.wait(delay)
+            self.reader.run(stop)
         finally:
             self._collect(wait_s=min(self.options.timeout_s, 5.0))
             log.info("callback notifier stopped: %d delivered, %d retried, %d given up", self.delivered,
@@ -552,10 +511,5 @@ class CallbackNotifier:
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
-        if self._consumer is not None:
-            try:
-                self._consumer.close()
-            except Exception:
-                log.debug("consumer close failed", exc_info=True)
-            self._consumer = None
+        self.reader.close()
         self.ledger.close()

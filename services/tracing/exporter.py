@@ -1,7 +1,7 @@
 """The span exporter: tails the ``events`` topic and exports each job's spans over OTLP.
 
-Data flow (one ``SpanExporter``: its own consumer, an in-memory ``TraceBuilder``, the SDK's batch
-span processor)::
+Data flow (one ``SpanExporter``: its reader, a ``dagfold.log.reader.GroupReader``, an in-memory
+``TraceBuilder``, the SDK's batch span processor)::
 
     events (group dagfold-traces) --> TraceBuilder.apply (event types it reads, by fingerprint)
         --> finished SpanRecords --> SpanSink: BatchSpanProcessor --> OTLP exporter (its own thread)
@@ -24,11 +24,10 @@ from typing import Any
 
 from dagfold.codec import Codec, default_codec
 from dagfold.config import EVENTS
-from dagfold.exceptions import CodecError, LogError
-from dagfold.log import Log, TopicPartition
-from dagfold.log.base import Consumer, LogRecord
-from dagfold.log.reader import join_when_present, read_to_end
-from dagfold.processor.polling import Backoff, LagGauge
+from dagfold.exceptions import CodecError
+from dagfold.log import Log
+from dagfold.log.base import LogRecord
+from dagfold.log.reader import GroupReader, read_key
 from dagfold.tracing import EVENT_TYPES, SpanRecord, SpanSink, TraceBuilder
 
 log = logging.getLogger("dagfold.tracing")
@@ -44,22 +43,11 @@ class SpanExporter:
         self.log = log_
         self.sink = sink if sink is not None else SpanSink("scheduler")
         self.builder = TraceBuilder()
-        self.batch_max_records = batch_max_records
-        self.poll_timeout_s = poll_timeout_s
         self._codec = codec or default_codec()
         self._relevant_fp: dict[bytes, bool] = {}
-        self._consumer: Consumer | None = None
-        self._lag = LagGauge("traces")
+        self.reader = GroupReader(log_, "traces", EVENTS, GROUP, self.ingest, batch_max_records=batch_max_records,
+                                  poll_timeout_s=poll_timeout_s, client_id="dagfold-traces")
         self.spans = 0
-
-    def _ensure_consumer(self) -> bool:
-        if self._consumer is not None:
-            return True
-        consumer = join_when_present(self.log, EVENTS, GROUP, "dagfold-traces")
-        if consumer is None:
-            return False
-        self._consumer = consumer
-        return True
 
     def _event(self, rec: LogRecord) -> dict[str, Any] | None:
         """The decoded event if the builder reads its type (others are skipped by fingerprint, undecoded)."""
@@ -75,44 +63,24 @@ class SpanExporter:
         return ev if relevant else None
 
     def ingest(self, records: list[LogRecord]) -> int:
-        """Build and export the spans these events end, then commit their offsets; returns spans."""
+        """The reader's handler: build and export the spans these events end (the reader then commits
+        their offsets); returns spans."""
         spans: list[SpanRecord] = []
-        nexts: dict[TopicPartition, int] = {}
         for rec in records:
-            tp = TopicPartition(rec.topic, rec.partition)
-            nexts[tp] = max(nexts.get(tp, 0), rec.offset + 1)
             ev = self._event(rec)
             if ev is not None:
                 spans.extend(self.builder.apply(ev))
         if spans:
             self.sink.export(spans)
             self.spans += len(spans)
-        if self._consumer is not None and nexts:
-            self._consumer.commit(nexts)
         return len(spans)
 
     def step(self, timeout_s: float | None = None) -> int:
-        if not self._ensure_consumer() or self._consumer is None:
-            threading.Event().wait(min(self.poll_timeout_s, 0.5))
-            return 0
-        records = self._consumer.poll(self.batch_max_records, self.poll_timeout_s if timeout_s is None else timeout_s)
-        self.ingest(records)
-        if self._lag.due():
-            consumer = self._consumer
-            self._lag.report(self.log, {tp: consumer.position(tp) for tp in consumer.assignment()})
-        return len(records)
+        return self.reader.step(timeout_s)
 
     def run(self, stop: threading.Event) -> None:
-        backoff = Backoff()
         log.info("span exporter started (group %s)", GROUP)
-        while not stop.is_set():
-            try:
-                self.step()
-                backoff.succeeded()
-            except LogError as exc:
-                delay = backoff.failed()
-                log.warning("span exporter: log error, retrying in %.1fs: %s", delay, exc)
-                stop.wait(delay)
+        self.reader.run(stop)
         log.info("span exporter stopped: %d spans", self.spans)
 
     def close(self) -> None:
@@ -121,27 +89,20 @@ class SpanExporter:
             self.sink.flush(10.0)
             self.sink.close()
         finally:
-            if self._consumer is not None:
-                self._consumer.close()
-                self._consumer = None
+            self.reader.close()
 
 
 def job_spans(log_: Log, job_id: str) -> list[SpanRecord]:
     """Every span of ``job_id``, rebuilt from its partition of ``events`` (the same IDs and times as the
     live exporter's): what ``dagfold audit JOB --trace`` prints and re-exports."""
     codec = default_codec()
-    p = log_.partition_for(job_id.encode(), log_.partitions(EVENTS))  # the topic's own count, not a setting
-    key = job_id.encode()
     builder = TraceBuilder()
     out: list[SpanRecord] = []
-    for recs in read_to_end(log_, TopicPartition(EVENTS, p)):
-        for r in recs:
-            if r.key != key:
-                continue
-            try:
-                ev = codec.decode(r.value)
-            except CodecError:
-                continue
-            if ev["type"] in EVENT_TYPES:
-                out.extend(builder.apply(ev))
+    for r in read_key(log_, EVENTS, job_id.encode(), log_.partitions(EVENTS)):  # the topic's own count
+        try:
+            ev = codec.decode(r.value)
+        except CodecError:
+            continue
+        if ev["type"] in EVENT_TYPES:
+            out.extend(builder.apply(ev))
     return out
