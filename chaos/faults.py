@@ -148,6 +148,7 @@ class Injector:
         self._commit_turn = rng.randrange(len(commitfaults.KINDS))
         self._armed_at = 0.0
         self._broker_commit_at = 0.0
+        self._broker_kill_waiting = False  # a plain broker kill is due and waits for the slot: isolations wait
         self._armed_kind: str | None = None
         self._conts: list[tuple[float, int, Proc, int, Proc | None]] = []  # SIGCONT due: (t, seq, proc, pid, successor)
         self.hosts = list(hosts)  # hosts the partitions cut (tests.netns_support.Host); none: no host partitions
@@ -223,8 +224,10 @@ class Injector:
                     due["broker"] = now + 1.0  # the one broker slot goes to the kill inside a commit first
                 elif self.kill_broker():
                     due["broker"] = self._next(p.broker_every_s)
+                    self._broker_kill_waiting = False
                 else:
                     due["broker"] = now + 1.0  # not now: a broker is down or the ISR is not complete
+                    self._broker_kill_waiting = True
             if now >= due["commit"]:
                 # Until one broker kill inside a commit happened, that kind goes first whenever the
                 # brokers are whole: broker kills keep one busy most of a short run.
@@ -246,7 +249,11 @@ class Injector:
             if now >= due["partition"]:
                 due["partition"] = self._next(p.partition_every_s) if self.partition_host() else now + 1.0
             if now >= due["isolate"]:
-                if self._broker_reserved_for_commit() and not self._broker_reserved_for_isolation():
+                # a plain broker kill that is due goes first: its settle time (5 s) is longer than an
+                # isolation's, so with isolations back to back it never found the slot free (the long run of
+                # 140b007 had none)
+                if (self._broker_reserved_for_commit() or self._broker_kill_waiting) and \
+                        not self._broker_reserved_for_isolation():
                     due["isolate"] = now + 1.0
                 else:
                     due["isolate"] = self._next(p.isolate_every_s) if self.isolate_broker() else now + 0.5
