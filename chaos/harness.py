@@ -278,11 +278,7 @@ class ChaosRun:
         with httpx.Client(base_url=self.api, timeout=30) as http:
             for i, plan in enumerate(plans):
                 if self.profile.max_open_jobs:
-                    while not stop.is_set():
-                        open_jobs = [j for j in open_jobs if not self._terminal(http, j)]
-                        if len(open_jobs) < self.profile.max_open_jobs:
-                            break
-                        time.sleep(1.0)
+                    open_jobs = self._room(http, open_jobs, self.profile.max_open_jobs, stop)
                     if stop.is_set():
                         return
                     open_jobs.append(plan.job_id)
@@ -311,11 +307,7 @@ class ChaosRun:
         open_jobs: list[str] = []
         with httpx.Client(base_url=self.api, timeout=30) as http:
             for i in range(self.profile.gpu_jobs):
-                while not stop.is_set():
-                    open_jobs = [j for j in open_jobs if not self._terminal(http, j)]
-                    if len(open_jobs) < self.profile.max_open_gpu_jobs:
-                        break
-                    stop.wait(1.0)
+                open_jobs = self._room(http, open_jobs, self.profile.max_open_gpu_jobs, stop)
                 if stop.is_set():
                     return
                 job_id = f"chaos-{self.seed}-gpu{i:04d}"
@@ -333,6 +325,15 @@ class ChaosRun:
                     except httpx.HTTPError as exc:
                         self.say(f"submit {job_id}: {exc!r}; retrying")
                     stop.wait(1.0)
+
+    def _room(self, http: httpx.Client, open_jobs: list[str], limit: int, stop: threading.Event) -> list[str]:
+        """Wait until fewer than ``limit`` of ``open_jobs`` are unfinished (or ``stop``); the unfinished ones."""
+        while not stop.is_set():
+            open_jobs = [j for j in open_jobs if not self._terminal(http, j)]
+            if len(open_jobs) < limit:
+                break
+            stop.wait(1.0)
+        return open_jobs
 
     @staticmethod
     def _terminal(http: httpx.Client, job_id: str) -> bool:
