@@ -121,7 +121,8 @@ bench-gpu-fleet: install kafka-fetch
 bench-kafka-runs: install kafka-fetch
 	$(BIN)/python -m bench.kafka_runs --runs 50
 
-# The long chaos run: >= 3,000 faults on a 3-broker cluster; the short run is part of `make test`
+# The long chaos run: >= 3,000 faults on a 3-broker cluster, >= 300 of each network partition kind (root: network
+# namespaces); the short run is part of `make test`
 chaos: install kafka-fetch
 	$(BIN)/python -m chaos --profile long
 

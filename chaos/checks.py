@@ -22,6 +22,10 @@ read back:
 * the replay: ``dagfold replay --verify`` and a per-partition comparison of every
   instance's store that holds the final state (``replay differs from live``);
 * the ``deadletter`` topic: nothing in it (``dead-lettered record``);
+* the GPU pool's allocator events (issue 25): no GPU granted to two allocations that are both live (granted,
+  not yet released or expired), in the log's order (``GPU granted twice``); once every job ended, no
+  allocation still held (``allocation or lease left dangling``); every GPU job the harness submitted
+  ended succeeded (``wrong outcome``, ``lost job``);
 * every attempt recorded as succeeded was dispatched, as that attempt, earlier in the committed
   events (``success without a committed dispatch``): a worker may run an attempt whose dispatch
   record left before its transaction committed, and that transaction may abort; its report may
@@ -33,6 +37,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,8 +72,9 @@ REPLAY_DIFFERS = "replay differs from live"
 DANGLING = "allocation or lease left dangling"
 DEAD_LETTER = "dead-lettered record"
 UNDISPATCHED_SUCCESS = "success without a committed dispatch"
+GPU_GRANTED_TWICE = "GPU granted twice"
 VIOLATION_KINDS = (LOST_JOB, TASK_NEVER_FINISHED, WRONG_OUTCOME, DUPLICATE_EFFECT, DISPATCH_BEFORE_DEPS,
-                   ILLEGAL_TRANSITION, REPLAY_DIFFERS, DANGLING, DEAD_LETTER, UNDISPATCHED_SUCCESS)
+                   ILLEGAL_TRANSITION, REPLAY_DIFFERS, DANGLING, DEAD_LETTER, UNDISPATCHED_SUCCESS, GPU_GRANTED_TWICE)
 
 UNKNOWN_JOB = "unknown job or task"  # the fold's reason for a report about a job it does not hold
 JOB_ENDING = frozenset(kind.rsplit(".", 1)[-1] for kind in JOB_ENDING_EVENTS)
@@ -398,3 +404,45 @@ def check_dangling(store_dirs: list[Path], findings: Findings) -> int:
         finally:
             store.close()
     return checked
+
+
+# -- the GPU pool ------------------------------------------------------------------------------------------
+
+
+def gpus_held_twice(events: Iterable[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
+    """Fold the allocator's events in log order: the GPUs granted to a second allocation while the first still
+    held them (``node/gpu: first and second``), and the allocations still held at the end (alloc ID -> job)."""
+    held: dict[tuple[str, int], str] = {}
+    live: dict[str, str] = {}
+    clashes: list[str] = []
+    for e in events:
+        t = str(e["type"]).rsplit(".", 1)[-1]
+        if t == "AllocationGranted":
+            alloc = str(e["alloc_id"])
+            live[alloc] = str(e.get("job_id"))
+            for h in e["hosts"]:
+                for g in h["gpu_indices"]:
+                    key = (str(h["node_id"]), int(g))
+                    if key in held and held[key] in live:
+                        clashes.append(f"{key[0]}/{key[1]}: {held[key]} and {alloc}")
+                    held[key] = alloc
+        elif t in ("AllocationReleased", "AllocationExpired"):
+            live.pop(str(e["alloc_id"]), None)
+    return clashes, live
+
+
+def check_gpu_pool(events: list[dict[str, Any]], job_states: dict[str, str], findings: Findings) -> dict[str, int]:
+    """The pool's events (one pool's, in order) and the final state of every GPU job submitted."""
+    clashes, live = gpus_held_twice(events)
+    for c in clashes:
+        findings.add(GPU_GRANTED_TWICE, None, None, c)
+    for alloc, job in sorted(live.items()):
+        findings.add(DANGLING, job, None, f"allocation {alloc} still held after every job ended")
+    for job, state in sorted(job_states.items()):
+        if state == "missing":
+            findings.add(LOST_JOB, job, None, "GPU job not in the read model")
+        elif state != "succeeded":
+            findings.add(WRONG_OUTCOME, job, None, f"GPU job ended {state}, not succeeded")
+    grants = sum(1 for e in events if str(e["type"]).endswith("AllocationGranted"))
+    return {"GPU jobs": len(job_states), "GPU jobs succeeded": sum(s == "succeeded" for s in job_states.values()),
+            "grants": grants, "GPUs granted twice": len(clashes), "allocations held at the end": len(live)}

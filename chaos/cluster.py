@@ -1,4 +1,8 @@
-"""A 3-broker KRaft cluster on loopback, run by the project's ``deploy/kafka/kafka.sh``.
+"""A 3-broker KRaft cluster on loopback, or on hosts of its own, run by the project's ``deploy/kafka/kafka.sh``.
+
+With ``hosts`` (``tests.netns_support.Host``, one per broker) each broker runs in its host's network namespace
+and listens on that host's address, so a network fault can isolate one broker from the other two
+(``isolate``: its routes to the other brokers go, clients still reach it) while they go on without it.
 
 ``kafka.sh start`` starts the brokers that are not running (and waits until the
 cluster metadata lists all of them), so restarting one killed broker is
@@ -14,7 +18,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka.admin import AdminClient
 
@@ -36,18 +42,24 @@ def free_base_port(start: int = 30192, stop: int = 31700, step: int = 100) -> in
 
 class BrokerCluster:
     def __init__(self, data: Path, port: int | None = None, heap: str = "-Xmx384m -Xms128m",
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", hosts: Sequence[Any] = ()) -> None:
+        if hosts and len(hosts) != BROKERS:
+            raise ValueError(f"one host per broker ({BROKERS})")
         self.data = data
         self.port = port if port is not None else free_base_port()
         self.heap = heap
         self.host = host  # the address the brokers listen on (a test network's hub for partition faults)
-        self.bootstrap = ",".join(f"{host}:{self.port + i}" for i in range(BROKERS))
+        self.hosts = list(hosts)  # or a host of its own per broker (tests.netns_support.Host)
+        self.local = LocalKafka(self.port, self.data, BROKERS,
+                                {"KAFKA_HEAP_OPTS": self.heap, "KAFKA_START_TIMEOUT": "180"}, host=self.host,
+                                hosts=tuple(h.addr for h in self.hosts), netns=tuple(h.ns for h in self.hosts))
+        self.bootstrap = self.local.bootstrap
+        self.addresses = [self.local.address(i) for i in range(BROKERS)]
+        self.isolated: int | None = None  # the broker cut from the other two now (1-based)
         self._admin: AdminClient | None = None
 
     def _sh(self, cmd: str, timeout: float = 240) -> str:
-        local = LocalKafka(self.port, self.data, BROKERS,
-                           {"KAFKA_HEAP_OPTS": self.heap, "KAFKA_START_TIMEOUT": "180"}, host=self.host)
-        return local.sh(cmd, timeout=timeout)
+        return self.local.sh(cmd, timeout=timeout)
 
     def start(self) -> None:
         self.data.mkdir(parents=True, exist_ok=True)
@@ -94,6 +106,24 @@ class BrokerCluster:
         """Start every broker that is not running (``kafka.sh start``)."""
         self._sh("start")
 
+    # -- network faults (brokers on hosts of their own) ------------------------------
+    def isolate(self, node: int) -> None:
+        """Cut broker ``node`` from the other two brokers: its routes to their addresses go through a neighbour
+        that does not exist, so neither direction of a connection between them gets through (their packets
+        reach it, its answers die), while every client still reaches it, as it reaches the others. Its
+        partitions' followers stop fetching, the controller quorum goes on without it (and fences it after
+        the broker session timeout), and clients that still talk to it find a leader that cannot commit."""
+        if not self.hosts:
+            raise RuntimeError("isolating a broker needs brokers on hosts of their own")
+        host = self.hosts[node - 1]
+        host.cut_from([a for i, a in enumerate(self.addresses) if i != node - 1])
+        self.isolated = node
+
+    def heal(self) -> None:
+        if self.isolated is not None:
+            self.hosts[self.isolated - 1].heal()
+            self.isolated = None
+
     # -- health ---------------------------------------------------------------
     def admin(self) -> AdminClient:
         if self._admin is None:
@@ -126,7 +156,7 @@ class BrokerCluster:
         return n
 
     def healthy(self) -> bool:
-        return len(self.running()) == BROKERS and self.under_replicated() == 0
+        return self.isolated is None and len(self.running()) == BROKERS and self.under_replicated() == 0
 
     def wait_healthy(self, timeout_s: float = 120.0) -> bool:
         deadline = time.monotonic() + timeout_s

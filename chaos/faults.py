@@ -31,20 +31,26 @@ Commit faults and zombies (issue 13), when the plan enables them:
   would: the new instance fences the old one), then the old one resumed: it must exit fenced.
   The two then swap roles.
 
-Network partitions (issue 25), when the plan enables them (the run's GPU host is then a network namespace of
-its own, ``tests/netns_support.py``, and the brokers listen on the test network's hub address), in turn:
+Network partitions (issue 25), when the plan enables them (``tests/netns_support.py``: the GPU hosts, and with
+``worker_hosts`` the workers, each in a network namespace of its own; the brokers each on a host of their own,
+listening on its address), each healed after a while (``partition_s``, with ``partition_long_share`` of them
+drawn log-uniformly from ``partition_long_s``):
 
-* ``GPU host cut off (link down)``: the agent's host loses its link, for ``partition_s`` seconds;
-* ``GPU host cut from the brokers``: its routes to the brokers only go, for as long.
+* ``host cut off (link down)``: a host that is not cut now loses its link (up to ``max_hosts_cut`` hosts at once);
+* ``host cut from the brokers``: a host loses its routes to the three brokers only, keeping its peers;
+* ``broker isolated from the other two``: one broker loses its routes to the other two (neither direction of
+  their connections gets through) while every client still reaches it; it takes the one broker slot (never
+  while another broker is down or the ISR is not complete, as a broker kill).
 
-Then the partition heals. The agent must ride it out (an exit is an ``unexpected exit``), fence itself if the
-cut outlasts its lease, and register again.
+The processes behind a cut must ride it out (an exit is an ``unexpected exit``): the agent fences itself if the
+cut outlasts its lease and registers again, a worker stops an attempt whose lease it could not renew.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
+import math
 import random
 import shutil
 import threading
@@ -72,9 +78,11 @@ ALLOCATOR_SIGSTOP = "allocator SIGSTOP, successor, SIGCONT"
 COMMIT_KINDS = {"committed-error": COMMIT_COMMITTED_ERROR, "unknown-committed": COMMIT_UNKNOWN_COMMITTED,
                 "unknown-aborted": COMMIT_UNKNOWN_ABORTED, "broker-restart": BROKER_RESTART_IN_COMMIT}
 NEW_KINDS = (*COMMIT_KINDS.values(), SCHEDULER_SIGSTOP, ALLOCATOR_SIGSTOP)
-HOST_CUT = "GPU host cut off (link down)"
-HOST_CUT_FROM_BROKERS = "GPU host cut from the brokers"
-PARTITION_KINDS = (HOST_CUT, HOST_CUT_FROM_BROKERS)
+HOST_CUT = "host cut off (link down)"
+HOST_CUT_FROM_BROKERS = "host cut from the brokers"
+BROKER_ISOLATED = "broker isolated from the other two"
+HOST_PARTITION_KINDS = (HOST_CUT, HOST_CUT_FROM_BROKERS)
+PARTITION_KINDS = (*HOST_PARTITION_KINDS, BROKER_ISOLATED)
 KILL_KINDS = (SCHEDULER_KILL, SCHEDULER_KILL_EMPTY, WORKER_KILL, BROKER_KILL, *NEW_KINDS, *PARTITION_KINDS)
 
 
@@ -93,9 +101,19 @@ class FaultPlan:
     sigstop_every_s: float = 0.0
     allocator_sigstop_every_s: float = 0.0
     sigstop_s: float = 9.0  # past the session timeout (chaos.harness: 6 s)
-    # issue 25's kinds (network partitions of the GPU host): 0 turns them off
-    partition_every_s: float = 0.0
-    partition_s: tuple[float, float] = (5.0, 30.0)  # how long a partition lasts before it heals
+    # issue 25's kinds (network partitions of hosts and brokers): 0 turns them off
+    partition_every_s: float = 0.0  # host partitions (the two host kinds in turn)
+    partition_s: tuple[float, float] = (5.0, 30.0)  # how long a partition lasts before it heals (uniform) ...
+    partition_long_s: tuple[float, float] = (30.0, 180.0)  # ... or, for this share of them, log-uniform in here
+    partition_long_share: float = 0.0
+    max_hosts_cut: int = 1  # host partitions at once
+    isolate_every_s: float = 0.0  # a broker isolated from the other two
+    isolate_s: tuple[float, float] = (5.0, 12.0)  # uniform, or isolate_long_share of them from partition_long_s
+    isolate_long_share: float = 0.0
+    isolate_settle_s: float = 0.5  # after the cluster is whole again, before the next broker fault
+    # at least this long between two broker kills inside a commit (0: no limit): each holds the one broker slot
+    # for a minute or more on a loaded machine, and taken whenever the slot is free they starve the isolations
+    commit_broker_gap_s: float = 0.0
 
 
 class Injector:
@@ -103,7 +121,7 @@ class Injector:
                  scheduler_dirs: dict[str, Path], workers: list[Proc], others: list[Proc], journal: Path,
                  say: Callable[[str], None] = print, fault_dir: Path | None = None,
                  allocators: list[Proc] | None = None, require_kinds: tuple[str, ...] = (),
-                 host: Any = None, broker_addrs: Sequence[str] = ()) -> None:
+                 hosts: Sequence[Any] = (), broker_addrs: Sequence[str] = (), require_count: int = 1) -> None:
         self.rng = rng
         self.plan = plan
         self.cluster = cluster
@@ -129,11 +147,14 @@ class Injector:
         self._disarm = threading.Event()  # set by recover(): stop waiting for a commit to take a fault
         self._commit_turn = rng.randrange(len(commitfaults.KINDS))
         self._armed_at = 0.0
+        self._broker_commit_at = 0.0
+        self._broker_kill_waiting = False  # a plain broker kill is due and waits for the slot: isolations wait
         self._armed_kind: str | None = None
         self._conts: list[tuple[float, int, Proc, int, Proc | None]] = []  # SIGCONT due: (t, seq, proc, pid, successor)
-        self.host = host  # the GPU host's network (tests.netns_support.Host), None: no partitions
+        self.hosts = list(hosts)  # hosts the partitions cut (tests.netns_support.Host); none: no host partitions
         self.broker_addrs = list(broker_addrs)
-        self._heal_at: float | None = None
+        self.require_count = require_count  # each required kind this many times (the partition kinds' minimum)
+        self._heal_at: dict[str, tuple[float, Any]] = {}  # host ns -> (when it heals, the host)
         self._partition_turn = 0
 
     # -- bookkeeping ------------------------------------------------------------
@@ -180,7 +201,11 @@ class Injector:
                          "commit": (time.monotonic() + self.rng.uniform(1.0, 3.0)) if p.commit_every_s > 0
                          else float("inf"), "sigstop": self._first(p.sigstop_every_s),
                          "allocator": self._first(p.allocator_sigstop_every_s) + 10.0,
-                         "partition": self._first(p.partition_every_s if self.host is not None else 0.0)}
+                         "partition": self._first(p.partition_every_s if self.hosts else 0.0),
+                         # a required isolation first of all: it is short and gives the broker slot back
+                         # within seconds, while a broker kill (inside a commit) can hold it for minutes
+                         "isolate": (time.monotonic() + 0.2 if self._broker_reserved_for_isolation()
+                                     else self._first(p.isolate_every_s if self.cluster.hosts else 0.0))}
         due = self._due
         while time.monotonic() < until:
             now = time.monotonic()
@@ -195,12 +220,14 @@ class Injector:
                 self.kill_worker()
                 due["worker"] = self._next(p.worker_every_s)
             if now >= due["broker"]:
-                if self._broker_reserved_for_commit():
+                if self._broker_reserved_for_commit() or self._broker_reserved_for_isolation():
                     due["broker"] = now + 1.0  # the one broker slot goes to the kill inside a commit first
                 elif self.kill_broker():
                     due["broker"] = self._next(p.broker_every_s)
+                    self._broker_kill_waiting = False
                 else:
                     due["broker"] = now + 1.0  # not now: a broker is down or the ISR is not complete
+                    self._broker_kill_waiting = True
             if now >= due["commit"]:
                 # Until one broker kill inside a commit happened, that kind goes first whenever the
                 # brokers are whole: broker kills keep one busy most of a short run.
@@ -221,6 +248,15 @@ class Injector:
                 due["allocator"] = self._next(p.allocator_sigstop_every_s)
             if now >= due["partition"]:
                 due["partition"] = self._next(p.partition_every_s) if self.partition_host() else now + 1.0
+            if now >= due["isolate"]:
+                # a plain broker kill that is due goes first: its settle time (5 s) is longer than an
+                # isolation's, so with isolations back to back it never found the slot free (the long run of
+                # 140b007 had none)
+                if (self._broker_reserved_for_commit() or self._broker_kill_waiting) and \
+                        not self._broker_reserved_for_isolation():
+                    due["isolate"] = now + 1.0
+                else:
+                    due["isolate"] = self._next(p.isolate_every_s) if self.isolate_broker() else now + 0.5
             time.sleep(0.05)
 
     def _broker_reserved_for_commit(self) -> bool:
@@ -233,6 +269,12 @@ class Injector:
             return False
         self.count_commit_faults()
         return not self.counts[BROKER_RESTART_IN_COMMIT]
+
+    def _broker_reserved_for_isolation(self) -> bool:
+        """A run that requires a broker isolated from the other two gets it before any plain broker kill (the
+        slot is the same, and a killed broker can keep it busy for minutes on a loaded machine)."""
+        return (BROKER_ISOLATED in self.require_kinds and self.plan.isolate_every_s > 0
+                and bool(self.cluster.hosts) and not self.counts[BROKER_ISOLATED])
 
     def _commit_fault_armed(self) -> bool:
         return self.fault_dir is not None and (self.fault_dir / "next").exists()
@@ -252,7 +294,7 @@ class Injector:
         deadline = time.monotonic() + timeout_s
         self._disarm.set()
         self.resume_due(float("inf"))
-        self.heal_due(float("inf"))
+        self.heal_due(float("inf"))  # the hosts; an isolated broker is healed by its thread (joined below)
         if self.fault_dir is not None:  # disarm what no commit took
             (self.fault_dir / "next").unlink(missing_ok=True)
         while self._restarts and time.monotonic() < deadline:
@@ -405,11 +447,18 @@ class Injector:
                 # a broker is down or coming back (minutes on a loaded machine): the next kind instead
                 kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]
                 self._commit_turn += 1
+        if kind == "broker-restart" and self.counts[BROKER_RESTART_IN_COMMIT] and \
+                now < self._broker_commit_at + self.plan.commit_broker_gap_s:
+            kind = commitfaults.KINDS[self._commit_turn % len(commitfaults.KINDS)]  # not yet: the next kind
+            self._commit_turn += 1
+            if kind == "broker-restart":
+                return False
         self._armed_at = now
         self._armed_kind = kind
         commitfaults.arm(folder, kind)
         self.record("armed", "schedulers", fault=kind)
         if kind == "broker-restart":
+            self._broker_commit_at = now
             self._broker_busy = True
             self._broker_thread = threading.Thread(target=self._kill_broker_in_commit, args=(folder,),
                                                    daemon=True, name="broker-in-commit")
@@ -488,26 +537,68 @@ class Injector:
             proc.expect_exit_until = time.monotonic() + 60.0
             proc.sigcont(pid)
 
-    # -- issue 25: network partitions of the GPU host ----------------------------------------
+    # -- issue 25: network partitions of hosts and brokers ----------------------------------------
+    def _partition_secs(self, short: tuple[float, float], long_share: float) -> float:
+        """How long a partition lasts: uniform in ``short``, or (``long_share`` of them) log-uniform in
+        ``partition_long_s``: most cuts are short, some outlast every lease and session."""
+        p = self.plan
+        if long_share > 0 and self.rng.random() < long_share:
+            lo, hi = p.partition_long_s
+            return float(math.exp(self.rng.uniform(math.log(lo), math.log(hi))))
+        return self.rng.uniform(*short)
+
     def partition_host(self) -> bool:
-        """Cut the GPU host off (the kinds in turn, one the run still needs first); False if one is cut now."""
-        if self.host is None or self._heal_at is not None:
+        """Cut a host that is not cut now (the host kinds in turn, the one with fewer so far first); False if
+        ``max_hosts_cut`` are cut already."""
+        free = [h for h in self.hosts if h.ns not in self._heal_at]
+        if not free or len(self._heal_at) >= self.plan.max_hosts_cut:
             return False
-        n = len(PARTITION_KINDS)
-        order = [PARTITION_KINDS[(self._partition_turn + i) % n] for i in range(n)]
-        kind = next((k for k in order if not self.counts[k]), order[0])
+        n = len(HOST_PARTITION_KINDS)
+        order = [HOST_PARTITION_KINDS[(self._partition_turn + i) % n] for i in range(n)]
+        kind = min(order, key=lambda k: self.counts[k])  # stable: the turn's first among the fewest
         self._partition_turn += 1
-        secs = self.rng.uniform(*self.plan.partition_s)
+        host = self.rng.choice(free)
+        secs = self._partition_secs(self.plan.partition_s, self.plan.partition_long_share)
         if kind == HOST_CUT:
-            self.host.cut()
+            host.cut()
         else:
-            self.host.cut_from(self.broker_addrs)
-        self.record(kind, self.host.ns, cut_s=round(secs, 1))
-        self._heal_at = time.monotonic() + secs
+            host.cut_from(self.broker_addrs)
+        self.record(kind, getattr(host, "label", host.ns), cut_s=round(secs, 1))
+        self._heal_at[host.ns] = (time.monotonic() + secs, host)
         return True
 
     def heal_due(self, now: float) -> None:
-        if self._heal_at is not None and now >= self._heal_at and self.host is not None:
-            self.host.heal()
-            self._heal_at = None
-            self.record("partition healed", self.host.ns)
+        for ns, (at, host) in list(self._heal_at.items()):
+            if now >= at:
+                host.heal()
+                del self._heal_at[ns]
+                self.record("partition healed", getattr(host, "label", ns))
+
+    def isolate_broker(self) -> bool:
+        """Isolate a random broker from the other two (the cluster's ``isolate``), heal it after a while in a
+        thread that then waits until the cluster is whole; False if the broker slot is not free now."""
+        if self._broker_busy or time.monotonic() < self._broker_ready_at + self.plan.isolate_settle_s:
+            return False
+        if not self.cluster.healthy():
+            return False
+        node = self.rng.randint(1, 3)
+        secs = self._partition_secs(self.plan.isolate_s, self.plan.isolate_long_share)
+        self._broker_busy = True
+        self.cluster.isolate(node)
+        self.record(BROKER_ISOLATED, f"broker-{node}", cut_s=round(secs, 1))
+        self._broker_thread = threading.Thread(target=self._heal_broker, args=(node, secs), daemon=True,
+                                               name="broker-heal")
+        self._broker_thread.start()
+        return True
+
+    def _heal_broker(self, node: int, secs: float) -> None:
+        self._disarm.wait(secs)  # recover() heals at once
+        self.cluster.heal()
+        self.record("partition healed", f"broker-{node}")
+        # Until the healed broker has caught up with the controller, its metadata (which clients may ask) is the
+        # stale one of before the cut: whole, full ISRs. Look only after it had time to hear the news.
+        time.sleep(1.0)
+        if not self.cluster.wait_healthy(180):
+            self.say(f"warning: broker-{node} is back in the network but the ISR is not complete after 180 s")
+        self._broker_ready_at = time.monotonic()
+        self._broker_busy = False

@@ -37,7 +37,10 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("allocator"):
         a = r["allocator"]
         lines += ["", f"allocator (pool chaos): {a.get('events')} events, {a.get('grants')} grants, "
-                      f"{a.get('stores compared')} allocator store(s) equal to the pool's events rebuilt"]
+                      f"{a.get('stores compared')} allocator store(s) equal to the pool's events rebuilt; "
+                      f"GPU jobs {a.get('GPU jobs')} (succeeded {a.get('GPU jobs succeeded')}), GPUs granted "
+                      f"twice {a.get('GPUs granted twice')}, allocations held at the end "
+                      f"{a.get('allocations held at the end')}"]
     if r.get("timings s"):
         lines += ["", "timings (s since start): " + ", ".join(f"{k} {v}" for k, v in r["timings s"].items())]
     if r.get("violations"):

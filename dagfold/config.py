@@ -144,6 +144,9 @@ class SchedulerOptions:
     redispatch_after_s: float = 300.0
     # per queue, replacing redispatch_after_s for that queue's tasks (e.g. a queue with a deep backlog)
     redispatch_after_s_by_queue: Mapping[str, float] = field(default_factory=dict)
+    # How long a finished job's records stay in the scheduler's state and the read models after its end
+    # (JobExpired then drops them; its events stay in the log as long as the log keeps them); -1 keeps them.
+    finished_job_retention_ms: int = -1
 
     def redispatch_after_ms(self, queue: str) -> int:
         """The queue's re-dispatch interval in ms; 0 when re-dispatch is off for it."""
@@ -205,6 +208,7 @@ class Config:
                   commands_retention_ms=s.commands_retention_ms, api_host=s.api_host, api_port=s.port,
                   artifacts_url=s.artifacts,
                   scheduler=SchedulerOptions(redispatch_after_s=s.redispatch_after_s,
+                                             finished_job_retention_ms=s.finished_job_retention_ms,
                                              commit_interval_s=s.commit_interval_s,
                                              redispatch_after_s_by_queue=parse_queue_seconds(
                                                  s.redispatch_after_s_by_queue)))

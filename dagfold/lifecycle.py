@@ -142,6 +142,8 @@ LIFECYCLE: Mapping[str, Transition | ByFlag] = {
     "dagfold.event.JobPaused": Transition(job=JobState.PAUSED),
     "dagfold.event.JobResumed": Transition(job=JobState.RUNNING),
     "dagfold.event.TaskHeld": Transition(from_task=frozenset({_T.PENDING, _T.RETRYING, _T.RUNNABLE})),
+    # a finished job's retention ended: its records leave the state and the read models (no state is left)
+    "dagfold.event.JobExpired": UNCHANGED,
 }
 """Every event type and its ``Transition`` (a TaskMarkedSucceeded follows the TaskReopened that made its
 task pending; a TaskRetryScheduled follows the non-final TaskFailed or LeaseReclaimed of its attempt)."""

@@ -45,10 +45,18 @@ class LocalKafka:
     brokers: int = 1
     extra_env: Mapping[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"  # the address the brokers listen on and advertise (KAFKA_HOST)
+    # or brokers on hosts of their own: one address each (KAFKA_HOSTS), and the network namespace each runs in
+    # (KAFKA_NETNS; tests/netns_support.py's hosts)
+    hosts: tuple[str, ...] = ()
+    netns: tuple[str, ...] = ()
+
+    def address(self, i: int) -> str:
+        """The address broker ``i`` (0-based) listens on."""
+        return self.hosts[i] if self.hosts else self.host
 
     @property
     def bootstrap(self) -> str:
-        return ",".join(f"{self.host}:{self.port + i}" for i in range(self.brokers))
+        return ",".join(f"{self.address(i)}:{self.port + i}" for i in range(self.brokers))
 
     @property
     def url(self) -> str:
@@ -57,7 +65,9 @@ class LocalKafka:
     def env(self) -> dict[str, str]:
         return {**os.environ, "KAFKA_PORT": str(self.port), "KAFKA_BROKERS": str(self.brokers),
                 "KAFKA_DATA": str(self.data),
-                **({"KAFKA_HOST": self.host} if self.host != "127.0.0.1" else {}), **self.extra_env}
+                **({"KAFKA_HOST": self.host} if self.host != "127.0.0.1" else {}),
+                **({"KAFKA_HOSTS": ",".join(self.hosts)} if self.hosts else {}),
+                **({"KAFKA_NETNS": ",".join(self.netns)} if self.netns else {}), **self.extra_env}
 
     def sh(self, cmd: str, timeout: float = 300) -> str:
         """Run ``kafka.sh CMD``; a failure raises with the script's output."""

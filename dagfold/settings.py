@@ -73,6 +73,9 @@ class Settings(BaseSettings):
                                   "they are the audit log)", ge=-1)
     commands_retention_ms: int = _s(7 * 24 * 3600 * 1000, "retention of commands, dispatch and control, ms",
                                     ge=-1)
+    finished_job_retention_ms: int = _s(-1, "how long a finished job's state (scheduler and read models: the API "
+                                        "answers 404 after) is kept after its end, ms (-1: forever); its events "
+                                        "stay in the log for events_retention_ms", ge=-1)
     # -- scheduler
     redispatch_after_s: float = _s(300.0, "a runnable task no worker took this many seconds after its dispatch is "
                                    "dispatched again (a lost dispatch record), then after twice as long, up to 8x; "

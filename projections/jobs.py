@@ -98,6 +98,7 @@ def _gpu(task: Record, state: str) -> None:
         task["gpu_state"] = state
 
 _SEP = SEP
+EXPIRED = "dagfold.event.JobExpired"
 _U32 = U32
 _U64 = U64
 __all__ = ["MAX_LIMIT", "Page", "ReadModel", "apply", "part", "unpart"]
@@ -637,6 +638,22 @@ def _job_state_set(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
     ctx.save(ev["ts_ms"])
 
 
+def _job_expired(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """The finished job's retention ended (the scheduler's ``finished_job_retention_ms``): its summary, index
+    entries, tasks, attempts and history go; the API answers 404 for it. O(its records). The tenant's usage
+    counters keep counting it (accounting), and its events stay in the log for the audit."""
+    job_id = ev["job_id"]
+    job = txn.get(job_key(job_id))
+    if job is None:
+        return
+    for k in _index_keys(job):
+        txn.delete(k)
+    for prefix in (tasks_prefix(job_id), b"a" + _SEP + part(job_id) + _SEP, history_prefix(job_id)):
+        for k in txn.keys_with_prefix(prefix):
+            txn.delete(k)
+    txn.delete(job_key(job_id))
+
+
 def _reopen_tasks(txn: ReadModelTxn, ev: Record, counter: str, extra: dict[str, Record] | None = None) -> None:
     """Tasks the scheduler re-opened (a redrive, an operator's retry or mark succeeded): each listed task that
     ended without succeeding is pending again (``extra`` adds fields per task), the job is running again and
@@ -731,6 +748,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.TaskReopened": _task_reopened,
     "dagfold.event.TaskMarkedSucceeded": _task_marked_succeeded,
     "dagfold.event.TaskActionRejected": _history_only,
+    "dagfold.event.JobExpired": _job_expired,
     "dagfold.event.TenantEntitlementsSet": _tenant_entitlements_set,
     "dagfold.event.JobPaused": _job_state_set,
     "dagfold.event.JobResumed": _job_state_set,
@@ -851,6 +869,8 @@ def apply(txn: ReadModelTxn, event: Record, partition: int, offset: int) -> None
     applier = APPLIERS.get(event.get("type", ""))
     if applier is not None:
         applier(txn, event, partition, offset)
+    if event.get("type") == EXPIRED:
+        return  # the job's records are gone, its history with them
     entry = history_entry(event, partition, offset)
     task_id = event.get("task_id")
     if isinstance(task_id, str):  # the task's state after the event: live views recolour from history alone

@@ -80,6 +80,13 @@ class ReadModelTxn:
         self._cache[key] = _DELETED
         self._dirty.add(key)
 
+    def keys_with_prefix(self, prefix: bytes) -> list[bytes]:
+        """The keys under ``prefix`` as this transaction sees them: the store's and this transaction's puts,
+        less its deletes (for dropping a whole job, whose records a replay may have written in this batch)."""
+        found = {k for k, _ in self._store.scan(prefix)}
+        found.update(k for k in self._dirty if k.startswith(prefix))
+        return sorted(k for k in found if self._cache.get(k) is not _DELETED)
+
     def __len__(self) -> int:
         """Keys to be written (or deleted) on commit."""
         return len(self._dirty)

@@ -1,8 +1,9 @@
 """Chaos: dagfold on a 3-broker Kafka cluster while schedulers, workers and brokers are kill -9'd.
 
 ``test_short_chaos_run`` is the short run of ``make test`` (the long one is ``make
-chaos``): its own 3-broker cluster (on a test network's hub address: the GPU
-host is a network namespace of its own, cut off by the partition faults), three
+chaos``): its own 3-broker cluster (each broker on a host of its own, a network
+namespace, as is the GPU host: the partition faults cut the host off, cut it
+from the brokers, and isolate one broker from the other two), GPU jobs, three
 scheduler instances, worker processes with a side-effecting handler, a report
 duplicator, at least 50 injected faults including scheduler and broker kills and
 both partition kinds, then every check of
@@ -346,9 +347,13 @@ def test_short_chaos_run(tmp_path: Path) -> None:
     # injects past 90 s, up to 150 s, until each kind happened: the partitions take the GPU host for 8-25 s)
     assert all(faults[kind] >= 1 for kind in (*COMMIT_KINDS.values(), SCHEDULER_SIGSTOP, ALLOCATOR_SIGSTOP)), text
     # issue 25: the GPU host (a network namespace of its own) cut off, and cut from the brokers only, each once
-    # at least, each healed after 8-25 s; its agent rides them out (an exit would be an unexpected exit)
+    # at least, each healed after 8-25 s; its agent rides them out (an exit would be an unexpected exit); one
+    # broker isolated from the other two (each broker on a host of its own) for 8-15 s
     assert all(faults[kind] >= 1 for kind in PARTITION_KINDS), text
     assert report["allocator"]["stores compared"] >= 1, text
+    # GPU jobs ran on the pool, and the checks of the pool held: no GPU granted to two live allocations, no
+    # allocation left once every job ended, every GPU job succeeded (violations otherwise)
+    assert report["allocator"]["GPU jobs"] >= 1 and report["allocator"]["grants"] >= 1, text
     assert report["violations total"] == 0, text
     assert report["replay"]["exit code"] == 0 and report["replay"]["differences"] == 0, text
     assert report["consolidation"]["s1 caught up"], text

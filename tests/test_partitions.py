@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from chaos.checks import gpus_held_twice
 from dagfold.codec import Record, default_codec
 from dagfold.config import ALLOCATOR_EVENTS, COMMANDS
 from dagfold.localkafka import LocalKafka, free_base_port
@@ -69,23 +70,6 @@ def _read(lg: Log, topic: str) -> list[Record]:
     codec = default_codec()
     return [codec.decode(r.value) for p in range(lg.partitions(topic))
             for recs in read_to_end(lg, TopicPartition(topic, p)) for r in recs]
-
-
-def _double_booked(events: list[dict[str, object]]) -> list[str]:
-    """GPUs the allocator's events hold for two allocations at once (folded in log order)."""
-    held: dict[tuple[str, int], str] = {}
-    clashes = []
-    for e in events:
-        t = str(e["type"]).rsplit(".", 1)[-1]
-        if t == "AllocationGranted":
-            for h in e["hosts"]:  # type: ignore[attr-defined]
-                for g in h["gpu_indices"]:
-                    if (h["node_id"], g) in held:
-                        clashes.append(f"{h['node_id']}/{g}: {held[(h['node_id'], g)]} and {e['alloc_id']}")
-                    held[(h["node_id"], g)] = str(e["alloc_id"])
-        elif t in ("AllocationReleased", "AllocationExpired"):
-            held = {k: v for k, v in held.items() if v != e["alloc_id"]}
-    return clashes
 
 
 @pytest.mark.timeout(600)  # the 3-minute cut, a broker and a stack: about 4 minutes, more on a loaded machine
@@ -154,7 +138,7 @@ def test_an_agent_cut_off_for_3_minutes_fences_itself_rides_it_out_and_the_job_c
         regrant = [e for e in ev if e["type"].endswith("AllocationGranted") and e["job_id"] == job
                    and e["alloc_id"] != stale]
         assert regrant and regrant[0]["ts_ms"] / 1000 > gone_at  # never ran twice at once
-        assert not _double_booked(ev)
+        assert not gpus_held_twice(ev)[0]
         print(f"host declared lost {lost[0]['ts_ms'] / 1000 - cut_at:.1f} s and the job granted again "
               f"{regrant[0]['ts_ms'] / 1000 - cut_at:.1f} s after the cut")
     finally:

@@ -5,6 +5,7 @@ All topics live in one RocksDB (rocksdict, raw mode) under ``path``:
 * ``r|topic|P(4)|O(8)`` -> ``ts_ms(8) keylen(4) key value`` (the records)
 * ``t|topic`` -> partition count and retention (the topic catalogue)
 * ``g|group|topic|P(4)`` -> next offset (consumer group offsets)
+* ``s|topic|P(4)`` -> the partition's start offset once retention dropped records (Kafka's log start offset)
 * ``mpartitioner`` -> the partitioner's name (a log written before this key existed used
   CRC-32, ``consistent_random``, and keeps it; a new log records murmur2 or the one asked for)
 
@@ -26,6 +27,13 @@ partition, which records are done, locked to a member, or available again
 so after a restart every record that was not accepted or rejected is available
 again (locks and delivery counts live in memory: a kill -9 of the process ends
 every member anyway).
+
+Retention (``TopicSpec.retention_ms``, -1 keeps everything): ``enforce_retention`` drops, per partition, the
+records older than their topic's retention, oldest first (a binary search on the records' timestamps, then one
+range delete), and records the partition's new start; the high watermark stays where it is, so offsets are never
+reused. A writer runs it every ``retention_check_s`` (Kafka's ``log.retention.check.interval.ms``, 5 minutes).
+Like Kafka's, it works on time, not on what readers have read: a consumer behind the start reads on from the
+first record kept, a queue group archives the offsets that are gone.
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ def _rkey(topic: str, partition: int, offset: int) -> bytes:
 
 def _gkey(group: str, tp: TopicPartition) -> bytes:
     return b"g" + group.encode() + _SEP + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
+
+
+def _skey(tp: TopicPartition) -> bytes:
+    return b"s" + tp.topic.encode() + _SEP + struct.pack(">I", tp.partition)
 
 
 def _qkey(group: str, tp: TopicPartition) -> bytes:
@@ -140,8 +152,12 @@ class _Tail:
 class EmbeddedLog:
     """The embedded backend (see module docstring)."""
 
-    def __init__(self, path: Path, read_only: bool = False, partitioner: str | None = None) -> None:
+    def __init__(self, path: Path, read_only: bool = False, partitioner: str | None = None,
+                 retention_check_s: float = 300.0) -> None:
         """``read_only`` opens a snapshot next to a running writer (audits, replay); it cannot append.
+
+        ``retention_check_s``: how often a writer drops the records its topics' retention no longer keeps
+        (``enforce_retention``); 0 never (tests call it).
 
         ``partitioner`` (a PARTITIONERS name) is fixed when the log is created; None takes the
         recorded one, and asking an existing log for another is an error (it would move jobs).
@@ -167,6 +183,10 @@ class EmbeddedLog:
         self._load_catalogue()
         self.partitioner = self._load_partitioner(partitioner)
         self.partition_for = partitioner_named(self.partitioner)
+        self._stop_retention = threading.Event()
+        if not read_only and retention_check_s > 0:
+            threading.Thread(target=self._retention_loop, args=(retention_check_s,), daemon=True,
+                             name="embedded-log-retention").start()
 
     def _load_partitioner(self, wanted: str | None) -> str:
         if wanted is not None:
@@ -199,7 +219,65 @@ class EmbeddedLog:
         prefix = b"r" + topic.encode() + _SEP + struct.pack(">I", partition)
         if it.valid() and it.key().startswith(prefix):
             return int(_OFF.unpack(it.key()[-8:])[0]) + 1
-        return 0
+        return self.start_offset(TopicPartition(topic, partition))  # every record dropped by retention
+
+    def start_offset(self, tp: TopicPartition) -> int:
+        """The partition's first offset still kept (0 until retention dropped records)."""
+        raw = self._db.get(_skey(tp))
+        return int(_OFF.unpack(raw)[0]) if raw is not None else 0
+
+    # -- retention -------------------------------------------------------
+    def _retention_loop(self, every_s: float) -> None:
+        while not self._stop_retention.wait(every_s):
+            try:
+                self.enforce_retention()
+            except LogError:
+                return  # closed meanwhile
+
+    def _ts(self, tp: TopicPartition, offset: int) -> int:
+        v = self._db.get(_rkey(tp.topic, tp.partition, offset))
+        if v is None:
+            raise LogError(f"{tp} has no record at {offset}")
+        return int(_HDR.unpack_from(v)[0])
+
+    def enforce_retention(self, now: int | None = None) -> dict[TopicPartition, int]:
+        """Drop the records older than their topic's retention; the new start of every partition that moved.
+
+        O(log n) reads and one range delete per partition: the records of a partition are appended in
+        timestamp order, so those to drop are a prefix of it."""
+        now = now_ms() if now is None else now
+        moved: dict[TopicPartition, int] = {}
+        with self._lock:
+            if self._closed or self.read_only:
+                return moved
+            for spec in list(self._topics.values()):
+                if spec.retention_ms < 0:
+                    continue
+                cutoff = now - spec.retention_ms
+                for p in range(spec.partitions):
+                    tp = TopicPartition(spec.name, p)
+                    lo, hi = self.start_offset(tp), self._hwm.get(tp, 0)
+                    if lo >= hi or self._ts(tp, lo) >= cutoff:
+                        continue
+                    a, b = lo, hi  # the first offset in [lo, hi) kept: ts >= cutoff (hi: none is)
+                    while a < b:
+                        mid = (a + b) // 2
+                        if self._ts(tp, mid) >= cutoff:
+                            b = mid
+                        else:
+                            a = mid + 1
+                    wb = WriteBatch(raw_mode=True)
+                    wb.delete_range(_rkey(tp.topic, p, lo), _rkey(tp.topic, p, a))
+                    wb.put(_skey(tp), _OFF.pack(a))
+                    try:
+                        self._db.write(wb)
+                    except Exception as exc:
+                        raise LogError(f"cannot apply retention to the embedded log: {exc}") from exc
+                    tail = self._tails.get(tp)
+                    if tail is not None and tail.base < a:
+                        del self._tails[tp]  # it held dropped records: read from RocksDB until the next append
+                    moved[tp] = a
+        return moved
 
     def create_topics(self, specs: Sequence[TopicSpec]) -> None:
         with self._lock:
@@ -388,6 +466,7 @@ class EmbeddedLog:
             if self._closed:
                 return
             self._closed = True
+            self._stop_retention.set()
             self._cond.notify_all()
             self._db.close()
 
@@ -653,6 +732,12 @@ class _QueueGroup:
                 recs = log.read(tp, off, 1)
                 if not recs:  # cannot happen below the high watermark; hand it out later
                     heapq.heappush(q.available, off)
+                    continue
+                if recs[0].offset != off:  # dropped by retention: archived, as Kafka's share groups do
+                    for gone in range(off, recs[0].offset):
+                        q.finish(gone)
+                    q.fresh = max(q.fresh, recs[0].offset)
+                    still.append(tp)
                     continue
                 n = q.deliveries[off] = q.deliveries.get(off, 0) + 1
                 q.locks[off] = (member, deadline)

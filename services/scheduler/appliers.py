@@ -311,8 +311,45 @@ def _job_ended(txn: PartitionTransaction, e: Record) -> None:
         return
     j["state"] = job_state_after(e)
     j["ended_ms"] = e["ts_ms"]
+    _set_expiry(txn, e["job_id"], j, e.get("expires_ms"))
     txn.put(keys.job(e["job_id"]), j)
     _uncache_job(txn, e["job_id"])
+
+
+def _set_expiry(txn: PartitionTransaction, job_id: str, j: dict[str, Any], due: int | None) -> None:
+    """The finished job's retention timer (a job's timer: task ID ""), replacing any earlier one; None clears."""
+    old = j.pop("expires_ms", None)
+    if old is not None:
+        _delete_timer(txn, keys.timer(old, job_id, "", keys.EXPIRE_TIMER))
+    if due is not None:
+        j["expires_ms"] = due
+        txn.put(keys.timer(due, job_id, "", keys.EXPIRE_TIMER), 0)
+
+
+def _job_expired(txn: PartitionTransaction, e: Record) -> None:
+    """The finished job's retention ended: every record of it goes (job, task list, tasks, dependents, its
+    retention timer, its idempotency key if it still names this job). O(tasks of the job)."""
+    job_id = e["job_id"]
+    j = get_job(txn, job_id)
+    if j is None:
+        return
+    _set_expiry(txn, job_id, j, None)
+    task_ids = txn.get(keys.task_list(job_id)) or []
+    for tid in task_ids:
+        t = get_task(txn, job_id, tid)
+        if t is not None:
+            _clear_timers(txn, job_id, tid, dict(t))  # none is left on a finished job's tasks; cheap to be sure
+        for key in (keys.task(job_id, tid), keys.dependents(job_id, tid)):
+            txn.delete(key)
+            txn.uncache(key)
+    if j.get("idempotency_key"):
+        ikey = keys.idempotency(j["tenant"], j["idempotency_key"])
+        if txn.get(ikey) == job_id:
+            txn.delete(ikey)
+            txn.uncache(ikey)
+    for key in (keys.job(job_id), keys.task_list(job_id)):
+        txn.delete(key)
+        txn.uncache(key)
 
 
 def _uncache_job(txn: PartitionTransaction, job_id: str) -> None:
@@ -353,6 +390,7 @@ def _job_redriven(txn: PartitionTransaction, e: Record) -> None:
                  worker=None, lease_ms=None, ended_ms=None, base=t["attempt"], lost=0)
         txn.put(keys.task(job_id, tid), t)
     j.update(state=step.job, open=j["open"] + len(reopened), first_failure=None, ended_ms=None)
+    _set_expiry(txn, job_id, j, None)  # running again: kept until its next end
     txn.put(keys.job(job_id), j)
 
 
@@ -390,6 +428,7 @@ def _task_reopened(txn: PartitionTransaction, e: Record) -> None:
                 dt[outcome] -= 1
                 txn.put(keys.task(job_id, d), dt)
     j.update(state=step.job, open=j["open"] + len(old), ended_ms=None)
+    _set_expiry(txn, job_id, j, None)  # running again: kept until its next end
     txn.put(keys.job(job_id), j)
 
 
@@ -457,6 +496,7 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobPaused": _job_state_set,
     "dagfold.event.JobResumed": _job_state_set,
     "dagfold.event.TaskHeld": _task_held,
+    "dagfold.event.JobExpired": _job_expired,
 }
 
 

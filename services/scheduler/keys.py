@@ -14,6 +14,7 @@ forbids control characters), so keys never collide.
 | tenants    | ``E|tenant``                     | {ent: Entitlements, file: auth file digest} |
 | queue progress | ``Q|queue|tenant``           | [latest dispatch time leased, when]     |
 
+A finished job's retention timer is a job's timer: task ``""``, kind ``expire`` (``EXPIRE_TIMER``).
 Leases live in the task record (worker, lease deadline) and in the timers table.
 """
 
@@ -63,6 +64,7 @@ def queue_progress(queue: str, tenant: str) -> bytes:
 
 
 TIMER_PREFIX = f"T{S}".encode()
+EXPIRE_TIMER = "expire"  # a finished job's retention (task ID "": a job's timer)
 
 
 def timer(due_ms: int, job_id: str, task_id: str, kind: str) -> bytes:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dagfold.jobspec import evaluate_rule
-from dagfold.lifecycle import JOB_OPEN, TaskState
+from dagfold.lifecycle import JOB_OPEN, JOB_TERMINAL, TaskState
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import get_dependents, read_job, read_task
@@ -46,13 +46,31 @@ def finish_job_if_done(ctx: Ctx, job_id: str) -> None:
     j = read_job(ctx.txn, job_id)
     if j is None or j["state"] not in JOB_OPEN or j["open"] > 0:
         return
+    expires = expires_ms(ctx)
     if j["failed"] == 0:
-        ctx.event("JobSucceeded", job_id, partial=False)
+        ctx.event("JobSucceeded", job_id, partial=False, expires_ms=expires)
     elif j["policy"] == "allow_partial" and j["leaf_ok"] > 0:
-        ctx.event("JobSucceeded", job_id, partial=True)
+        ctx.event("JobSucceeded", job_id, partial=True, expires_ms=expires)
     else:
         first = j.get("first_failure")
-        ctx.event("JobFailed", job_id, reason=f"{j['failed']} task(s) failed" + (f"; first: {first}" if first else ""))
+        ctx.event("JobFailed", job_id, reason=f"{j['failed']} task(s) failed" + (f"; first: {first}" if first else ""),
+                  expires_ms=expires)
+
+
+def expires_ms(ctx: Ctx) -> int | None:
+    """When a job that ends now leaves the state (``finished_job_retention_ms`` after its end); None: never.
+    Decided here and carried by the job's end event, so a replay under other settings expires it alike."""
+    keep = ctx.opts.finished_job_retention_ms
+    return None if keep < 0 else ctx.now_ms + keep
+
+
+def job_expired(ctx: Ctx, job_id: str, due_ms: int) -> None:
+    """A finished job's retention timer: its records go (JobExpired), unless it was redriven meanwhile (its
+    timer then went with it) or ended again later (a later timer)."""
+    j = read_job(ctx.txn, job_id)
+    if j is None or j["state"] not in JOB_TERMINAL or j.get("expires_ms") != due_ms or due_ms > ctx.now_ms:
+        return
+    ctx.event("JobExpired", job_id)
 
 
 def cancel_open_tasks(ctx: Ctx, job_id: str, reason: str) -> None:

@@ -9,7 +9,7 @@ from dagfold.rules import MAX_REASON_LEN
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import read_job, read_task, read_tenant
 from dagfold.services.scheduler.context import Ctx
-from dagfold.services.scheduler.outcomes import cancel_open_tasks, finish_job_if_done, rerun
+from dagfold.services.scheduler.outcomes import cancel_open_tasks, expires_ms, finish_job_if_done, rerun
 from dagfold.services.scheduler.runnable import make_runnable
 from dagfold.tenants import Entitlements
 from dagfold.tracing import clean_traceparent
@@ -75,7 +75,7 @@ def cancel_job(ctx: Ctx, cmd: Record) -> None:
     if j is None or j["state"] in JOB_TERMINAL:
         return  # unknown or finished: a no-op, the command stays in the log for the audit
     cancel_open_tasks(ctx, job_id, f"job cancelled: {cmd['reason']}")
-    ctx.event("JobCancelled", job_id, reason=cmd["reason"])
+    ctx.event("JobCancelled", job_id, reason=cmd["reason"], expires_ms=expires_ms(ctx))
 
 
 def redrive_job(ctx: Ctx, cmd: Record) -> None:

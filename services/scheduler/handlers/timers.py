@@ -5,15 +5,19 @@ from __future__ import annotations
 from dagfold.codec import Record
 from dagfold.jobspec import is_gpu
 from dagfold.lifecycle import JOB_OPEN, TaskState
+from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import read_job, read_task
 from dagfold.services.scheduler.context import Ctx, stop_attempt
-from dagfold.services.scheduler.outcomes import fail_attempt, reclaim_lease
+from dagfold.services.scheduler.outcomes import fail_attempt, job_expired, reclaim_lease
 from dagfold.services.scheduler.runnable import make_runnable
 
 
 def timer_fired(ctx: Ctx, cmd: Record) -> None:
     """Decide what a due timer means now; a timer made stale by later events does nothing."""
     job_id, task_id, attempt, kind = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["timer"]
+    if kind == keys.EXPIRE_TIMER:
+        job_expired(ctx, job_id, cmd["due_ms"])
+        return
     if task_id is None:
         return
     t = read_task(ctx.txn, job_id, task_id)
