@@ -233,11 +233,14 @@ def start_stack(data: Path, port: int, env: dict[str, str], gpu_nodes: int, log_
 
 def stack_env(snapshots: Path | None) -> dict[str, str]:
     """The environment of the soak's `dagfold up`: the operator settings of a busy deployment (admission
-    sized for the soak's rate, commands retained for an hour, callbacks allowed to the driver's loopback receiver)
+    sized for the soak's rate, commands retained for an hour, finished jobs for 15 minutes, callbacks allowed to the driver's loopback receiver)
     and, when profiling, tracemalloc."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGFOLD_")}
     env.update({"PYTHONPATH": str(ROOT), "DAGFOLD_SUBMIT_RATE": "100000", "DAGFOLD_SUBMIT_BURST": "100000",
                 "DAGFOLD_MAX_OPEN_JOBS": "100000", "DAGFOLD_COMMANDS_RETENTION_MS": str(3600 * 1000),
+                # finished jobs leave the scheduler's state and the read models 15 minutes after they end (the
+                # events stay: the audit log)
+                "DAGFOLD_FINISHED_JOB_RETENTION_MS": str(15 * 60 * 1000),
                 "DAGFOLD_CALLBACK_BASE_BACKOFF_S": "0.2", "DAGFOLD_CALLBACK_CONCURRENCY": "16",
                 # the soak's receiver runs in the driver, on loopback: callbacks there are denied unless allowed
                 "DAGFOLD_CALLBACK_ALLOW": "127.0.0.1/32"})
