@@ -612,15 +612,8 @@ def _job_succeeded(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -
     ctx.save(ev["ts_ms"])
 
 
-def _job_failed(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
-    ctx = _Ctx(txn, ev["job_id"], None)
-    if ctx.job is None:
-        return
-    _end_job(txn, ctx.job, job_state_after(ev), ev["ts_ms"], ev["reason"])
-    ctx.save(ev["ts_ms"])
-
-
-def _job_cancelled(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+def _job_ended_for_a_reason(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
+    """JobFailed, JobCancelled: the job ends in the table's state, with the event's reason."""
     ctx = _Ctx(txn, ev["job_id"], None)
     if ctx.job is None:
         return
@@ -742,8 +735,8 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.TaskSkipped": _task_skipped,
     "dagfold.event.TaskCancelled": _task_cancelled,
     "dagfold.event.JobSucceeded": _job_succeeded,
-    "dagfold.event.JobFailed": _job_failed,
-    "dagfold.event.JobCancelled": _job_cancelled,
+    "dagfold.event.JobFailed": _job_ended_for_a_reason,
+    "dagfold.event.JobCancelled": _job_ended_for_a_reason,
     "dagfold.event.JobRedriven": _job_redriven,
     "dagfold.event.TaskReopened": _task_reopened,
     "dagfold.event.TaskMarkedSucceeded": _task_marked_succeeded,

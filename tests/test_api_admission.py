@@ -43,10 +43,15 @@ def test_rate_limit_429_with_retry_after(tmp_path: Path) -> None:
         a.close()
 
 
+def _acme_capped(tmp_path: Path, cap: int) -> ApiHarness:
+    """An API whose tenant acme may have ``cap`` open jobs (50 for the others), rates out of the way."""
+    limits = {"acme": TenantLimits(max_open_jobs=cap)}
+    return ApiHarness(tmp_path, admission=AdmissionConfig(rate_per_s=1000, burst=1000, max_open_jobs=50,
+                                                          tenants=limits))
+
+
 def test_open_jobs_cap(tmp_path: Path) -> None:
-    limits = {"acme": TenantLimits(max_open_jobs=3)}
-    a = ApiHarness(tmp_path, admission=AdmissionConfig(rate_per_s=1000, burst=1000, max_open_jobs=50,
-                                                       tenants=limits))
+    a = _acme_capped(tmp_path, 3)
     try:
         a.project(accepted("old-1", ["a"]), accepted("old-2", ["a"]))  # two running jobs of acme
         assert a.client.post("/v1/jobs", json={"tenant": "acme", "tasks": [{"id": "a"}]}).status_code == 202
@@ -69,9 +74,7 @@ def test_a_paused_job_still_counts_against_the_open_jobs_cap(tmp_path: Path) -> 
     """Pausing is not finishing: a tenant that pauses its jobs cannot queue more than its cap."""
     from tests.api_support import ev
 
-    limits = {"acme": TenantLimits(max_open_jobs=2)}
-    a = ApiHarness(tmp_path, admission=AdmissionConfig(rate_per_s=1000, burst=1000, max_open_jobs=50,
-                                                       tenants=limits))
+    a = _acme_capped(tmp_path, 2)
     try:
         a.project(accepted("p-1", ["a"]), accepted("p-2", ["a"]))
         a.project(ev("JobPaused", job_id="p-1", ts_ms=1), ev("JobPaused", job_id="p-2", ts_ms=1))
