@@ -58,6 +58,9 @@ class Counts:
     submitted: int = 0
     refused: int = 0  # 429 and other non-2xx answers to a submission
     cancels: int = 0
+    # requests sent again because a kept-alive connection was closed under them (the server's keep-alive
+    # timeout racing the next request: no answer was read, and every soak request is idempotent)
+    resent: int = 0
     callbacks: int = 0
     tasks_submitted: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
@@ -233,8 +236,8 @@ def start_stack(data: Path, port: int, env: dict[str, str], gpu_nodes: int, log_
 
 def stack_env(snapshots: Path | None) -> dict[str, str]:
     """The environment of the soak's `dagfold up`: the operator settings of a busy deployment (admission
-    sized for the soak's rate, commands retained for an hour, finished jobs for 15 minutes, callbacks allowed to the driver's loopback receiver)
-    and, when profiling, tracemalloc."""
+    sized for the soak's rate, commands retained for an hour, finished jobs for 15 minutes, callbacks allowed
+    to the driver's loopback receiver) and, when profiling, tracemalloc."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DAGFOLD_")}
     env.update({"PYTHONPATH": str(ROOT), "DAGFOLD_SUBMIT_RATE": "100000", "DAGFOLD_SUBMIT_BURST": "100000",
                 "DAGFOLD_MAX_OPEN_JOBS": "100000", "DAGFOLD_COMMANDS_RETENTION_MS": str(3600 * 1000),
@@ -282,7 +285,13 @@ def run(plan: Plan, data: Path) -> dict[str, Any]:
 
     def timed(method: str, path: str, **kw: Any) -> httpx.Response:
         start = time.perf_counter()
-        r = api.request(method, path, **kw)
+        try:
+            r = api.request(method, path, **kw)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            # a kept-alive connection the server closed as this request went out (its keep-alive timeout):
+            # nothing was answered; submissions carry their job ID and cancels are idempotent, so send again
+            counts.resent += 1
+            r = api.request(method, path, **kw)
         with lat_lock:
             latencies.append((time.perf_counter() - start) * 1000)
         return r
