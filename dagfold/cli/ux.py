@@ -35,7 +35,8 @@ GPU = "GPU"
 PANELS: dict[str, str] = {
     "run": RUN_LOCALLY, "up": RUN_LOCALLY, "serve": RUN_LOCALLY, "config": RUN_LOCALLY,
     "submit": CLIENT, "jobs": CLIENT, "status": CLIENT, "watch": CLIENT, "tasks": CLIENT, "attempts": CLIENT,
-    "history": CLIENT, "cancel": CLIENT, "redrive": CLIENT, "retry": CLIENT, "mark-succeeded": CLIENT,
+    "history": CLIENT, "cancel": CLIENT, "pause": CLIENT, "resume": CLIENT, "redrive": CLIENT, "retry": CLIENT,
+    "mark-succeeded": CLIENT,
     "stuck": OPERATE, "queues": OPERATE, "tenants": OPERATE, "failures": OPERATE, "replay": OPERATE,
     "audit": OPERATE, "deadletters": OPERATE,
     "scheduler": KAFKA, "worker": KAFKA, "callbacks": KAFKA, "traces": KAFKA,
@@ -55,6 +56,8 @@ EXAMPLES: dict[str, str] = {
     "attempts": "dagfold attempts failing-demo bad",
     "history": "dagfold history failing-demo --type TaskFailed",
     "cancel": "dagfold cancel long-running",
+    "pause": "dagfold pause nightly-etl --reason 'warehouse maintenance'",
+    "resume": "dagfold resume nightly-etl",
     "redrive": "dagfold redrive failing-demo",
     "retry": "dagfold retry failing-demo bad --reason 'input fixed'",
     "mark-succeeded": "dagfold mark-succeeded failing-demo bad --reason 'loaded by hand'",
