@@ -291,7 +291,7 @@ class EmbeddedLog:
                     continue
                 if s.partitions < 1:
                     raise LogError(f"topic {s.name}: partitions must be >= 1")
-                self._db.put(b"t" + s.name.encode(), _TOPIC.pack(s.partitions, s.retention_ms))
+                self._store_topic(s)
                 self._topics[s.name] = s
                 for p in range(s.partitions):
                     self._hwm[TopicPartition(s.name, p)] = 0
@@ -300,6 +300,10 @@ class EmbeddedLog:
                 for g in self._groups.values():
                     g.bump()
                 self._cond.notify_all()
+
+    def _store_topic(self, spec: TopicSpec) -> None:
+        """Keep a new topic where this backend keeps its records (the memory log overrides it)."""
+        self._db.put(b"t" + spec.name.encode(), _TOPIC.pack(spec.partitions, spec.retention_ms))
 
     def topics(self) -> list[str]:
         with self._lock:

@@ -70,24 +70,9 @@ class MemoryLog(EmbeddedLog):
         self.close()
         return MemoryLog(clock=self.clock, broker=self.broker)
 
-    def create_topics(self, specs: Sequence[TopicSpec]) -> None:
-        with self._lock:
-            created = False
-            for s in specs:
-                if s.name in self._topics:
-                    continue
-                if s.partitions < 1:
-                    raise LogError(f"topic {s.name}: partitions must be >= 1")
-                self._topics[s.name] = s
-                for p in range(s.partitions):
-                    tp = TopicPartition(s.name, p)
-                    self._hwm[tp] = 0
-                    self.broker.records[tp] = []
-                created = True
-            if created:
-                for g in self._groups.values():
-                    g.bump()
-                self._cond.notify_all()
+    def _store_topic(self, spec: TopicSpec) -> None:
+        for p in range(spec.partitions):
+            self.broker.records[TopicPartition(spec.name, p)] = []
 
     def _now_ms(self) -> int:
         return self.clock()
