@@ -127,6 +127,9 @@ def main() -> None:
     ap.add_argument("--sched-cprofile", type=Path,
                     help="with --scheduler-proc: run the `dagfold scheduler` process under cProfile timed by CPU "
                          "(bench.peers.cpu_profile; its whole life, warm-up included) into this file")
+    ap.add_argument("--traces-cprofile", type=Path,
+                    help="with tracing on and --scheduler-proc: the `dagfold traces` process under cProfile timed by "
+                         "CPU, as --sched-cprofile")
     ap.add_argument("--pyspy-bin", default=os.environ.get("PYSPY", "py-spy"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -151,8 +154,9 @@ def main() -> None:
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(sched_proc)
             if tracing:  # a deployment's shape: the span exporter is a `dagfold traces` process
+                tprof = ["-m", "bench.peers.cpu_profile", str(args.traces_cprofile)] if args.traces_cprofile else []
                 traces_proc = subprocess.Popen(
-                    [sys.executable, "-m", "dagfold", "traces", "--log", args.log, "--data", str(data / "traces")],
+                    [sys.executable, *tprof, "-m", "dagfold", "traces", "--log", args.log, "--data", str(data / "traces")],
                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 procs.append(traces_proc)
         if thread_workers == 0:
