@@ -51,6 +51,7 @@ from dagfold.exceptions import CodecError
 from dagfold.lifecycle import (
     JOB_ENDING_EVENTS,
     JOB_FINAL,
+    JOB_STATE_ONLY,
     JOB_TERMINAL,
     TASK_TERMINAL,
     TaskState,
@@ -175,8 +176,8 @@ class EventModel:
                                                  f"e.g. {open_tasks[0]} {j.state[open_tasks[0]]}")
             j.final = step.job
             return
-        if name in ("JobPaused", "JobResumed"):
-            return  # the job's state only; its tasks keep theirs
+        if e["type"] in JOB_STATE_ONLY:
+            return  # the job's state only (the table says which); its tasks keep theirs
         if name in ("JobRedriven", "TaskReopened"):
             for tid in e["task_ids"]:
                 if tid in j.state and j.state[tid] in (step.from_task or ()):

@@ -7,8 +7,10 @@ States are ``StrEnum`` members: each *is* its string (equal, same hash, same msg
 records and answers are byte for byte what bare strings gave.
 
 ``LIFECYCLE`` maps every event type of ``schemas/`` (``dagfold.event.*``) to its ``Transition``: the state
-the event leaves its task(s) and its job in, and the task states it may follow. tests/test_lifecycle_table.py
-checks that every event schema is in it and in both folds' applier tables.
+the event leaves its task(s) and its job in, the task states it may follow, and how the jobs read model's
+history tells it. An event the table describes alone (it only moves a job between open states, or it changes
+no state) needs no applier of its own in either fold (``with_lifecycle_appliers``) nor in the chaos model.
+tests/test_lifecycle_table.py checks that every event schema is in it and in both folds' applier tables.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 
 class TaskState(StrEnum):
@@ -85,11 +87,15 @@ class Transition:
     ``from_task``: the task states the event may follow (None: any, or it has no task); the scheduler emits
     nothing else, and the chaos checks flag any other step as an illegal transition. The folds apply what
     the scheduler decided: they guard only against changing a terminal task.
+    ``says``: the event's line in a job's history (``projections.jobs.history_entry``), a ``str.format``
+    template over the event's fields, with ``{by}`` (" by <requested_by>", or nothing) and ``{because}``
+    (": <reason>", or nothing); "" when the read model words it itself (a line that needs more than fields).
     """
 
     task: TaskState | None = None
     job: JobState | None = None
     from_task: frozenset[TaskState] | None = None
+    says: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,20 +116,23 @@ _RUNNING_ATTEMPT = frozenset({_T.RUNNABLE, _T.RUNNING})  # an attempt that holds
 
 LIFECYCLE: Mapping[str, Transition | ByFlag] = {
     "dagfold.event.JobAccepted": Transition(task=_T.PENDING, job=JobState.RUNNING),
-    "dagfold.event.JobRejected": Transition(job=JobState.REJECTED),
-    "dagfold.event.SubmissionDeduplicated": UNCHANGED,
+    "dagfold.event.JobRejected": Transition(job=JobState.REJECTED, says="{code}: {reason}"),
+    "dagfold.event.SubmissionDeduplicated": Transition(
+        says="repeated submission with idempotency key {idempotency_key!r}"),
     "dagfold.event.TenantEntitlementsSet": UNCHANGED,
-    "dagfold.event.TaskDispatched": Transition(task=_T.RUNNABLE, from_task=frozenset({_T.PENDING, _T.RETRYING})),
+    "dagfold.event.TaskDispatched": Transition(task=_T.RUNNABLE, from_task=frozenset({_T.PENDING, _T.RETRYING}),
+                                               says="queue {queue}"),
     "dagfold.event.TaskRedispatched": Transition(from_task=frozenset({_T.RUNNABLE})),
     "dagfold.event.TaskRedispatchDeferred": Transition(from_task=frozenset({_T.RUNNABLE})),
     "dagfold.event.TaskAllocated": Transition(from_task=frozenset({_T.RUNNABLE})),
-    "dagfold.event.TaskCheckpointing": UNCHANGED,
+    "dagfold.event.TaskCheckpointing": Transition(says="{alloc_id} asked to checkpoint and stop: {reason}"),
     "dagfold.event.TaskRequeued": Transition(task=_T.RUNNABLE, from_task=_RUNNING_ATTEMPT),
     "dagfold.event.LeaseGranted": Transition(task=_T.RUNNING, from_task=frozenset({_T.RUNNABLE})),
     "dagfold.event.LeaseExtended": Transition(from_task=frozenset({_T.RUNNING})),
-    "dagfold.event.LeaseRejected": UNCHANGED,
-    "dagfold.event.ReportIgnored": UNCHANGED,
-    "dagfold.event.TaskSucceeded": Transition(task=_T.SUCCEEDED, from_task=frozenset({_T.RUNNING})),
+    "dagfold.event.LeaseRejected": Transition(says="worker {worker_id}: {reason}"),
+    "dagfold.event.ReportIgnored": Transition(says="{report} from worker {worker_id}: {reason}"),
+    "dagfold.event.TaskSucceeded": Transition(task=_T.SUCCEEDED, from_task=frozenset({_T.RUNNING}),
+                                              says="worker {worker_id}"),
     "dagfold.event.TaskFailed": ByFlag("final", True,  # a final failure, or an attempt the retry policy repeats
                                        Transition(task=_T.FAILED, from_task=_RUNNING_ATTEMPT),
                                        Transition(task=_T.RETRYING, from_task=_RUNNING_ATTEMPT)),
@@ -139,9 +148,10 @@ LIFECYCLE: Mapping[str, Transition | ByFlag] = {
     "dagfold.event.TaskReopened": Transition(task=_T.PENDING, job=JobState.RUNNING, from_task=REOPENABLE),
     "dagfold.event.TaskMarkedSucceeded": Transition(task=_T.SUCCEEDED, from_task=frozenset({_T.PENDING})),
     "dagfold.event.TaskActionRejected": UNCHANGED,
-    "dagfold.event.JobPaused": Transition(job=JobState.PAUSED),
-    "dagfold.event.JobResumed": Transition(job=JobState.RUNNING),
-    "dagfold.event.TaskHeld": Transition(from_task=frozenset({_T.PENDING, _T.RETRYING, _T.RUNNABLE})),
+    "dagfold.event.JobPaused": Transition(job=JobState.PAUSED, says="paused{by}{because}"),
+    "dagfold.event.JobResumed": Transition(job=JobState.RUNNING, says="resumed{by}{because}"),
+    "dagfold.event.TaskHeld": Transition(from_task=frozenset({_T.PENDING, _T.RETRYING, _T.RUNNABLE}),
+                                         says="could run, held: {reason} (runs when the job is resumed)"),
     # a finished job's retention ended: its records leave the state and the read models (no state is left)
     "dagfold.event.JobExpired": UNCHANGED,
 }
@@ -157,6 +167,52 @@ def branches(step: Transition | ByFlag) -> tuple[Transition, ...]:
 JOB_ENDING_EVENTS = frozenset(kind for kind, step in LIFECYCLE.items()
                               if any(t.job in JOB_TERMINAL for t in branches(step)))
 """The event types that end an accepted job (JobSucceeded, JobFailed, JobCancelled)."""
+
+JOB_STATE_ONLY = frozenset(kind for kind, step in LIFECYCLE.items()
+                           if all(t.task is None and t.from_task is None and t.job in JOB_OPEN for t in branches(step)))
+"""The event types that only move an open job to another open state (JobPaused, JobResumed): every fold sets
+the job's state from the table, the chaos model leaves the job's tasks as they are; none has code of its own."""
+
+STATE_UNCHANGED = frozenset(kind for kind, step in LIFECYCLE.items()
+                            if all(t.task is None and t.job is None for t in branches(step)))
+"""The event types that change no job or task state (some follow given task states): a fold with nothing more
+to keep of one records it only (its history), with no applier of its own."""
+
+A = TypeVar("A")
+
+
+def with_lifecycle_appliers(own: Mapping[str, A], set_job_state: A, record_only: A) -> dict[str, A]:
+    """A fold's applier table, in the lifecycle's order: its ``own`` appliers, and for every other event the
+    table describes alone the fold's generic one: ``set_job_state`` for ``JOB_STATE_ONLY``, ``record_only``
+    for ``STATE_UNCHANGED``. An event that is neither and has no applier of its own is left out: the fold
+    refuses it, and tests/test_lifecycle_table.py fails until it has one."""
+    out: dict[str, A] = {}
+    for kind in LIFECYCLE:
+        if kind in own:
+            out[kind] = own[kind]
+        elif kind in JOB_STATE_ONLY:
+            out[kind] = set_job_state
+        elif kind in STATE_UNCHANGED:
+            out[kind] = record_only
+    out.update((kind, fn) for kind, fn in own.items() if kind not in out)  # no row in the table: the test says so
+    return out
+
+
+class _Told(dict[str, Any]):
+    """An event's fields for a ``says`` template: a field the record lacks reads None (as ``Record.get``)."""
+
+    def __missing__(self, key: str) -> Any:
+        return None
+
+
+def history_line(event: Mapping[str, Any]) -> str | None:
+    """The event's history line from its ``says`` template; None when the table has none for it."""
+    step = LIFECYCLE.get(event.get("type", ""))
+    says = transition(event).says if step is not None else ""
+    if not says:
+        return None
+    who, why = event.get("requested_by"), event.get("reason")
+    return says.format_map(_Told(event, by=f" by {who}" if who else "", because=f": {why}" if why else ""))
 
 
 def transition(event: Mapping[str, Any]) -> Transition:

@@ -46,9 +46,11 @@ from dagfold.lifecycle import (
     TASK_STATES,
     TASK_TERMINAL,
     JobState,
+    history_line,
     job_state_after,
     task_state_after,
     transition,
+    with_lifecycle_appliers,
 )
 from dagfold.projections import operator as ops
 from dagfold.projections.keys import (
@@ -622,7 +624,7 @@ def _job_ended_for_a_reason(txn: ReadModelTxn, ev: Record, partition: int, offse
 
 
 def _job_state_set(txn: ReadModelTxn, ev: Record, partition: int, offset: int) -> None:
-    """The job's state changes, nothing else (JobPaused, JobResumed)."""
+    """The job's state changes, nothing else (``lifecycle.JOB_STATE_ONLY``: no applier of their own)."""
     ctx = _Ctx(txn, ev["job_id"], None)
     state = job_state_after(ev)
     if ctx.job is None or state is None:
@@ -714,20 +716,16 @@ def _tenant_entitlements_set(txn: ReadModelTxn, ev: Record, partition: int, offs
                                                 "ts_ms": ev["ts_ms"]})
 
 
-APPLIERS: dict[str, Applier] = {
+APPLIERS: dict[str, Applier] = with_lifecycle_appliers({
     "dagfold.event.JobAccepted": _job_accepted,
     "dagfold.event.JobRejected": _job_rejected,
-    "dagfold.event.SubmissionDeduplicated": _history_only,
     "dagfold.event.TaskDispatched": _task_dispatched,
     "dagfold.event.TaskRedispatched": _task_redispatched,
-    "dagfold.event.TaskRedispatchDeferred": _history_only,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
     "dagfold.event.TaskCheckpointing": _task_checkpointing,
     "dagfold.event.LeaseGranted": _lease_granted,
     "dagfold.event.LeaseExtended": _lease_extended,
-    "dagfold.event.LeaseRejected": _history_only,
-    "dagfold.event.ReportIgnored": _history_only,
     "dagfold.event.TaskSucceeded": _task_succeeded,
     "dagfold.event.LeaseReclaimed": _lease_reclaimed,
     "dagfold.event.TaskFailed": _task_failed,
@@ -740,13 +738,10 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobRedriven": _job_redriven,
     "dagfold.event.TaskReopened": _task_reopened,
     "dagfold.event.TaskMarkedSucceeded": _task_marked_succeeded,
-    "dagfold.event.TaskActionRejected": _history_only,
     "dagfold.event.JobExpired": _job_expired,
     "dagfold.event.TenantEntitlementsSet": _tenant_entitlements_set,
-    "dagfold.event.JobPaused": _job_state_set,
-    "dagfold.event.JobResumed": _job_state_set,
-    "dagfold.event.TaskHeld": _history_only,
-}
+}, set_job_state=_job_state_set, record_only=_history_only)
+"""Every event type and its applier: these, and the lifecycle's generic ones (``with_lifecycle_appliers``)."""
 
 
 # -- history ----------------------------------------------------------------
@@ -759,16 +754,15 @@ def _within(prefix: str, at_ms: object, ts_ms: object) -> str:
 
 
 def _detail(kind: str, ev: Record) -> str:
+    """The event's history line: the lifecycle table's template for it (``Transition.says``), else worded here
+    (a line that needs more than the event's fields), else its reason."""
+    told = history_line(ev)
+    if told is not None:
+        return told
     g = ev.get
     if kind == "JobAccepted":
         spec = ev["spec"]
         return f"{len(spec['tasks'])} tasks, tenant {spec.get('tenant')}, tier {spec.get('tier')}"
-    if kind == "JobRejected":
-        return f"{g('code')}: {g('reason')}"
-    if kind == "SubmissionDeduplicated":
-        return f"repeated submission with idempotency key {g('idempotency_key')!r}"
-    if kind == "TaskDispatched":
-        return f"queue {g('queue')}"
     if kind == "TaskRedispatched":
         return (f"queue {g('queue')}: not leased in time, dispatched again ({g('redispatches')}x)"
                 + _within("; next in ", g("next_redispatch_at_ms"), g("ts_ms")))
@@ -778,8 +772,6 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "TaskAllocated":
         resume = g("resume_checkpoint")
         return f"{g('alloc_id')} on {', '.join(g('node_ids') or [])}" + (f", resumes from {resume}" if resume else "")
-    if kind == "TaskCheckpointing":
-        return f"{g('alloc_id')} asked to checkpoint and stop: {g('reason')}"
     if kind == "TaskRequeued":
         ck = g("checkpoint_uri")
         return f"{g('alloc_id')} ended: {g('reason')}; waits for GPUs again" + (f" (checkpoint {ck})" if ck else "")
@@ -788,12 +780,6 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "LeaseExtended":
         p = g("progress")
         return f"worker {g('worker_id')}" + (f", progress {p:g}" if isinstance(p, float | int) else "")
-    if kind == "LeaseRejected":
-        return f"worker {g('worker_id')}: {g('reason')}"
-    if kind == "ReportIgnored":
-        return f"{g('report')} from worker {g('worker_id')}: {g('reason')}"
-    if kind == "TaskSucceeded":
-        return f"worker {g('worker_id')}"
     if kind == "TaskFailed":
         code = g("exit_code")
         etype = g("error_type")
@@ -821,11 +807,6 @@ def _detail(kind: str, ev: Record) -> str:
     if kind == "TaskMarkedSucceeded":
         return (f"marked succeeded by {g('requested_by') or 'an operator'}, not run"
                 + (f": {g('reason')}" if g("reason") else ""))
-    if kind in ("JobPaused", "JobResumed"):
-        by = f" by {g('requested_by')}" if g("requested_by") else ""
-        return f"{kind[3:].lower()}{by}" + (f": {g('reason')}" if g("reason") else "")
-    if kind == "TaskHeld":
-        return f"could run, held: {g('reason')} (runs when the job is resumed)"
     if kind == "TaskActionRejected":
         what = "retry" if g("action") == "retry" else "mark succeeded"
         return f"{what} refused ({g('code')}): {g('reason')}"

@@ -248,7 +248,7 @@ def _parse_due_key(k: bytes, prefix_len: int) -> tuple[int, str, str]:
 
 
 def open_job_count(jobs_by_state: Mapping[str, int]) -> int:
-    """Jobs not finished (running or paused: ``lifecycle.JOB_OPEN``) among a tenant's jobs by state."""
+    """Jobs not finished (``lifecycle.JOB_OPEN``) among a tenant's jobs by state."""
     return sum(int(n) for state, n in jobs_by_state.items() if state in JOB_OPEN)
 
 class OperatorModel:

@@ -71,6 +71,13 @@ ApiOpt = Annotated[str, typer.Option("--api", envvar="DAGFOLD_API", help="API ba
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON")]
 VerboseOpt = Annotated[bool, typer.Option("-v", "--verbose", help="log at INFO; on an error, the traceback")]
 DEFAULT_API = "http://127.0.0.1:8080"
+
+# the help panels of ``dagfold --help`` (each command's: ``dagfold.cli.ux.PANELS``, or its own registration's)
+RUN_LOCALLY = "Run locally"
+CLIENT = "Client (talks to a running API)"
+OPERATE = "Operate"
+KAFKA = "Kafka deployment (one process each)"
+GPU = "GPU"
 EXIT = {"succeeded": 0, "succeeded_partial": 0, "failed": 1, "cancelled": 1, "rejected": 2}
 
 

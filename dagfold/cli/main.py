@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -30,6 +30,7 @@ from rich.text import Text
 
 from dagfold.cli.common import (
     ALLOW_ROOT_HELP,
+    CLIENT,
     DEFAULT_API,
     EXIT,
     TASK_ENV_HELP,
@@ -875,71 +876,79 @@ def failures(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt
     out.print(t if res["reasons"] else "no failures")
 
 
-@app.command()
-def cancel(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
-    """Cancel a job."""
-    job_id = resolve_job(api, api_key, job_id)["job_id"]
-    res = _request("POST", api, f"/v1/jobs/{seg(job_id)}/cancel", api_key)
-    _print_json(res) if as_json else out.print(f"cancel requested for {job_id}")
-
-
-def _job_control(action: str, job_ref: str, reason: str, api: str, api_key: str | None, as_json: bool) -> None:
-    job_id = resolve_job(api, api_key, job_ref)["job_id"]
-    res = _request("POST", api, f"/v1/jobs/{seg(job_id)}/{action}", api_key, json={"reason": reason})
-    _print_json(res) if as_json else out.print(f"{action} requested for {job_id}")
-
-
-@app.command()
-def pause(job_id: JobArg, reason: str = typer.Option("", "--reason", help="why, for the job's history"),
-          api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
-    """Pause a running job: nothing new is dispatched, running tasks finish (`dagfold resume` runs it again)."""
-    _job_control("pause", job_id, reason, api, api_key, as_json)
-
-
-@app.command()
-def resume(job_id: JobArg, reason: str = typer.Option("", "--reason", help="why, for the job's history"),
-           api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
-    """Resume a paused job: what became runnable while it was paused is dispatched."""
-    _job_control("resume", job_id, reason, api, api_key, as_json)
-
-
-@app.command()
-def redrive(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
-    """Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled tasks."""
-    job_id = resolve_job(api, api_key, job_id)["job_id"]
-    res = _request("POST", api, f"/v1/jobs/{seg(job_id)}/redrive", api_key)
-    _print_json(res) if as_json else out.print(f"redrive requested for {job_id}")
-
-
-def _task_action(action: str, job_ref: str, task_id: str, reason: str, api: str, api_key: str | None,
-                 as_json: bool) -> None:
-    job_id = resolve_job(api, api_key, job_ref)["job_id"]
-    path = f"/v1/jobs/{seg(job_id)}/tasks/{seg(task_id)}/{action}"
-    res = _request("POST", api, path, api_key, json={"reason": reason})
-    what = "retry" if action == "retry" else "mark succeeded"
-    _print_json(res) if as_json else out.print(f"{what} requested for {job_id} {task_id} "
-                                               f"(follow with `dagfold watch {job_id}`)")
-
-
+# -- what a client asks of one job or task: POST /v1/jobs/JOB[/tasks/TASK]/ACTION --------------------------
 TaskArg = Annotated[str, typer.Argument(help="task ID within the job", show_default=False)]
 ReasonOpt = Annotated[str, typer.Option("--reason", help="why, for the job's history (at most 2,000 "
                                                                   "characters)")]
+JobReasonOpt = Annotated[str, typer.Option("--reason", help="why, for the job's history")]
 
 
-@app.command()
-def retry(job_id: JobArg, task_id: TaskArg, reason: ReasonOpt = "", api: ApiOpt = DEFAULT_API,
-          api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
-    """Run a failed (or skipped, cancelled) task again with a fresh retry budget; the tasks it skipped
-    downstream run again too, and the job runs again (a failed job included)."""
-    _task_action("retry", job_id, task_id, reason, api, api_key, as_json)
+@dataclass(frozen=True, slots=True)
+class JobAction:
+    """A client command that asks the API one thing of a job (or of one of its tasks): ``name`` is the command
+    and the last segment of its route; ``why`` says whether it takes ``--reason`` (sent as the body's
+    ``reason``; without it the request has no body); ``task`` whether it names a task."""
+
+    name: str
+    help: str
+    example: str
+    why: bool = False
+    task: bool = False
 
 
-@app.command("mark-succeeded")
-def mark_succeeded(job_id: JobArg, task_id: TaskArg, reason: ReasonOpt = "", api: ApiOpt = DEFAULT_API,
-                   api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
-    """Record a failed, skipped or cancelled task as succeeded without running it (the history says who
-    marked it); its downstream tasks then run."""
-    _task_action("mark-succeeded", job_id, task_id, reason, api, api_key, as_json)
+JOB_ACTIONS: tuple[JobAction, ...] = (
+    JobAction("cancel", "Cancel a job.", "dagfold cancel long-running"),
+    JobAction("pause", "Pause a running job: nothing new is dispatched, running tasks finish (`dagfold resume` "
+              "runs it again).", "dagfold pause nightly-etl --reason 'warehouse maintenance'", why=True),
+    JobAction("resume", "Resume a paused job: what became runnable while it was paused is dispatched.",
+              "dagfold resume nightly-etl", why=True),
+    JobAction("redrive", "Re-run a failed (or partial, or cancelled) job from its failed, skipped and cancelled "
+              "tasks.", "dagfold redrive failing-demo"),
+    JobAction("retry", "Run a failed (or skipped, cancelled) task again with a fresh retry budget; the tasks it "
+              "skipped downstream run again too, and the job runs again (a failed job included).",
+              "dagfold retry failing-demo bad --reason 'input fixed'", why=True, task=True),
+    JobAction("mark-succeeded", "Record a failed, skipped or cancelled task as succeeded without running it (the "
+              "history says who marked it); its downstream tasks then run.",
+              "dagfold mark-succeeded failing-demo bad --reason 'loaded by hand'", why=True, task=True),
+)
+"""Every such command, in the order of ``dagfold --help``; each is registered from its row (help panel:
+the client's; its example follows its help)."""
+
+
+def _ask(action: JobAction, job_ref: str, task_id: str | None, reason: str | None, api: str, api_key: str | None,
+         as_json: bool) -> None:
+    job_id = resolve_job(api, api_key, job_ref)["job_id"]
+    path = f"/v1/jobs/{seg(job_id)}" + (f"/tasks/{seg(task_id)}" if task_id is not None else "") + f"/{action.name}"
+    res = _request("POST", api, path, api_key, **({"json": {"reason": reason}} if reason is not None else {}))
+    if as_json:
+        _print_json(res)
+    elif task_id is None:
+        out.print(f"{action.name} requested for {job_id}")
+    else:
+        out.print(f"{action.name.replace('-', ' ')} requested for {job_id} {task_id} "
+                  f"(follow with `dagfold watch {job_id}`)")
+
+
+def _register(action: JobAction) -> None:
+    """``action`` as a command: JOB [TASK] [--reason], and the client's --api, --api-key, --json."""
+
+    def on_job(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+        _ask(action, job_id, None, None, api, api_key, as_json)
+
+    def on_job_why(job_id: JobArg, reason: JobReasonOpt = "", api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None,
+                   as_json: JsonOpt = False) -> None:
+        _ask(action, job_id, None, reason, api, api_key, as_json)
+
+    def on_task(job_id: JobArg, task_id: TaskArg, reason: ReasonOpt = "", api: ApiOpt = DEFAULT_API,
+                api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
+        _ask(action, job_id, task_id, reason, api, api_key, as_json)
+
+    command = on_task if action.task else on_job_why if action.why else on_job
+    app.command(action.name, help=f"{action.help}\n\nExample: {action.example}", rich_help_panel=CLIENT)(command)
+
+
+for _action in JOB_ACTIONS:
+    _register(_action)
 
 
 # --type choices: every event type of a job history (the jobs read model folds each of them)

@@ -2,8 +2,9 @@
 help panels and an example for every command, and ``main``: user errors as one line that says what
 to do (``-v`` shows the traceback).
 
-``finish(app)`` runs once every command is registered (dagfold.cli.main imports this module last), so
-commands added in any module get their panel and example here, in one table.
+``finish(app)`` runs once every command is registered (dagfold.cli.main calls it last), so
+commands added in any module get their panel and example here, in one table; a command registered with
+its own panel and example (the job actions of ``dagfold.cli.main.JOB_ACTIONS``) keeps them.
 """
 
 from __future__ import annotations
@@ -23,20 +24,13 @@ import typer
 from rich.text import Text
 from typer.core import TyperOption
 
-from dagfold.cli.common import app, err, fail, out
+from dagfold.cli.common import CLIENT, GPU, KAFKA, OPERATE, RUN_LOCALLY, app, err, fail, out
 from dagfold.exceptions import FencedError
-
-RUN_LOCALLY = "Run locally"
-CLIENT = "Client (talks to a running API)"
-OPERATE = "Operate"
-KAFKA = "Kafka deployment (one process each)"
-GPU = "GPU"
 
 PANELS: dict[str, str] = {
     "run": RUN_LOCALLY, "up": RUN_LOCALLY, "serve": RUN_LOCALLY, "config": RUN_LOCALLY,
     "submit": CLIENT, "jobs": CLIENT, "status": CLIENT, "watch": CLIENT, "tasks": CLIENT, "attempts": CLIENT,
-    "history": CLIENT, "cancel": CLIENT, "pause": CLIENT, "resume": CLIENT, "redrive": CLIENT, "retry": CLIENT,
-    "mark-succeeded": CLIENT,
+    "history": CLIENT,
     "stuck": OPERATE, "queues": OPERATE, "tenants": OPERATE, "failures": OPERATE, "replay": OPERATE,
     "audit": OPERATE, "deadletters": OPERATE,
     "scheduler": KAFKA, "worker": KAFKA, "callbacks": KAFKA, "traces": KAFKA,
@@ -55,12 +49,6 @@ EXAMPLES: dict[str, str] = {
     "tasks": "dagfold tasks failing-demo --state failed",
     "attempts": "dagfold attempts failing-demo bad",
     "history": "dagfold history failing-demo --type TaskFailed",
-    "cancel": "dagfold cancel long-running",
-    "pause": "dagfold pause nightly-etl --reason 'warehouse maintenance'",
-    "resume": "dagfold resume nightly-etl",
-    "redrive": "dagfold redrive failing-demo",
-    "retry": "dagfold retry failing-demo bad --reason 'input fixed'",
-    "mark-succeeded": "dagfold mark-succeeded failing-demo bad --reason 'loaded by hand'",
     "stuck": "dagfold stuck --queued-longer-than 300",
     "queues": "dagfold queues --json",
     "tenants": "dagfold tenants",

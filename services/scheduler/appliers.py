@@ -7,7 +7,8 @@ which is why replaying the events topic rebuilds the same state byte for byte.
 Every applier touches O(1) keys, except JobAccepted (once per job, O(tasks +
 edges)) and an outcome's notification of its direct dependents (O(out-degree)).
 The state each event leaves its task and job in comes from the lifecycle table
-(``dagfold.lifecycle.LIFECYCLE``), which the read model's appliers follow too.
+(``dagfold.lifecycle.LIFECYCLE``), which the read model's appliers follow too; an event the table
+describes alone (a job-only state change, or no change) has no applier here of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 from dagfold.codec import Record
 from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
-from dagfold.lifecycle import TaskState, job_state_after, task_state_after, transition
+from dagfold.lifecycle import TaskState, job_state_after, task_state_after, transition, with_lifecycle_appliers
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.retry import NO_RETRY
 from dagfold.state import PartitionTransaction
@@ -442,7 +443,7 @@ def _task_held(txn: PartitionTransaction, e: Record, t: dict[str, Any]) -> None:
 
 
 def _job_state_set(txn: PartitionTransaction, e: Record) -> None:
-    """A job's state changes, nothing else (JobPaused, JobResumed)."""
+    """A job's state changes, nothing else (``lifecycle.JOB_STATE_ONLY``: no applier of their own)."""
     j = get_job(txn, e["job_id"])
     if j is not None:
         j["state"] = job_state_after(e)
@@ -465,21 +466,17 @@ def read_tenant(txn: PartitionTransaction, tenant: str) -> Record | None:
     return txn.get(keys.tenant(tenant))  # type: ignore[no-any-return]
 
 
-APPLIERS: dict[str, Applier] = {
+APPLIERS: dict[str, Applier] = with_lifecycle_appliers({
     "dagfold.event.JobAccepted": _job_accepted,
     "dagfold.event.TenantEntitlementsSet": _tenant_entitlements_set,
     "dagfold.event.JobRejected": _no_state,
-    "dagfold.event.SubmissionDeduplicated": _no_state,
     "dagfold.event.TaskDispatched": _task_dispatched,
     "dagfold.event.TaskRedispatched": _task_redispatched,
     "dagfold.event.TaskRedispatchDeferred": _task_redispatch_deferred,
     "dagfold.event.TaskAllocated": _task_allocated,
     "dagfold.event.TaskRequeued": _task_requeued,
-    "dagfold.event.TaskCheckpointing": _no_state,
     "dagfold.event.LeaseGranted": _lease_granted,
     "dagfold.event.LeaseExtended": _lease_extended,
-    "dagfold.event.LeaseRejected": _no_state,
-    "dagfold.event.ReportIgnored": _no_state,
     "dagfold.event.TaskSucceeded": _finish_task,
     "dagfold.event.LeaseReclaimed": _lease_reclaimed,
     "dagfold.event.TaskFailed": _task_failed,
@@ -492,12 +489,11 @@ APPLIERS: dict[str, Applier] = {
     "dagfold.event.JobRedriven": _job_redriven,
     "dagfold.event.TaskReopened": _task_reopened,
     "dagfold.event.TaskMarkedSucceeded": _finish_task,
-    "dagfold.event.TaskActionRejected": _no_state,
-    "dagfold.event.JobPaused": _job_state_set,
-    "dagfold.event.JobResumed": _job_state_set,
     "dagfold.event.TaskHeld": _task_held,
     "dagfold.event.JobExpired": _job_expired,
-}
+}, set_job_state=_job_state_set, record_only=_no_state)
+"""Every event type and its applier: these, and the lifecycle's generic ones (``with_lifecycle_appliers``);
+JobRejected changes nothing here (the scheduler keeps nothing of a rejected submission)."""
 
 
 def apply_event(txn: PartitionTransaction, event: Record) -> None:

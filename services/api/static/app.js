@@ -44,7 +44,9 @@ function fmtDur(ms) {
 function exitNote(reason, code) {
   return code != null && !String(reason || "").includes(`exit code ${code}`) ? ` (exit code ${code})` : "";
 }
-function badge(state) { return `<span class="badge ${esc(state)}">${esc(state)}</span>`; }
+/* A job state between running and ended (paused, or any added later) wears one look, .badge.holding: no CSS rule a state. */
+const isHolding = (state) => JOB_STATES.includes(state) && state !== "running" && !TERMINAL.has(state);
+function badge(state) { return `<span class="badge ${esc(state)}${isHolding(state) ? " holding" : ""}">${esc(state)}</span>`; }
 function bar(pct) { return `<div class="bar" title="${(+pct || 0).toFixed(1)}%"><span style="width:${Math.min(100, +pct || 0)}%"></span></div>`; }
 /* A job's tasks as one bar: finished states in their colours, in flight after them, pending left grey. */
 function stackBar(job) {
@@ -822,15 +824,22 @@ function countsChips(job) {
   return TASK_STATES.map((s) => `<span class="chip" data-state="${s}"><i style="background:${STATE_COLORS[s]}"></i>${s} <b>${job.counts[s] || 0}</b></span>`).join("");
 }
 
+/* A job's buttons, one row each (POST /v1/jobs/<id>/<action>): the job states it is offered in (the lifecycle's
+   rules, dagfold.lifecycle; the API's 409 says why otherwise), its label and tooltip; "confirm" asks first, and
+   the page follows the job again after it unless "stay". */
+const JOB_ACTIONS = [
+  { action: "pause", label: "Pause", when: (s) => s === "running", title: "nothing new is dispatched; running tasks finish" },
+  { action: "resume", label: "Resume", when: (s) => s === "paused", title: "dispatch what became runnable while paused" },
+  { action: "cancel", label: "Cancel", when: (s) => !TERMINAL.has(s), danger: true, confirm: (id) => `Cancel job ${id}?`, stay: true },
+  { action: "redrive", label: "Redrive", when: (s) => ["failed", "succeeded_partial", "cancelled"].includes(s) },
+];
+
 function jobHeader(job) {
-  const canCancel = !TERMINAL.has(job.state);
-  const canRedrive = ["failed", "succeeded_partial", "cancelled"].includes(job.state);
+  const buttons = JOB_ACTIONS.filter((a) => a.when(job.state)).map((a) =>
+    `<button${a.danger ? ` class="danger"` : ""} id="btn-${a.action}"${a.title ? ` title="${esc(a.title)}"` : ""}>${a.label}</button>`);
   return `<div class="row job-head" style="align-items:center">
       <h1 class="grow mono job-title" style="margin:0">${job.name ? `<span class="job-name">${esc(job.name)}</span> ` : ""}${esc(job.job_id)} <span id="job-state">${badge(job.state)}</span></h1>
-      ${job.state === "running" ? `<button id="btn-pause" title="nothing new is dispatched; running tasks finish">Pause</button>` : ""}
-      ${job.state === "paused" ? `<button id="btn-resume" title="dispatch what became runnable while paused">Resume</button>` : ""}
-      ${canCancel ? `<button class="danger" id="btn-cancel">Cancel</button>` : ""}
-      ${canRedrive ? `<button id="btn-redrive">Redrive</button>` : ""}
+      ${buttons.join("\n      ")}
     </div>
     <div class="muted small">tenant <b>${esc(job.tenant)}</b> · tier ${esc(job.tier)} · policy ${esc(job.failure_policy)} ·
       created ${fmtTime(job.created_ms)}${job.duration_ms != null ? ` · took ${fmtDur(job.duration_ms)}` : ""} · retries ${job.retries || 0}
@@ -1009,13 +1018,13 @@ async function pageJob(jobId, signal, params = new URLSearchParams()) {
     <div class="panel" style="max-height:360px;overflow:auto;padding:0"><table id="history"><thead><tr><th>time</th><th>event</th><th>task</th><th class="num">attempt</th><th>detail</th></tr></thead><tbody></tbody></table></div>`;
   const select = (tid) => { showTask(jobId, tid, () => restart()); const g = hooks.graph; if (g && g.index.has(tid)) { g.selected = g.index.get(tid); g.redraw(); } };
   const bindButtons = () => {
-    const c = $("#btn-cancel"), r = $("#btn-redrive");
-    for (const action of ["pause", "resume"]) {
-      const b = $(`#btn-${action}`);
-      if (b) b.addEventListener("click", async () => { try { await api(`/v1/jobs/${enc(jobId)}/${action}`, { method: "POST" }); restart(); } catch (e) { alert(e.message); } });
+    for (const a of JOB_ACTIONS) {
+      const b = $(`#btn-${a.action}`);
+      if (b) b.addEventListener("click", async () => {
+        if (a.confirm && !confirm(a.confirm(jobId))) return;
+        try { await api(`/v1/jobs/${enc(jobId)}/${a.action}`, { method: "POST" }); if (!a.stay) restart(); } catch (e) { alert(e.message); }
+      });
     }
-    if (c) c.addEventListener("click", async () => { if (confirm(`Cancel job ${jobId}?`)) { try { await api(`/v1/jobs/${enc(jobId)}/cancel`, { method: "POST" }); } catch (e) { alert(e.message); } } });
-    if (r) r.addEventListener("click", async () => { try { await api(`/v1/jobs/${enc(jobId)}/redrive`, { method: "POST" }); restart(); } catch (e) { alert(e.message); } });
   };
   bindButtons();
   // the view's choices live in the address (#/jobs/ID?groups=mProject&rows=worker): a view to share or reload

@@ -13,6 +13,7 @@ from dagfold.rules import MAX_REASON_LEN
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import get_dependents, read_job, read_task
 from dagfold.services.scheduler.context import Ctx
+from dagfold.services.scheduler.handlers.registry import handles
 from dagfold.services.scheduler.outcomes import finish_job_if_done, propagate, rerun
 
 
@@ -71,6 +72,7 @@ def reopen_set(ctx: Ctx, job_id: str, task_id: str, j: Mapping[str, Any]) -> lis
     return found
 
 
+@handles("dagfold.command.RetryTask")
 def retry_task(ctx: Ctx, cmd: Record) -> None:
     """Run a failed (or skipped, cancelled) task again with a fresh retry budget, re-opening what its
     outcome skipped downstream; the job runs again. Attempt numbers keep counting (fencing)."""
@@ -90,6 +92,7 @@ def retry_task(ctx: Ctx, cmd: Record) -> None:
     finish_job_if_done(ctx, job_id)
 
 
+@handles("dagfold.command.MarkTaskSucceeded")
 def mark_task_succeeded(ctx: Ctx, cmd: Record) -> None:
     """Record a failed, skipped or cancelled task as succeeded without running it (an operator's word,
     said so in the event); what its outcome skipped downstream is re-opened, its dependents decide again."""

@@ -14,6 +14,7 @@ from dagfold.lifecycle import TASK_TERMINAL as TERMINAL
 from dagfold.services.allocator import commands as alloc_cmds
 from dagfold.services.scheduler.appliers import read_job, read_task
 from dagfold.services.scheduler.context import Ctx, lease_timeout_ms
+from dagfold.services.scheduler.handlers.registry import handles
 from dagfold.services.scheduler.handlers.reports import not_current
 from dagfold.services.scheduler.outcomes import fail_attempt
 from dagfold.tracing import attempt_traceparent
@@ -70,6 +71,7 @@ def _allocation_mismatch(t: Mapping[str, Any], status: str, alloc: str | None, e
     return None
 
 
+@handles("dagfold.command.TaskAllocation")
 def task_allocation(ctx: Ctx, cmd: Record) -> None:
     """The allocator's word on a GPU attempt's request: granted, requeued, rejected or ended.
 

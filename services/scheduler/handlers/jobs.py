@@ -9,12 +9,14 @@ from dagfold.rules import MAX_REASON_LEN
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import read_job, read_task, read_tenant
 from dagfold.services.scheduler.context import Ctx
+from dagfold.services.scheduler.handlers.registry import handles
 from dagfold.services.scheduler.outcomes import cancel_open_tasks, expires_ms, finish_job_if_done, rerun
 from dagfold.services.scheduler.runnable import make_runnable
 from dagfold.tenants import Entitlements
 from dagfold.tracing import clean_traceparent
 
 
+@handles("dagfold.command.SubmitJob")
 def submit_job(ctx: Ctx, cmd: Record) -> None:
     spec = cmd["spec"]
     job_id = spec["job_id"]
@@ -69,6 +71,7 @@ def entitlement_refusal(ctx: Ctx, spec: Record) -> Rejection | None:
     return None
 
 
+@handles("dagfold.command.CancelJob")
 def cancel_job(ctx: Ctx, cmd: Record) -> None:
     job_id = cmd["job_id"]
     j = read_job(ctx.txn, job_id)
@@ -78,6 +81,7 @@ def cancel_job(ctx: Ctx, cmd: Record) -> None:
     ctx.event("JobCancelled", job_id, reason=cmd["reason"], expires_ms=expires_ms(ctx))
 
 
+@handles("dagfold.command.RedriveJob")
 def redrive_job(ctx: Ctx, cmd: Record) -> None:
     """Re-run a finished job from its failed, skipped and cancelled tasks; history stays in the log."""
     job_id = cmd["job_id"]
@@ -96,6 +100,7 @@ def redrive_job(ctx: Ctx, cmd: Record) -> None:
     finish_job_if_done(ctx, job_id)
 
 
+@handles("dagfold.command.PauseJob")
 def pause_job(ctx: Ctx, cmd: Record) -> None:
     """Pause a running job: from now on ``make_runnable`` holds its tasks instead of dispatching them.
     Attempts already dispatched are left as they are (running ones finish, a record already queued may
@@ -108,6 +113,7 @@ def pause_job(ctx: Ctx, cmd: Record) -> None:
               requested_by=cmd["requested_by"][:MAX_REASON_LEN])
 
 
+@handles("dagfold.command.ResumeJob")
 def resume_job(ctx: Ctx, cmd: Record) -> None:
     """Resume a paused job and let its held tasks run: one pass over the job's task list (as a cancel's).
     A held pending task decides again by its trigger rule (an operator's retry may have re-opened an

@@ -13,6 +13,7 @@ from dagfold.jobspec import is_gpu
 from dagfold.lifecycle import JOB_OPEN, TaskState
 from dagfold.services.scheduler.appliers import read_job, read_task
 from dagfold.services.scheduler.context import Ctx, lease_timeout_ms
+from dagfold.services.scheduler.handlers.registry import handles
 from dagfold.services.scheduler.outcomes import fail_attempt, propagate, reclaim_lease
 
 
@@ -46,6 +47,7 @@ def _report_target(ctx: Ctx, cmd: Record, report: str, t: Mapping[str, Any] | No
     return None
 
 
+@handles("dagfold.command.TaskStarted")
 def task_started(ctx: Ctx, cmd: Record) -> None:
     job_id, task_id, attempt, worker = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["worker_id"]
     t = read_task(ctx.txn, job_id, task_id)
@@ -70,6 +72,7 @@ def task_started(ctx: Ctx, cmd: Record) -> None:
         ctx.stop_task(worker, job_id, task_id, attempt, f"lease_rejected: {why}")
 
 
+@handles("dagfold.command.TaskHeartbeat")
 def task_heartbeat(ctx: Ctx, cmd: Record) -> None:
     progress = cmd["progress"]
     if progress is not None and not (math.isfinite(progress) and 0.0 <= progress <= 1.0):
@@ -99,6 +102,7 @@ def _start_if_unstarted(ctx: Ctx, cmd: Record) -> Mapping[str, Any] | None:
     return t  # the task as it stands now
 
 
+@handles("dagfold.command.TaskSucceeded")
 def task_succeeded(ctx: Ctx, cmd: Record) -> None:
     if _report_target(ctx, cmd, "succeeded", _start_if_unstarted(ctx, cmd)) is None:
         return
@@ -109,6 +113,7 @@ def task_succeeded(ctx: Ctx, cmd: Record) -> None:
     propagate(ctx, job_id, task_id, TaskState.SUCCEEDED)
 
 
+@handles("dagfold.command.TaskReleased")
 def task_released(ctx: Ctx, cmd: Record) -> None:
     """The holder gives the attempt back (shutting down, drained): a worker loss, not a failure."""
     t = _report_target(ctx, cmd, "released", read_task(ctx.txn, cmd["job_id"], cmd["task_id"]))
@@ -118,6 +123,7 @@ def task_released(ctx: Ctx, cmd: Record) -> None:
                   reason=f"released: {cmd['reason']}")
 
 
+@handles("dagfold.command.TaskFailed")
 def task_failed(ctx: Ctx, cmd: Record) -> None:
     t = _report_target(ctx, cmd, "failed", _start_if_unstarted(ctx, cmd))
     if t is None:

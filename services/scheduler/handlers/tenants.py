@@ -6,9 +6,11 @@ from dagfold.codec import Record
 from dagfold.services.scheduler.appliers import read_tenant
 from dagfold.services.scheduler.context import Ctx
 from dagfold.services.scheduler.exceptions import InvalidSettingsError
+from dagfold.services.scheduler.handlers.registry import handles
 from dagfold.tenants import Entitlements, EntitlementsError, settings_unchanged
 
 
+@handles("dagfold.command.SetTenantEntitlements")
 def set_tenant_entitlements(ctx: Ctx, cmd: Record) -> None:
     """Store a tenant's settings on this partition (each partition gets its own copy of the command).
 

@@ -8,10 +8,12 @@ from dagfold.lifecycle import JOB_OPEN, TaskState
 from dagfold.services.scheduler import keys
 from dagfold.services.scheduler.appliers import read_job, read_task
 from dagfold.services.scheduler.context import Ctx, stop_attempt
+from dagfold.services.scheduler.handlers.registry import handles
 from dagfold.services.scheduler.outcomes import fail_attempt, job_expired, reclaim_lease
 from dagfold.services.scheduler.runnable import make_runnable
 
 
+@handles("dagfold.command.TimerFired")
 def timer_fired(ctx: Ctx, cmd: Record) -> None:
     """Decide what a due timer means now; a timer made stale by later events does nothing."""
     job_id, task_id, attempt, kind = cmd["job_id"], cmd["task_id"], cmd["attempt"], cmd["timer"]
