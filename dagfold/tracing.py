@@ -122,7 +122,9 @@ def span_id(*parts: object) -> str:
     return (d if any(d) else b"\x01" * 8).hex()
 
 
-@functools.lru_cache(maxsize=65_536)  # the fold asks once per dispatch; a job's tasks ask alike
+# The fold asks once per dispatch; a job's tasks ask alike: the hot keys are the jobs in flight (at 65,536 the cache,
+# about 220 B a job, grew with every job of a process for its first 65,536: issue 25, tests/test_soak.py).
+@functools.lru_cache(maxsize=1 << 12)
 def job_trace_id(job_id: str, traceparent: str = "") -> str:
     """The job's trace: the submitter's, or 32 hex digits derived from the job ID."""
     parsed = parse_traceparent(traceparent)

@@ -706,3 +706,30 @@ def test_embedded_reads_from_the_in_memory_tail_equal_reads_from_disk(
                 assert disk.read(TopicPartition(r.topic, r.partition), r.offset, 1) == [r]
     finally:
         disk.close()
+
+
+def test_embedded_tail_holds_at_most_a_sixteenth_more_than_its_bound() -> None:
+    """A tail lets go of the records dropped from its front in bulk. It did so once they were TAIL_RECORDS: each
+    busy partition's tail swung between 4,096 and 8,192 records, and the 20 or so busy ones rose and fell by tens of
+    MB over thousands of jobs (issue 25, tests/test_soak.py). Now once they pass a sixteenth of it."""
+    from dagfold.log import embedded
+
+    tail = embedded._Tail(0)
+    most = 0
+    for off in range(3 * embedded.TAIL_RECORDS):
+        tail.append(LogRecord("t", 0, off, b"k", b"v", 0))
+        most = max(most, len(tail.records))
+        assert tail.read(off, 1) == [LogRecord("t", 0, off, b"k", b"v", 0)]
+    assert most <= embedded.TAIL_RECORDS * 17 // 16
+    assert len(tail.records) - tail.head == embedded.TAIL_RECORDS
+    assert tail.read(3 * embedded.TAIL_RECORDS - embedded.TAIL_RECORDS, 1) is not None
+    assert tail.read(3 * embedded.TAIL_RECORDS - embedded.TAIL_RECORDS - 1, 1) is None
+
+
+def test_the_partitioner_caches_the_keys_of_the_jobs_in_flight_only() -> None:
+    """murmur2 in Python is slow, so each key's partition is cached; its keys are job IDs, and at 65,536 the cache
+    grew with every job of a process for its first 65,536 (about 190 B a job: issue 25)."""
+    from dagfold.log.base import murmur2_partition
+
+    assert murmur2_partition.cache_info().maxsize is not None
+    assert murmur2_partition.cache_info().maxsize <= 1 << 12

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from dagfold import rocks
 from dagfold.projections.store import ReadModelStore
 from dagfold.state import PartitionStore
@@ -31,3 +33,35 @@ def test_the_memtables_of_every_store_share_one_budget(tmp_path: Path) -> None:
         for s in stores:
             s.close()
         model.close()
+
+
+def test_a_freed_large_block_goes_back_to_the_os_after_a_store_opens(tmp_path: Path) -> None:
+    """RocksDB's memtables are 2 MiB blocks: mapped, and unmapped when their memtable is flushed. glibc raised its
+    mmap threshold to the size of each mapped block freed, so every later block came from its heaps, whose freed
+    space the process kept (issue 25). A store fixes the threshold (``rocks.tune_malloc``): a block freed and asked
+    for again is mapped again."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        pytest.skip("glibc >= 2.33 without an operator's threshold")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    store = PartitionStore(tmp_path / "p")
+    try:
+        size = 2 << 20
+        libc.free(libc.malloc(size))  # a mapped block freed: glibc's threshold rose past it
+        mapped = libc.mallinfo2().hblkhd
+        block = libc.malloc(size)
+        try:
+            assert libc.mallinfo2().hblkhd - mapped >= size  # mapped again, not carved out of a heap
+        finally:
+            libc.free(block)
+    finally:
+        store.close()

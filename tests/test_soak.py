@@ -10,9 +10,15 @@ in a few minutes on 2 cores) and samples its RSS every 2 s.
 
 The check: the growth over the second half of the run (least-squares slope over its samples, times the
 half's span) stays under ``MAX_SECOND_HALF_GROWTH_MB``. Bounded caches fill during the first half (the
-memtable budget by about 2,500 jobs, the log's tails in the first thousands); what still grows after is
-the scheduler's value cache of recently used state (at most 16,384 values per partition) and allocator
-slack. Measured: see docs/reliability.md, "Soak".
+memtable budget by about 2,500 jobs, the embedded log's in-memory tails by about 8,000). Until the second
+round of issue 25 the run still grew 22-46 MB over its second half, flaky at the bound, from three causes
+(docs/reliability.md, "Soak"): the log's tails let go of dropped records only once they were as many as the
+bound, so each busy partition's tail swung between 4,096 and 8,192 records, about 20 of them together by
+tens of MB over thousands of jobs (dagfold/log/embedded.py, ``TAIL_SLACK``); two caches keyed by job ID
+(the partitioner's, ``job_trace_id``'s) held 65,536 jobs, so grew with every job of the run; and glibc's
+malloc moved RocksDB's 2 MiB memtable blocks from mapped memory into its heaps, whose freed space the
+process kept (``dagfold.rocks.tune_malloc``). With the fixes: 4.2, 5.2 and 0.9 MB in three runs
+(20.0 MB before them on the same machine).
 """
 
 from __future__ import annotations

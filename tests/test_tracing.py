@@ -580,3 +580,12 @@ def test_the_span_exporter_lowers_only_its_own_threads_cpu_priority(tmp_path: An
     exporter.close()
     lg.close()
     assert seen == [min(19, main_before + 3)] and nice_of(threading.get_native_id()) == main_before
+
+
+def test_the_trace_id_cache_holds_the_jobs_in_flight_only() -> None:
+    """At 65,536 entries ``job_trace_id``'s cache grew with every job of a process for its first 65,536 (about
+    220 B a job: issue 25, tests/test_soak.py); the fold asks for the jobs it is dispatching."""
+    from dagfold.tracing import job_trace_id
+
+    assert job_trace_id.cache_info().maxsize is not None
+    assert job_trace_id.cache_info().maxsize <= 1 << 12

@@ -129,7 +129,9 @@ def murmur2(data: bytes) -> int:
     return h - 0x1_0000_0000 if h & 0x8000_0000 else h
 
 
-@functools.lru_cache(maxsize=65536)  # job IDs repeat (every command of a job): hash each once
+# Job IDs repeat (every command of a job): hash each once. The hot keys are the jobs in flight; at 65,536 the cache
+# (about 190 B a job) grew with every job of a process for its first 65,536 (issue 25, tests/test_soak.py).
+@functools.lru_cache(maxsize=1 << 12)
 def murmur2_partition(key: bytes, partitions: int) -> int:
     """The Java client's default: ``toPositive(murmur2(key)) % n``, where toPositive clears the
     sign bit (``& 0x7fffffff``, not ``abs``); librdkafka's ``murmur2_random`` does the same."""
