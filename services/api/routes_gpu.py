@@ -21,7 +21,7 @@ answered 404.
 import json
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi import APIRouter, Body, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import AnyHttpUrl, BaseModel, ConfigDict, Field, UrlConstraints, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
@@ -53,7 +53,7 @@ from dagfold.services.api.routes_jobs import (
     submit_spec,
 )
 from dagfold.services.api.routes_outputs import output_links
-from dagfold.services.api.sse import claim_response, stream_response
+from dagfold.services.api.sse import EVENT_STREAM, After, LastEventId, StreamFor, follow
 from dagfold.tracing import TRACEPARENT
 
 TASK_ID = "run"
@@ -264,25 +264,12 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         "/v1/gpu-jobs/{job_id}/events",
         summary="Follow a GPU job: server-sent events (job, history, progress of the task, end)",
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}, "description": "event stream"}},
+        responses=EVENT_STREAM,
     )
-    async def gpu_job_events(
-        job_id: str,
-        request: Request,
-        principal: Caller,
-        after: Annotated[str | None, Query(description="resume after this history cursor")] = None,
-        timeout_s: Annotated[float | None, Query(gt=0, le=86400, description="close after this long")] = None,
-        last_event_id: Annotated[str | None, Header()] = None,
-    ) -> StreamingResponse:
-        try:
-            _, task = await run_in_threadpool(gpu_job_for, job_id, principal)
-        except ApiError:
-            claim = await run_in_threadpool(ctx.own_rejected_claim, job_id, principal)
-            if claim is None:
-                raise
-            return claim_response(claim)
-        return stream_response(ctx.rm, job_id, last_event_id or after, request.is_disconnected,
-                               poll_s=ctx.sse_poll_s, max_s=timeout_s, progress_task=task["task_id"])
+    async def gpu_job_events(job_id: str, request: Request, principal: Caller, after: After = None,
+                             timeout_s: StreamFor = None, last_event_id: LastEventId = None) -> StreamingResponse:
+        return await follow(ctx, job_id, principal, request, last_event_id or after, timeout_s, gpu_job_for,
+                            progress_task=lambda found: str(found[1]["task_id"]))
 
     @r.post("/v1/gpu-jobs/{job_id}/cancel", status_code=202, summary="Cancel a GPU job")
     def cancel_gpu_job(job_id: str, principal: Caller,

@@ -13,7 +13,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import APIRouter, Body, Depends, Header, Query, Request
+from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -28,7 +28,7 @@ from dagfold.services.api.auth import Principal
 from dagfold.services.api.context import ApiContext, parse_time_ms
 from dagfold.services.api.errors import ApiError
 from dagfold.services.api.graph import graph_json, layout, rejected_graph_json
-from dagfold.services.api.sse import claim_response, stream_response
+from dagfold.services.api.sse import EVENT_STREAM, After, LastEventId, StreamFor, follow
 from dagfold.tracing import TRACEPARENT, clean_traceparent, job_trace_id
 
 if TYPE_CHECKING:
@@ -412,25 +412,11 @@ def router(ctx: ApiContext, auth: Any) -> APIRouter:
         "/v1/jobs/{job_id}/events",
         summary="Follow a job: server-sent events (job summary changes, new history entries, end)",
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}, "description": "event stream"}},
+        responses=EVENT_STREAM,
     )
-    async def job_events(
-        job_id: str,
-        request: Request,
-        principal: Caller,
-        after: Annotated[str | None, Query(description="resume after this history cursor")] = None,
-        timeout_s: Annotated[float | None, Query(gt=0, le=86400, description="close after this long")] = None,
-        last_event_id: Annotated[str | None, Header()] = None,
-    ) -> StreamingResponse:
-        try:
-            await run_in_threadpool(ctx.job_for, job_id, principal)
-        except ApiError:
-            claim = await run_in_threadpool(ctx.own_rejected_claim, job_id, principal)
-            if claim is None:
-                raise
-            return claim_response(claim)
-        return stream_response(ctx.rm, job_id, last_event_id or after, request.is_disconnected,
-                               poll_s=ctx.sse_poll_s, max_s=timeout_s)
+    async def job_events(job_id: str, request: Request, principal: Caller, after: After = None,
+                         timeout_s: StreamFor = None, last_event_id: LastEventId = None) -> StreamingResponse:
+        return await follow(ctx, job_id, principal, request, last_event_id or after, timeout_s, ctx.job_for)
 
     # -- control -----------------------------------------------------------------
     @r.post("/v1/jobs/{job_id}/cancel", status_code=202, summary="Cancel a job")

@@ -21,15 +21,29 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
+from fastapi import Header, Query, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from dagfold import metrics
 from dagfold.projections.jobs import TERMINAL_JOB_STATES, ReadModel, history_prefix
 from dagfold.projections.keys import decode_cursor
+from dagfold.services.api.auth import Principal
+from dagfold.services.api.context import ApiContext
+from dagfold.services.api.errors import ApiError
 
 PAGE = 500
+
+# The query and header parameters of every route that follows a job (``follow``), and its documented answer.
+After = Annotated[str | None, Query(description="resume after this history cursor")]
+StreamFor = Annotated[float | None, Query(gt=0, le=86400, description="close after this long")]
+LastEventId = Annotated[str | None, Header()]
+EVENT_STREAM: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "event stream"}}
+
+T = TypeVar("T")
 
 
 def _frame(event: str, data: Any, event_id: str | None = None) -> str:
@@ -115,3 +129,19 @@ def stream_response(rm: ReadModel, job_id: str, cursor: str | None, is_disconnec
                         progress_task=progress_task)
     return StreamingResponse(stream, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def follow(ctx: ApiContext, job_id: str, principal: Principal, request: Request, cursor: str | None,
+                 timeout_s: float | None, find: Callable[[str, Principal], T],
+                 progress_task: Callable[[T], str | None] = lambda _: None) -> StreamingResponse:
+    """A job route's event stream: ``find`` (the route's tenant-scoped lookup, a 404 for another tenant's job)
+    first; where it refuses, the caller's own rejected claim on the ID (``claim_response``), or its refusal."""
+    try:
+        found = await run_in_threadpool(find, job_id, principal)
+    except ApiError:
+        claim = await run_in_threadpool(ctx.own_rejected_claim, job_id, principal)
+        if claim is None:
+            raise
+        return claim_response(claim)
+    return stream_response(ctx.rm, job_id, cursor, request.is_disconnected, poll_s=ctx.sse_poll_s,
+                           max_s=timeout_s, progress_task=progress_task(found))
