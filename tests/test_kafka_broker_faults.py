@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from dagfold.localkafka import LocalKafka, free_base_port
+from dagfold.log import kafka as kafka_log
 from dagfold.log import open_log
 
 pytestmark = pytest.mark.kafka
@@ -75,6 +76,33 @@ def test_a_worker_started_as_its_broker_dies_waits_for_it(tmp_path: Path) -> Non
         restart = threading.Timer(3.0, broker.start)
         restart.start()
         consumer = lg.queue_consumer("after-the-kill", "c1")  # before the fix: LogError (_TRANSPORT)
+        consumer.close()
+        restart.join()
+    finally:
+        lg.close()
+        broker.stop()
+
+
+def test_a_worker_started_while_the_cluster_is_away_waits_longer_than_a_request_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker (re)started while its broker is away for longer than a request's timeout still waits, and
+    configures its share group when the broker is back (issue 25: no process exits on a broker being
+    unreachable, whatever the partition's length).
+
+    Found by the long chaos run of a53bff0: a worker restarted during a broker isolation gave up after 30 s
+    ("cannot configure share group ...: the cluster did not answer within 30 s") and exited 1. Here the
+    request timeout is 1 s and the broker is back after 6 s: before the fix, a LogError after 1 s.
+    """
+    data = tmp_path / "kafka"
+    broker = LocalKafka(free_base_port(range(12300, 12900, 7)), data).start()
+    lg = open_log(broker.url, tmp_path / "data")
+    try:
+        lg.queue_consumer("warm-up", "c0").close()
+        os.kill(int((data / "node-1" / "kafka.pid").read_text()), signal.SIGKILL)
+        monkeypatch.setattr(kafka_log, "_TIMEOUT_S", 1.0)
+        restart = threading.Timer(6.0, broker.start)
+        restart.start()
+        consumer = lg.queue_consumer("after-a-long-absence", "c1")
         consumer.close()
         restart.join()
     finally:

@@ -420,11 +420,14 @@ class KafkaLog:
                     "share.record.lock.duration.ms": str(lock_ms), "share.delivery.count.limit": str(max_deliveries)}
         res = ConfigResource(ResourceType.GROUP, group_id, incremental_configs=[
             ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET) for k, v in settings.items()])
-        # A worker (re)started while a broker is down must wait that out, not exit: the request goes to
-        # the controller the client's metadata names, and one that just died answers with a transport
-        # error until the metadata is refreshed. So transient errors are asked again, each round short,
-        # up to _TIMEOUT_S; any other error is the broker refusing share groups.
-        deadline = time.monotonic() + _TIMEOUT_S
+        # A worker (re)started while a broker is down, or while its host or the controller is cut off,
+        # must wait that out, however long, not exit (a partition may last minutes: issue 25): the request
+        # goes to the controller the client's metadata names, and one that died or is unreachable answers
+        # with a transport error or a timeout until the metadata is refreshed. So transient errors are asked
+        # again, each round short, with a warning every _TIMEOUT_S that says it still waits; any other error
+        # is the broker refusing share groups.
+        waiting_since = time.monotonic()
+        warn_at = waiting_since + _TIMEOUT_S
         while True:
             try:
                 for fut in self._admin.incremental_alter_configs(
@@ -435,10 +438,13 @@ class KafkaLog:
                 if not _transient(_error_of(exc)):
                     raise LogError(f"cannot configure share group {group_id!r} (a broker with share groups, "
                                    f"Kafka >= 4.2, is needed): {exc}") from exc
-                if time.monotonic() > deadline:
-                    raise LogError(f"cannot configure share group {group_id!r}: the cluster did not answer "
-                                   f"within {_TIMEOUT_S:.0f} s: {exc}") from exc
-                log.info("share group %r not configured yet (%s); asking again", group_id, exc)
+                now = time.monotonic()
+                if now >= warn_at:
+                    log.warning("share group %r not configured: the cluster has not answered for %.0f s (%s); "
+                                "still asking", group_id, now - waiting_since, exc)
+                    warn_at = now + _TIMEOUT_S
+                else:
+                    log.info("share group %r not configured yet (%s); asking again", group_id, exc)
                 time.sleep(0.5)
                 self._refresh_metadata()
         conf = {
