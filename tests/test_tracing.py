@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import fastavro
@@ -43,6 +45,7 @@ from dagfold.tracing import (
     span_id,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 SUBMITTER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 RETRIED = "id: J\ntasks: [{id: a, retry: {max_attempts: 2, initial_interval_s: 1, jitter: false}}, " \
           "{id: b, depends_on: [a]}]"
@@ -589,3 +592,42 @@ def test_the_trace_id_cache_holds_the_jobs_in_flight_only() -> None:
 
     assert job_trace_id.cache_info().maxsize is not None
     assert job_trace_id.cache_info().maxsize <= 1 << 12
+
+
+def test_with_tracing_off_no_process_loads_the_opentelemetry_sdk(tmp_path: Any) -> None:
+    """Issue 28: tracing off costs nothing. In a process with no OTEL_* variable, the scheduler's, the workers'
+    and the read model's modules import no ``opentelemetry`` module at all; then the whole embedded stack
+    (scheduler, worker, projector, API, callbacks) runs a job through its API, and neither the SDK, nor an
+    exporter, nor the protocol's messages were ever imported. (FastAPI itself imports the OpenTelemetry *API*
+    for its native telemetry, which with no provider configured only checks, per request, that none is.)"""
+    import subprocess
+    import sys
+
+    script = f"""
+import socket, sys
+from pathlib import Path
+import dagfold.services.scheduler.runner, dagfold.services.worker.worker, dagfold.projections.jobs
+print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+import httpx
+from dagfold.config import Config
+from dagfold.services.stack import Stack, StackOptions
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+cfg = Config(data_dir=Path({str(tmp_path / 'data')!r}), partitions=2, dispatch_partitions=2, api_port=port)
+with Stack(cfg, StackOptions(workers=1)) as stack:
+    r = httpx.post(f"http://127.0.0.1:{{port}}/v1/jobs", json={{"id": "off", "tasks": [{{"id": "a"}}]}},
+                   timeout=30)
+    assert r.status_code == 202, r.text
+    job = stack.wait_job("off", timeout_s=120)
+    assert job is not None and job["state"] == "succeeded", job
+print(sorted(m for m in sys.modules if m.startswith(("opentelemetry.sdk", "opentelemetry.exporter",
+                                                      "opentelemetry.proto"))))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DAGFOLD_"))}
+    r = subprocess.run([sys.executable, "-c", script], env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "[]", lines[0]  # the scheduler, worker and read model: no OpenTelemetry module
+    assert lines[-1] == "[]", lines[-1]  # the whole stack: no SDK, exporter or OTLP message

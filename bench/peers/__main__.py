@@ -387,7 +387,7 @@ run, {doc['workers']} `dagfold worker` processes and a `dagfold scheduler` proce
 Machine: {report.machine_line(doc['machine'], doc['load_before'])}; 1-min load average before each run
 {min(v[0] for v in loads):.1f}–{max(v[0] for v in loads):.1f}.
 
-*off*: no OpenTelemetry variable (no OpenTelemetry module is imported). *on*: `OTEL_EXPORTER_OTLP_ENDPOINT` set
+*off*: no OpenTelemetry variable (no OpenTelemetry SDK or exporter is imported). *on*: `OTEL_EXPORTER_OTLP_ENDPOINT` set
 for every dagfold process, and a `dagfold traces` process (the span exporter, `dagfold.services.tracing`: spans
 built from the events, encoded as OTLP by `dagfold.tracing.SpanSink`, sent in batches by the OTLP exporter's
 HTTP client) exporting to a Jaeger v2 with in-memory
