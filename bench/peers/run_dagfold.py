@@ -156,7 +156,8 @@ def main() -> None:
             if tracing:  # a deployment's shape: the span exporter is a `dagfold traces` process
                 tprof = ["-m", "bench.peers.cpu_profile", str(args.traces_cprofile)] if args.traces_cprofile else []
                 traces_proc = subprocess.Popen(
-                    [sys.executable, *tprof, "-m", "dagfold", "traces", "--log", args.log, "--data", str(data / "traces")],
+                    [sys.executable, *tprof, "-m", "dagfold", "traces", "--log", args.log,
+                     "--data", str(data / "traces")],
                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 procs.append(traces_proc)
         if thread_workers == 0:
