@@ -880,7 +880,6 @@ def failures(api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt
 TaskArg = Annotated[str, typer.Argument(help="task ID within the job", show_default=False)]
 ReasonOpt = Annotated[str, typer.Option("--reason", help="why, for the job's history (at most 2,000 "
                                                                   "characters)")]
-JobReasonOpt = Annotated[str, typer.Option("--reason", help="why, for the job's history")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -935,7 +934,7 @@ def _register(action: JobAction) -> None:
     def on_job(job_id: JobArg, api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None, as_json: JsonOpt = False) -> None:
         _ask(action, job_id, None, None, api, api_key, as_json)
 
-    def on_job_why(job_id: JobArg, reason: JobReasonOpt = "", api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None,
+    def on_job_why(job_id: JobArg, reason: ReasonOpt = "", api: ApiOpt = DEFAULT_API, api_key: KeyOpt = None,
                    as_json: JsonOpt = False) -> None:
         _ask(action, job_id, None, reason, api, api_key, as_json)
 
